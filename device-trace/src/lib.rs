@@ -1,0 +1,2 @@
+//! `TracingDeviceIo`: a `DeviceIo` decorator that records every call.
+#![forbid(unsafe_code)]
