@@ -1,0 +1,169 @@
+//! Effects: the bookkeeping a router does on device memory between steps, and what each answers.
+
+use std::fmt;
+
+/// One piece of bookkeeping on device memory between steps, applied with
+/// [`DeviceIo::apply`](crate::DeviceIo::apply).
+///
+/// `S` is the router's per-sequence bookkeeping ([`DeviceIo::Seq`](crate::DeviceIo::Seq)) and `P`
+/// its logits handle ([`DeviceIo::Ptr`](crate::DeviceIo::Ptr)).
+pub enum Effect<'a, S, P> {
+    /// Release a sequence's device resources: optionally offer its KV (and, on a hybrid model, its
+    /// end-of-sequence SSM checkpoint) to the prefix cache, free it, then tell the EP worker.
+    ///
+    /// With `cache: true` the router registers the sequence's full blocks with the prefix cache
+    /// *before* freeing them, while their ids are valid. A sequence that failed is released with
+    /// `cache: false` and is never cached. `what` says why (`"finish"`, `"cancel"`, `"preempt"`,
+    /// `"fault"`) and appears in traces.
+    ReleaseSeq {
+        /// The sequence to release; afterwards it holds no blocks and no slot.
+        seq: &'a mut S,
+        /// Whether to offer its KV to the prefix cache first.
+        cache: bool,
+        /// Why it is released.
+        what: &'static str,
+    },
+    /// Move a live sequence's state (Mamba conv and SSM state, MTP hidden) to slot `target`,
+    /// which must be free; the core keeps live sequences in slots `0..n` this way.
+    CompactSlot {
+        /// The sequence to move.
+        seq: &'a mut S,
+        /// The free slot it moves to.
+        target: usize,
+    },
+    /// Disown the sequence's slot: it has been handed to another sequence, so no later release of
+    /// this one may free it twice.
+    DetachSlot {
+        /// The sequence that stops owning its slot.
+        seq: &'a mut S,
+    },
+    /// Spill: write a versioned, self-describing image of the sequence (its KV blocks and live
+    /// state) to `writer`. The sequence itself is unchanged; the core usually releases it next.
+    SaveSequenceState {
+        /// The sequence to spill.
+        seq: &'a S,
+        /// Where the image goes.
+        writer: &'a mut dyn std::io::Write,
+    },
+    /// The inverse of [`Effect::SaveSequenceState`]: read an image into fresh blocks and a free
+    /// slot of `seq` (which must hold none). A truncated, corrupt or foreign image is refused with
+    /// [`DeviceError::BadImage`](crate::DeviceError::BadImage) and changes nothing.
+    RestoreSequenceState {
+        /// The sequence that receives the image; it must hold no blocks and no slot.
+        seq: &'a mut S,
+        /// Where the image comes from.
+        reader: &'a mut dyn std::io::Read,
+    },
+    /// Copy `rows` rows of a step's logits from the device to the host; answers
+    /// [`EffectOutcome::HostLogits`] with the element width written to `into`.
+    ReadLogits {
+        /// The step's logits handle ([`StepResult::logits`](crate::StepResult::logits)).
+        logits: P,
+        /// How many rows to copy.
+        rows: usize,
+        /// The bytes, replaced (not appended to).
+        into: &'a mut Vec<u8>,
+    },
+    /// Checkpoint the sequence's live SSM state at its last block boundary into the prefix cache's
+    /// checkpoint region, when the store's policy admits it (the sequence says so with
+    /// [`Sequence::checkpoint_due`](crate::Sequence::checkpoint_due)).
+    MarconiCheckpoint {
+        /// The sequence whose state is checkpointed.
+        seq: &'a mut S,
+    },
+    /// Save the sequence's live SSM state into snapshot ring slot `slot` (e.g. before speculative
+    /// tokens, to roll back after a rejection).
+    SsmSnapshotSave {
+        /// The sequence whose state is saved.
+        seq: &'a S,
+        /// The ring slot.
+        slot: usize,
+    },
+    /// Restore the sequence's live SSM state from snapshot ring slot `slot`.
+    SsmSnapshotRestore {
+        /// The sequence whose state is restored.
+        seq: &'a S,
+        /// The ring slot.
+        slot: usize,
+    },
+    /// Keep the hidden state of batch row `row` at position `pos` in the MTP catch-up ring, so the
+    /// MTP head can draft after a gap.
+    SaveHiddenCatchup {
+        /// The batch row of the last step.
+        row: usize,
+        /// The sequence position of that row.
+        pos: usize,
+    },
+    /// Make the secondary stream wait for the primary one.
+    SyncSecondary,
+    /// Stop the expert-parallel workers (part of teardown).
+    EpShutdown,
+    /// Wait until stream `stream` has no work left.
+    Quiesce {
+        /// The stream to drain.
+        stream: u64,
+    },
+    /// Make sure the KV block for the sequence's next decode position exists before a step is
+    /// launched ahead of the host; answers [`EffectOutcome::Reserved`] with the blocks it added (0
+    /// when the block was already there) or [`EffectOutcome::Exhausted`].
+    ReserveKv {
+        /// The sequence to reserve for.
+        seq: &'a mut S,
+    },
+    /// The over-run of a fed step was discarded for this sequence: release the blocks the latest
+    /// `ReserveKv` added for it. Only a router that reserves ahead supports it; the synchronous
+    /// router returns [`DeviceError::Unsupported`](crate::DeviceError::Unsupported).
+    Rollback {
+        /// The sequence whose reservation is undone.
+        seq: &'a mut S,
+    },
+}
+
+impl<S, P> Effect<'_, S, P> {
+    /// The variant's name, as in traces and error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Effect::ReleaseSeq { .. } => "ReleaseSeq",
+            Effect::CompactSlot { .. } => "CompactSlot",
+            Effect::DetachSlot { .. } => "DetachSlot",
+            Effect::SaveSequenceState { .. } => "SaveSequenceState",
+            Effect::RestoreSequenceState { .. } => "RestoreSequenceState",
+            Effect::ReadLogits { .. } => "ReadLogits",
+            Effect::MarconiCheckpoint { .. } => "MarconiCheckpoint",
+            Effect::SsmSnapshotSave { .. } => "SsmSnapshotSave",
+            Effect::SsmSnapshotRestore { .. } => "SsmSnapshotRestore",
+            Effect::SaveHiddenCatchup { .. } => "SaveHiddenCatchup",
+            Effect::SyncSecondary => "SyncSecondary",
+            Effect::EpShutdown => "EpShutdown",
+            Effect::Quiesce { .. } => "Quiesce",
+            Effect::ReserveKv { .. } => "ReserveKv",
+            Effect::Rollback { .. } => "Rollback",
+        }
+    }
+}
+
+impl<S, P> fmt::Debug for Effect<'_, S, P> {
+    // The payloads (sequences, writers) need not be `Debug`; the label says everything a log needs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&crate::Label::label(self))
+    }
+}
+
+/// What an applied effect answers.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EffectOutcome {
+    /// Done; nothing to report.
+    Unit,
+    /// `ReadLogits` wrote host logits of `elem_bytes` bytes per element.
+    HostLogits {
+        /// Bytes per element (4 for f32).
+        elem_bytes: usize,
+    },
+    /// `ReserveKv` made sure the next block exists, adding `blocks` blocks (0 when it was there).
+    Reserved {
+        /// How many blocks the reservation added.
+        blocks: usize,
+    },
+    /// `ReserveKv` found the pool dry; nothing changed.
+    Exhausted,
+}

@@ -1,0 +1,261 @@
+//! `Label`: a short, deterministic one-line form of every plan, effect, outcome and LoRA command,
+//! used by traces and logs.
+
+use crate::{DeviceError, Effect, EffectOutcome, StepPlan};
+
+/// A short, deterministic, one-line description.
+pub trait Label {
+    /// The one-line form (`ReleaseSeq{cache=true, finish}`, `Decode{n=4, readback=Argmax}`).
+    fn label(&self) -> String;
+}
+
+impl<S, P> Label for Effect<'_, S, P> {
+    fn label(&self) -> String {
+        match self {
+            Effect::ReleaseSeq { cache, what, .. } => {
+                format!("ReleaseSeq{{cache={cache}, {what}}}")
+            }
+            Effect::CompactSlot { target, .. } => format!("CompactSlot{{target={target}}}"),
+            Effect::ReadLogits { rows, .. } => format!("ReadLogits{{rows={rows}}}"),
+            Effect::SsmSnapshotSave { slot, .. } => format!("SsmSnapshotSave{{slot={slot}}}"),
+            Effect::SsmSnapshotRestore { slot, .. } => format!("SsmSnapshotRestore{{slot={slot}}}"),
+            Effect::SaveHiddenCatchup { row, pos } => {
+                format!("SaveHiddenCatchup{{row={row}, pos={pos}}}")
+            }
+            Effect::Quiesce { stream } => format!("Quiesce{{stream={stream}}}"),
+            other => other.name().to_string(),
+        }
+    }
+}
+
+impl Label for StepPlan<'_> {
+    fn label(&self) -> String {
+        match self {
+            StepPlan::Prefill { budgets, readback } => {
+                let tokens: usize = budgets.iter().sum();
+                format!(
+                    "Prefill{{n={}, budget={tokens}, readback={}}}",
+                    budgets.len(),
+                    readback.name()
+                )
+            }
+            StepPlan::Decode { tokens, readback } => {
+                format!("Decode{{n={}, readback={}}}", tokens.len(), readback.name())
+            }
+            StepPlan::DecodeFed { sources, masks } => {
+                format!(
+                    "DecodeFed{{n={}, masked={}}}",
+                    sources.len(),
+                    !masks.is_empty()
+                )
+            }
+        }
+    }
+}
+
+impl Label for EffectOutcome {
+    fn label(&self) -> String {
+        match self {
+            EffectOutcome::Unit => "Unit".to_string(),
+            EffectOutcome::HostLogits { elem_bytes } => {
+                format!("HostLogits{{elem_bytes={elem_bytes}}}")
+            }
+            EffectOutcome::Reserved { blocks } => format!("Reserved{{blocks={blocks}}}"),
+            EffectOutcome::Exhausted => "Exhausted".to_string(),
+        }
+    }
+}
+
+impl Label for DeviceError {
+    fn label(&self) -> String {
+        match self {
+            DeviceError::KvExhausted { needed, free } => {
+                format!("KvExhausted{{needed={needed}, free={free}}}")
+            }
+            DeviceError::SlotsExhausted { total } => format!("SlotsExhausted{{total={total}}}"),
+            DeviceError::Unsupported { what } => format!("Unsupported{{{what}}}"),
+            DeviceError::UnknownTicket(ticket) => format!("UnknownTicket{{{}}}", ticket.0),
+            DeviceError::Failed { phase, .. } => format!("Failed{{{phase}}}"),
+            // The detail of these may carry paths or numbers that vary; the name is stable.
+            other => other.name().to_string(),
+        }
+    }
+}
+
+/// The LoRA command the workspace's routers understand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoraCommand {
+    /// Load adapter `adapter` from `path`.
+    Load {
+        /// The adapter's id, as requests name it.
+        adapter: u32,
+        /// Where its weights are.
+        path: std::path::PathBuf,
+    },
+    /// Unload adapter `adapter`.
+    Unload {
+        /// The adapter's id.
+        adapter: u32,
+    },
+}
+
+impl Label for LoraCommand {
+    fn label(&self) -> String {
+        match self {
+            LoraCommand::Load { adapter, .. } => format!("Load{{adapter={adapter}}}"),
+            LoraCommand::Unload { adapter } => format!("Unload{{adapter={adapter}}}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Readback;
+
+    type E<'a> = Effect<'a, u32, u64>;
+
+    fn check(effect: E<'_>, expected: &str) {
+        assert_eq!(effect.label(), expected);
+    }
+
+    #[test]
+    fn every_effect_has_its_label() {
+        let mut seq = 7u32;
+        let mut sink: Vec<u8> = Vec::new();
+        let mut bytes: Vec<u8> = Vec::new();
+        let mut source: &[u8] = &[];
+        check(
+            E::ReleaseSeq {
+                seq: &mut seq,
+                cache: true,
+                what: "finish",
+            },
+            "ReleaseSeq{cache=true, finish}",
+        );
+        check(
+            E::CompactSlot {
+                seq: &mut seq,
+                target: 2,
+            },
+            "CompactSlot{target=2}",
+        );
+        check(E::DetachSlot { seq: &mut seq }, "DetachSlot");
+        check(
+            E::SaveSequenceState {
+                seq: &seq,
+                writer: &mut sink,
+            },
+            "SaveSequenceState",
+        );
+        check(
+            E::RestoreSequenceState {
+                seq: &mut seq,
+                reader: &mut source,
+            },
+            "RestoreSequenceState",
+        );
+        check(
+            E::ReadLogits {
+                logits: 9,
+                rows: 4,
+                into: &mut bytes,
+            },
+            "ReadLogits{rows=4}",
+        );
+        check(E::MarconiCheckpoint { seq: &mut seq }, "MarconiCheckpoint");
+        check(
+            E::SsmSnapshotSave { seq: &seq, slot: 0 },
+            "SsmSnapshotSave{slot=0}",
+        );
+        check(
+            E::SsmSnapshotRestore { seq: &seq, slot: 1 },
+            "SsmSnapshotRestore{slot=1}",
+        );
+        check(
+            E::SaveHiddenCatchup { row: 0, pos: 17 },
+            "SaveHiddenCatchup{row=0, pos=17}",
+        );
+        check(E::SyncSecondary, "SyncSecondary");
+        check(E::EpShutdown, "EpShutdown");
+        check(E::Quiesce { stream: 1 }, "Quiesce{stream=1}");
+        check(E::ReserveKv { seq: &mut seq }, "ReserveKv");
+        check(E::Rollback { seq: &mut seq }, "Rollback");
+    }
+
+    #[test]
+    fn plans_outcomes_and_errors_have_labels() {
+        let mut logits = Vec::new();
+        let cases: Vec<(String, &str)> = vec![
+            (
+                StepPlan::Decode {
+                    tokens: &[1, 2, 3, 4],
+                    readback: Readback::Argmax,
+                }
+                .label(),
+                "Decode{n=4, readback=Argmax}",
+            ),
+            (
+                StepPlan::Prefill {
+                    budgets: &[16, 8],
+                    readback: Readback::HostLogits { into: &mut logits },
+                }
+                .label(),
+                "Prefill{n=2, budget=24, readback=HostLogits}",
+            ),
+            (
+                StepPlan::DecodeFed {
+                    sources: &[0, 1],
+                    masks: &[],
+                }
+                .label(),
+                "DecodeFed{n=2, masked=false}",
+            ),
+            (
+                EffectOutcome::Reserved { blocks: 1 }.label(),
+                "Reserved{blocks=1}",
+            ),
+            (
+                EffectOutcome::HostLogits { elem_bytes: 4 }.label(),
+                "HostLogits{elem_bytes=4}",
+            ),
+            (EffectOutcome::Unit.label(), "Unit"),
+            (EffectOutcome::Exhausted.label(), "Exhausted"),
+            (
+                DeviceError::KvExhausted { needed: 2, free: 0 }.label(),
+                "KvExhausted{needed=2, free=0}",
+            ),
+            (
+                DeviceError::Unsupported { what: "Rollback" }.label(),
+                "Unsupported{Rollback}",
+            ),
+            (
+                DeviceError::UnknownTicket(crate::Ticket(3)).label(),
+                "UnknownTicket{3}",
+            ),
+            (
+                LoraCommand::Unload { adapter: 5 }.label(),
+                "Unload{adapter=5}",
+            ),
+        ];
+        for (got, want) in cases {
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn error_messages_name_the_values() {
+        assert_eq!(
+            DeviceError::KvExhausted { needed: 3, free: 1 }.to_string(),
+            "KV cache exhausted: needed 3 blocks, 1 free"
+        );
+        assert_eq!(
+            DeviceError::UnknownTicket(crate::Ticket(4)).to_string(),
+            "unknown or already-claimed ticket 4"
+        );
+        assert_eq!(
+            DeviceError::Unsupported { what: "Rollback" }.to_string(),
+            "Rollback is not supported by this router"
+        );
+    }
+}
