@@ -49,6 +49,8 @@ mod facts;
 mod label;
 mod plan;
 mod sequence;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use effect::{Effect, EffectOutcome};
 pub use error::{DeviceError, Phase, Result};

@@ -1,2 +1,131 @@
-//! `TracingDeviceIo`: a `DeviceIo` decorator that records every call.
+//! `TracingDeviceIo`: a `DeviceIo` decorator that records every call to a `TraceSink`.
+//!
+//! The decorator is generic over the router it wraps and keeps its associated types, so code
+//! written against `D` runs unchanged against `TracingDeviceIo<D>`. Before forwarding `launch`,
+//! `await_result`, `apply`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
+//! readback=Argmax}`, `fx apply ReserveKv`); after the call, one line with what came back
+//! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`). `model`,
+//! `facts` and `max_depth` pass through silently. Errors pass through unchanged.
+//!
+//! Lines are deterministic (labels only, no timings, no addresses), so a recorded scenario is a
+//! byte-stable golden file. Timings go to `tracing` spans (target `device_trace`), never into lines.
 #![forbid(unsafe_code)]
+
+mod sink;
+
+pub use sink::{TraceBuffer, TraceSink};
+
+use device_io::{
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, StepPlan, StepResult, Ticket,
+};
+
+/// A router that records every call to a [`TraceSink`] and forwards it unchanged.
+#[derive(Debug)]
+pub struct TracingDeviceIo<D: DeviceIo> {
+    inner: D,
+    sink: TraceSink,
+}
+
+impl<D: DeviceIo> TracingDeviceIo<D> {
+    /// Wraps `inner`, writing its calls to `sink`.
+    pub fn new(inner: D, sink: TraceSink) -> Self {
+        TracingDeviceIo { inner, sink }
+    }
+
+    /// The wrapped router.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// Unwraps the router, dropping the sink.
+    pub fn into_inner(self) -> D {
+        self.inner
+    }
+
+    fn after<T>(&self, result: &Result<T, DeviceError>, ok: impl FnOnce(&T) -> String) {
+        match result {
+            Ok(value) => self.sink.record(&format!("-> {}", ok(value))),
+            Err(err) => self.sink.record(&format!("-> err {}", err.label())),
+        }
+    }
+}
+
+impl<D> DeviceIo for TracingDeviceIo<D>
+where
+    D: DeviceIo,
+    D::LoraCmd: Label,
+{
+    type Seq = D::Seq;
+    type Ptr = D::Ptr;
+    type Model = D::Model;
+    type LoraCmd = D::LoraCmd;
+    type LoraAck = D::LoraAck;
+
+    fn model(&self) -> &Self::Model {
+        self.inner.model()
+    }
+
+    fn facts(&self) -> DeviceFacts {
+        self.inner.facts()
+    }
+
+    fn max_depth(&self) -> usize {
+        self.inner.max_depth()
+    }
+
+    fn launch(
+        &self,
+        plan: StepPlan<'_>,
+        rows: &mut [&mut Self::Seq],
+    ) -> Result<Ticket, DeviceError> {
+        let _span = tracing::debug_span!(target: "device_trace", "launch").entered();
+        self.sink.record(&format!("fx launch {}", plan.label()));
+        let result = self.inner.launch(plan, rows);
+        self.after(&result, |ticket| ticket.to_string());
+        result
+    }
+
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<Self::Ptr>, DeviceError> {
+        let _span = tracing::debug_span!(target: "device_trace", "await_result").entered();
+        self.sink.record(&format!("fx await {ticket}"));
+        let result = self.inner.await_result(ticket);
+        self.after(&result, |step| {
+            format!("settled {} rows={}", step.ticket, step.rows.len())
+        });
+        result
+    }
+
+    fn apply(
+        &self,
+        effect: Effect<'_, Self::Seq, Self::Ptr>,
+    ) -> Result<EffectOutcome, DeviceError> {
+        let _span = tracing::debug_span!(target: "device_trace", "apply").entered();
+        self.sink.record(&format!("fx apply {}", effect.label()));
+        let result = self.inner.apply(effect);
+        self.after(&result, |outcome| outcome.label());
+        result
+    }
+
+    fn lora(&mut self, cmd: Self::LoraCmd) -> Result<Self::LoraAck, String> {
+        let _span = tracing::debug_span!(target: "device_trace", "lora").entered();
+        self.sink.record(&format!("fx lora {}", cmd.label()));
+        let result = self.inner.lora(cmd);
+        match &result {
+            Ok(_) => self.sink.record("-> ok"),
+            Err(message) => self.sink.record(&format!("-> err {message}")),
+        }
+        result
+    }
+
+    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
+        let _span = tracing::debug_span!(target: "device_trace", "teardown").entered();
+        let TracingDeviceIo { inner, sink } = *self;
+        sink.record("fx teardown");
+        let result = Box::new(inner).teardown();
+        match &result {
+            Ok(()) => sink.record("-> ok"),
+            Err(err) => sink.record(&format!("-> err {}", err.label())),
+        }
+        result
+    }
+}
