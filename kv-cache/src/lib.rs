@@ -2,8 +2,55 @@
 //! prefix cache, the run-ahead reservation ledger, counters and cache events.
 //!
 //! **Architecture Invariant:** this crate never names a device; a router keeps the K/V arrays,
-//! this crate says which block holds what, who shares it and what may be evicted.
+//! this crate says which block holds what, who shares it and what may be evicted. It depends on
+//! no other workspace crate.
+//!
+//! # The model
+//!
+//! - A [`BlockPool`] owns `num_blocks` blocks of `block_size` token positions. Each block has a
+//!   reference count (its holders) and is in one of four states, `Free`, `Owned`, `CachedHeld`,
+//!   `CachedEvictable`, documented with their transitions in [`pool`]. Allocation takes a free
+//!   block, else evicts the least recently released cached block; a dry pool is the typed outcome
+//!   [`Exhausted`]. Used alone, the pool is a ref-counted allocator (the Marconi store in
+//!   `ssm-snapshot` holds its references through `retain`/`release`).
+//! - A [`BlockTable`] maps one sequence's positions to blocks: append, truncate, fork with
+//!   copy-on-write ([`table`]). Its pending run-ahead reservation (the ledger entry for
+//!   `reserve_next`/`rollback`) is a field of the table, so there is no second map to keep in
+//!   step with it.
+//! - A [`KvCache`] is a pool plus the prefix cache ([`prefix`]): full blocks keyed by a hash
+//!   chain, `match_prefix` (longest cached prefix, references taken) and `insert`. A router keeps
+//!   one `KvCache`, its tables, and hands `kv.pool_mut()` to the tables, the ledger and the
+//!   Marconi store: one set of reference counts, no double bookkeeping.
+//! - Counters ([`CacheCounters`], [`KvStats`]) and cache events ([`CacheEvent`], subscribed to with
+//!   [`BlockPool::subscribe`], see [`events`]).
+//!
+//! # The hash, and why
+//!
+//! Block keys are xxh3 ([`hash`]): about 10 ns for a 16-token block, so a 32k-token lookup costs
+//! microseconds, not the tens of microseconds SHA-256 would. Each cache instance draws its own
+//! seed, so keys cannot be precomputed from outside; 64-bit keys by default, 128-bit
+//! ([`HashKind::Xxh3x128`]) for pools shared by tenants that do not trust each other. The key
+//! includes the LoRA adapter and a per-tenant cache salt ([`ExtraKey`]): two tenants share a block
+//! only if they share a salt. xxh3 is not a cryptographic hash, which is why the cache does not
+//! trust it: every hit is verified against the block's stored tokens, parent key and extra key,
+//! so a collision (accidental or crafted) degrades to a miss and can never hand one prefix's K/V
+//! to another. vLLM moved to SHA-256 because its lookups trusted the hash; verifying is cheaper
+//! than a cryptographic hash and exact.
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod events;
+pub mod hash;
+pub mod pool;
+pub mod prefix;
+pub mod table;
+
+pub use error::{Exhausted, Inconsistency, KvError};
+pub use events::CacheEvent;
+pub use hash::{BlockHash, BlockHasher, ExtraKey, HashKind};
+pub use pool::{BlockPool, BlockState, CacheCounters, CachedBlock, KvStats};
+pub use prefix::{KvCache, KvCacheConfig, PrefixMatch};
+pub use table::{Appended, BlockCopy, BlockTable, Reservation};
 
 /// The index of one KV block in a pool: the same index addresses the block's K/V rows in every
 /// attention layer of a router.
@@ -14,5 +61,23 @@ impl BlockId {
     /// The block's index as a `usize`, for addressing a router's arrays.
     pub fn index(self) -> usize {
         self.0 as usize
+    }
+}
+
+#[cfg(test)]
+mod send_sync {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    /// Routers keep these behind a mutex or on a worker thread: they must cross threads.
+    #[test]
+    fn public_handles_are_send_and_sync() {
+        assert_send_sync::<BlockPool>();
+        assert_send_sync::<KvCache>();
+        assert_send_sync::<BlockTable>();
+        assert_send_sync::<CacheEvent>();
+        assert_send_sync::<crossbeam_channel::Receiver<CacheEvent>>();
+        assert_send_sync::<KvError>();
     }
 }
