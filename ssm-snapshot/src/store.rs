@@ -1,0 +1,1233 @@
+//! The checkpoint store: one radix tree over token ids per cache namespace, whose nodes hold
+//! references to KV blocks and SSM checkpoints; admission, FLOP-aware eviction and the strict
+//! byte budget.
+//!
+//! # The tree
+//!
+//! A node is an edge of tokens (a whole number of blocks of `block_size` tokens), the KV block ids
+//! of those tokens (one per block), and at most one checkpoint: the SSM state after the edge's last
+//! token, held in a checkpoint slot. A node's depth (`end`) is the number of tokens from the root
+//! to the end of its edge. Children are keyed by the hash of their first block.
+//!
+//! Invariants (checked by [`SnapshotStore::check_invariants`]):
+//! - every non-root node has a checkpoint or at least two children (a bare node with one child is
+//!   merged into the child at once, a bare leaf never exists), so every leaf holds a checkpoint;
+//! - a node's `pins` is the number of running sequences ([`Pin`]s) whose hit path passes through
+//!   it, so a pinned node's ancestors are pinned too and an unpinned node's subtree is unpinned;
+//! - eviction candidates are exactly the non-root nodes with no pins, at most one child and a
+//!   checkpoint; candidates are ordered by (last access, deeper first);
+//! - the tree holds exactly one reference on each block id listed in its nodes: it asks for a
+//!   reference in [`StoreDelta::retain_blocks`] when it adopts a block and gives it back in
+//!   [`StoreDelta::release_blocks`];
+//! - after every public call, [`SnapshotStore::bytes`] (checkpoints held or reserved, plus the KV
+//!   of the tree's blocks when the budget covers KV) is at most the budget.
+//!
+//! # Hit rule
+//!
+//! A request's hit is the deepest node on its path whose edge it matches completely and that holds
+//! a checkpoint; the hit length is that node's depth. There is no state inside an edge, so a
+//! partially matched edge gives nothing. Every node holds the KV of its edge, so the KV of the
+//! whole path `0..hit` is always present.
+//!
+//! # Router flow
+//!
+//! 1. [`SnapshotStore::lookup`] with the tokens whose state the router may reuse (the prompt
+//!    without its last token, which must be computed for logits): the hit length, the KV blocks of
+//!    `0..hit`, the checkpoint slot to restore, and the branch point (Marconi admission: where the
+//!    request leaves the tree strictly inside an edge, or at a node without a checkpoint). The hit
+//!    path is pinned: it is not evicted until the [`Pin`] is finished or released.
+//! 2. When prefill reaches the branch point, the router reserves a slot
+//!    ([`SnapshotStore::reserve_checkpoint`]), copies the SSM state into it, and calls
+//!    [`SnapshotStore::commit_branch`].
+//! 3. On finish, [`SnapshotStore::finish`] with the sequence's tokens (input + output), its block
+//!    table, and the checkpoints it took (the end of its full blocks, reserved the same way); the
+//!    pin is released.
+//! 4. [`SnapshotStore::evict_for_kv`] when the KV pool runs dry. Every mutating call appends to a
+//!    [`StoreDelta`]: block references to take and to drop (apply `retain_blocks` first), and the
+//!    checkpoint slots that are free again.
+
+use std::collections::{BTreeSet, HashMap};
+
+use kv_cache::BlockId;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::cost::CostModel;
+use crate::error::SnapshotError;
+use crate::slots::{SlotId, SlotPool};
+
+const NONE: u32 = u32::MAX;
+
+/// A cache namespace: sequences only share prefixes within one LoRA adapter and cache salt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Namespace {
+    /// LoRA adapter id (0 for the base model).
+    pub adapter: u32,
+    /// Cache salt (isolates tenants; 0 for none).
+    pub salt: u64,
+}
+
+/// Where checkpoints are taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Marconi's speculative insertion: at branch points a lookup reveals, and at the end of each
+    /// finished sequence.
+    Marconi,
+    /// Every block boundary of a new sequence (vLLM's align mode extended to hybrids).
+    EveryBlock,
+}
+
+/// What a node's "FLOPs saved" means in its FLOP efficiency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlopBasis {
+    /// The FLOPs of the node's whole prefix (Marconi's definition).
+    Prefix,
+    /// The FLOPs between the nearest checkpointed ancestor and the node: what evicting it loses
+    /// when hits fall back to that ancestor.
+    Marginal,
+}
+
+/// What the byte budget covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetScope {
+    /// Checkpoints only (the engine: KV is bounded by the block pool and freed with
+    /// [`SnapshotStore::evict_for_kv`]).
+    Checkpoints,
+    /// Checkpoints plus the KV of the tree's blocks (Marconi's simulator: one memory pool).
+    CheckpointsAndKv,
+}
+
+/// Store configuration. Public fields: [`SnapshotStore::new`] checks them.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Tokens per KV block; checkpoints sit only at multiples of it (1 = token granularity).
+    pub block_size: u32,
+    /// Checkpoint slots in the router's prefix-cache region.
+    pub checkpoint_slots: u32,
+    /// The byte budget (see [`BudgetScope`]); it holds after every call.
+    pub budget_bytes: u64,
+    /// What the budget covers.
+    pub budget_scope: BudgetScope,
+    /// Admission policy.
+    pub admission: Admission,
+    /// Weight of FLOP efficiency against recency in the eviction score (0 = LRU).
+    pub alpha: f64,
+    /// How FLOPs saved are counted.
+    pub flop_basis: FlopBasis,
+    /// Costs of the model served.
+    pub cost: CostModel,
+}
+
+impl StoreConfig {
+    /// An engine configuration: Marconi admission, a checkpoint-only budget of `budget_bytes`, as
+    /// many slots as the budget holds, α = 0 until tuned.
+    pub fn engine(cost: CostModel, block_size: u32, budget_bytes: u64) -> Self {
+        let slots = (budget_bytes / cost.checkpoint_bytes()).min(u64::from(u32::MAX - 1)) as u32;
+        Self {
+            block_size,
+            checkpoint_slots: slots,
+            budget_bytes,
+            budget_scope: BudgetScope::Checkpoints,
+            admission: Admission::Marconi,
+            alpha: 0.0,
+            flop_basis: FlopBasis::Prefix,
+            cost,
+        }
+    }
+}
+
+/// Changes the caller applies to its block pool and checkpoint region. Reuse one across calls
+/// (`clear` it) so the hot path does not allocate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreDelta {
+    /// Blocks the tree now references: take one reference on each (before releasing).
+    pub retain_blocks: Vec<BlockId>,
+    /// Blocks the tree no longer references: drop one reference on each.
+    pub release_blocks: Vec<BlockId>,
+    /// Checkpoint slots whose contents are no longer needed (evicted or dropped duplicates).
+    pub freed_slots: Vec<SlotId>,
+}
+
+impl StoreDelta {
+    /// Empties all three lists, keeping their capacity.
+    pub fn clear(&mut self) {
+        self.retain_blocks.clear();
+        self.release_blocks.clear();
+        self.freed_slots.clear();
+    }
+
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.retain_blocks.is_empty() && self.release_blocks.is_empty() && self.freed_slots.is_empty()
+    }
+}
+
+/// A running sequence's hold on its hit path. Consumed by [`SnapshotStore::finish`] or
+/// [`SnapshotStore::release`]; not `Clone`, so it is given back exactly once.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Pin {
+    index: u32,
+    generation: u32,
+}
+
+/// The answer to a lookup.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Hit {
+    /// Holds the hit path until finish or release.
+    pub pin: Pin,
+    /// Reusable prefix length, a multiple of the block size.
+    pub hit_tokens: usize,
+    /// The slot holding the SSM state at `hit_tokens` (`None` when `hit_tokens` is 0).
+    pub checkpoint: Option<SlotId>,
+    /// Where to checkpoint during prefill (Marconi admission): the block-aligned position where
+    /// the request leaves the tree, when that is strictly inside an edge or at a node without a
+    /// checkpoint. Always greater than `hit_tokens`.
+    pub branch_at: Option<usize>,
+    /// How many leading tokens (block-aligned) match the tree, hit or not.
+    pub matched_tokens: usize,
+}
+
+/// What became of a branch checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BranchOutcome {
+    /// Now cached at the branch point.
+    Admitted,
+    /// A checkpoint at that position already existed; the slot was freed.
+    Duplicate,
+    /// The path to the branch point was evicted meanwhile; the slot was freed.
+    PathGone,
+}
+
+/// What a finish inserted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FinishReport {
+    /// Tokens added to the tree (new edges).
+    pub inserted_tokens: usize,
+    /// Checkpoints attached to nodes.
+    pub admitted_checkpoints: usize,
+    /// Checkpoints dropped because one existed at the position (or a hash collision).
+    pub dropped_checkpoints: usize,
+}
+
+/// Counters since creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Lookups served.
+    pub lookups: u64,
+    /// Lookups with a non-zero hit.
+    pub hits: u64,
+    /// Sum of hit lengths.
+    pub hit_tokens: u64,
+    /// Leaves evicted (checkpoint and KV freed).
+    pub evicted_leaves: u64,
+    /// Single-child nodes evicted (checkpoint freed, node merged into its child).
+    pub evicted_checkpoints_only: u64,
+    /// Checkpoints attached to nodes.
+    pub admitted_checkpoints: u64,
+    /// Checkpoints dropped (duplicates, path gone, collisions).
+    pub dropped_checkpoints: u64,
+}
+
+/// A cached checkpoint as [`SnapshotStore::cached_checkpoints`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct CachedCheckpoint {
+    /// Its namespace.
+    pub namespace: Namespace,
+    /// The tokens whose state it holds.
+    pub tokens: Vec<u32>,
+    /// Its slot.
+    pub slot: SlotId,
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    namespace: Namespace,
+    /// `NONE` for a root.
+    parent: u32,
+    /// Tokens before this edge.
+    start: usize,
+    tokens: Vec<u32>,
+    blocks: Vec<BlockId>,
+    /// Hash of the first block; the node's key in `children` under its parent.
+    key: u64,
+    children: Vec<u32>,
+    checkpoint: Option<SlotId>,
+    pins: u32,
+    last_access: u64,
+    /// The node's key in `candidates`, present iff it is a candidate.
+    candidate: Option<(u64, usize, u32)>,
+    live: bool,
+}
+
+impl Node {
+    fn end(&self) -> usize {
+        self.start + self.tokens.len()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct PinRecord {
+    generation: u32,
+    /// The hit node (or the root); `NONE` when the record is free.
+    node: u32,
+    root: u32,
+}
+
+/// How a walk down the tree ended.
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// All tokens were consumed exactly at the end of the walk's node.
+    End,
+    /// No child continues with the next block.
+    Leave,
+    /// `matched` tokens (a whole number of blocks, less than the edge) of `child`'s edge match;
+    /// the tokens then differ (`diverged`) or end.
+    InEdge { child: u32, matched: usize, diverged: bool },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Walk {
+    /// The deepest node whose edge was matched completely.
+    node: u32,
+    /// Its depth.
+    depth: usize,
+    stop: Stop,
+}
+
+/// The Marconi checkpoint store. See the module docs for the invariants and the router flow.
+#[derive(Debug, Clone)]
+pub struct SnapshotStore {
+    config: StoreConfig,
+    block: usize,
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    roots: HashMap<Namespace, u32>,
+    children: HashMap<(u32, u64), u32>,
+    candidates: BTreeSet<(u64, usize, u32)>,
+    slots: SlotPool,
+    pins: Vec<PinRecord>,
+    free_pins: Vec<u32>,
+    clock: u64,
+    held_blocks: u64,
+    pinned_checkpoints: u64,
+    pinned_blocks: u64,
+    stats: StoreStats,
+    scratch_path: Vec<u32>,
+    scratch_scores: Vec<(u32, u64, f64)>,
+    scratch_slots: Vec<SlotId>,
+}
+
+/// Hash of one block of tokens: the key of a child under its parent.
+fn block_key(tokens: &[u32]) -> u64 {
+    xxh3_64(bytemuck::cast_slice(tokens))
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl SnapshotStore {
+    /// A store with an empty tree and all slots free.
+    pub fn new(config: StoreConfig) -> Result<Self, SnapshotError> {
+        if config.block_size == 0 {
+            return Err(SnapshotError::BadConfig { field: "block_size", value: "0".into(), limit: "at least 1" });
+        }
+        check_alpha(config.alpha)?;
+        let slots = SlotPool::new(config.checkpoint_slots);
+        Ok(Self {
+            block: config.block_size as usize,
+            config,
+            nodes: Vec::new(),
+            free_nodes: Vec::new(),
+            roots: HashMap::new(),
+            children: HashMap::new(),
+            candidates: BTreeSet::new(),
+            slots,
+            pins: Vec::new(),
+            free_pins: Vec::new(),
+            clock: 0,
+            held_blocks: 0,
+            pinned_checkpoints: 0,
+            pinned_blocks: 0,
+            stats: StoreStats::default(),
+            scratch_path: Vec::new(),
+            scratch_scores: Vec::new(),
+            scratch_slots: Vec::new(),
+        })
+    }
+
+    /// The configuration (α as currently set).
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Sets α (the weight of FLOP efficiency in eviction scores).
+    pub fn set_alpha(&mut self, alpha: f64) -> Result<(), SnapshotError> {
+        check_alpha(alpha)?;
+        self.config.alpha = alpha;
+        Ok(())
+    }
+
+    /// Counters since creation.
+    pub fn stats(&self) -> StoreStats {
+        self.stats
+    }
+
+    /// The checkpoint slot pool.
+    pub fn slots(&self) -> &SlotPool {
+        &self.slots
+    }
+
+    /// Bytes counted against the budget: checkpoints cached or reserved, plus the KV of the
+    /// tree's blocks when the budget covers KV.
+    pub fn bytes(&self) -> u64 {
+        let checkpoints = u64::from(self.slots.cached_count() + self.slots.reserved_count());
+        let mut bytes = checkpoints * self.config.cost.checkpoint_bytes();
+        if self.config.budget_scope == BudgetScope::CheckpointsAndKv {
+            bytes += self.held_blocks * self.kv_bytes_per_block();
+        }
+        bytes
+    }
+
+    /// KV bytes of the blocks the tree references (whether or not the budget covers them).
+    pub fn kv_bytes(&self) -> u64 {
+        self.held_blocks * self.kv_bytes_per_block()
+    }
+
+    /// Number of block references the tree holds.
+    pub fn held_block_count(&self) -> u64 {
+        self.held_blocks
+    }
+
+    /// Live nodes, roots included.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len() - self.free_nodes.len()
+    }
+
+    fn kv_bytes_per_block(&self) -> u64 {
+        self.config.cost.kv_bytes_per_token() * self.block as u64
+    }
+
+    fn full_len(&self, tokens: usize) -> usize {
+        tokens / self.block * self.block
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Looks `tokens` up in `namespace`: the hit, the KV blocks of `0..hit` (written to
+    /// `blocks_out`, which is cleared first), the checkpoint at the hit and the branch point.
+    /// Pins the hit path and marks it used. Only whole blocks of `tokens` are matched; a router
+    /// passes the prompt without its last token so at least one token is computed.
+    pub fn lookup(&mut self, namespace: Namespace, tokens: &[u32], blocks_out: &mut Vec<BlockId>) -> Hit {
+        blocks_out.clear();
+        let now = self.tick();
+        let root = self.root_for(namespace, now);
+        let n = self.full_len(tokens.len());
+        let walk = self.walk(root, &tokens[..n]);
+        let mut hit = walk.node;
+        while hit != root && self.nodes[hit as usize].checkpoint.is_none() {
+            hit = self.nodes[hit as usize].parent;
+        }
+        let hit_tokens = if hit == root { 0 } else { self.nodes[hit as usize].end() };
+        let marconi = self.config.admission == Admission::Marconi;
+        let (branch_at, matched_tokens) = match walk.stop {
+            Stop::InEdge { matched, diverged, .. } => {
+                (if marconi && diverged { Some(walk.depth + matched) } else { None }, walk.depth + matched)
+            }
+            Stop::Leave => {
+                let bare = walk.node != root && self.nodes[walk.node as usize].checkpoint.is_none();
+                (if marconi && bare { Some(walk.depth) } else { None }, walk.depth)
+            }
+            Stop::End => (None, walk.depth),
+        };
+        // Collect the hit path root-first; pin it and mark it used.
+        let mut path = std::mem::take(&mut self.scratch_path);
+        path.clear();
+        let mut at = hit;
+        while at != NONE {
+            path.push(at);
+            at = self.nodes[at as usize].parent;
+        }
+        for &id in path.iter().rev() {
+            blocks_out.extend_from_slice(&self.nodes[id as usize].blocks);
+            self.nodes[id as usize].last_access = now;
+            self.pin_node(id);
+        }
+        self.scratch_path = path;
+        let pin = self.new_pin(hit, root);
+        self.stats.lookups += 1;
+        if hit_tokens > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_tokens += hit_tokens as u64;
+        }
+        let checkpoint = if hit == root { None } else { self.nodes[hit as usize].checkpoint };
+        Hit { pin, hit_tokens, checkpoint, branch_at, matched_tokens }
+    }
+
+    /// Reserves a checkpoint slot for the router to copy a sequence's SSM state into, evicting as
+    /// needed so that the budget holds with it counted. `None` (with nothing evicted) when even
+    /// evicting every unpinned node would not make room: pinned paths and other reservations
+    /// hold the memory. Give the slot back with [`commit_branch`](Self::commit_branch),
+    /// [`finish`](Self::finish) or [`cancel_checkpoint`](Self::cancel_checkpoint).
+    pub fn reserve_checkpoint(&mut self, delta: &mut StoreDelta) -> Option<SlotId> {
+        let checkpoint_bytes = self.config.cost.checkpoint_bytes();
+        let least_checkpoints = self.pinned_checkpoints + u64::from(self.slots.reserved_count()) + 1;
+        if least_checkpoints > u64::from(self.slots.len()) {
+            return None;
+        }
+        let mut least_bytes = least_checkpoints * checkpoint_bytes;
+        if self.config.budget_scope == BudgetScope::CheckpointsAndKv {
+            least_bytes += self.pinned_blocks * self.kv_bytes_per_block();
+        }
+        if least_bytes > self.config.budget_bytes {
+            return None;
+        }
+        while self.slots.free_count() == 0 || self.bytes() + checkpoint_bytes > self.config.budget_bytes {
+            let victim = self.pick_victim(false)?;
+            self.evict(victim, delta);
+        }
+        self.slots.reserve()
+    }
+
+    /// Gives back a reserved slot that will not be committed.
+    pub fn cancel_checkpoint(&mut self, slot: SlotId) -> Result<(), SnapshotError> {
+        self.slots.check_reserved(slot)?;
+        self.slots.free(slot);
+        Ok(())
+    }
+
+    /// Admits the checkpoint the router took at `pos` (the hit's `branch_at`) into `slot`
+    /// (reserved). `tokens` are the sequence's tokens (at least `pos` of them).
+    pub fn commit_branch(
+        &mut self,
+        pin: &Pin,
+        tokens: &[u32],
+        pos: usize,
+        slot: SlotId,
+        delta: &mut StoreDelta,
+    ) -> Result<BranchOutcome, SnapshotError> {
+        let record = self.pin_record(pin)?.clone();
+        self.slots.check_reserved(slot)?;
+        let limit = self.full_len(tokens.len());
+        if pos == 0 || pos % self.block != 0 || pos > limit {
+            return Err(SnapshotError::BadCheckpointPosition { pos, block_size: self.config.block_size, limit });
+        }
+        let now = self.tick();
+        let walk = self.walk(record.root, &tokens[..pos]);
+        let target = match walk.stop {
+            Stop::End => Some(walk.node),
+            Stop::InEdge { child, matched, diverged: false } => Some(self.split(child, matched)),
+            Stop::InEdge { .. } | Stop::Leave => None,
+        };
+        let outcome = match target {
+            Some(node) if self.nodes[node as usize].checkpoint.is_none() => {
+                self.attach(node, slot, now);
+                BranchOutcome::Admitted
+            }
+            Some(_) => {
+                self.drop_slot(slot, delta);
+                BranchOutcome::Duplicate
+            }
+            None => {
+                self.drop_slot(slot, delta);
+                BranchOutcome::PathGone
+            }
+        };
+        Ok(outcome)
+    }
+
+    /// Where a finishing sequence should have checkpoints under the admission policy, given its
+    /// hit length and its full token count (input + output): the end of its full blocks
+    /// (Marconi), or every block boundary after the hit (every-block admission).
+    pub fn finish_positions(&self, hit_tokens: usize, total_tokens: usize) -> std::ops::RangeInclusive<usize> {
+        let n = self.full_len(total_tokens) / self.block;
+        match self.config.admission {
+            Admission::Marconi => n.max(1)..=n,
+            Admission::EveryBlock => (hit_tokens / self.block + 1)..=n,
+        }
+    }
+
+    /// Inserts a finished sequence: `tokens` (input + output; a partial last block is ignored),
+    /// its block table `blocks` (block `i` holds tokens `i·B..(i+1)·B`; extra ids are ignored),
+    /// and the checkpoints it took as `(position, reserved slot)` with increasing positions that
+    /// are multiples of the block size. Tokens past the last checkpoint are not inserted (KV with
+    /// no state after it cannot be hit). Releases the pin, then evicts to the budget.
+    pub fn finish(
+        &mut self,
+        pin: Pin,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        checkpoints: &[(usize, SlotId)],
+        delta: &mut StoreDelta,
+    ) -> Result<FinishReport, SnapshotError> {
+        let record = self.pin_record(&pin)?.clone();
+        let n = self.full_len(tokens.len());
+        let needed = n / self.block;
+        if blocks.len() < needed {
+            return Err(SnapshotError::TooFewBlocks {
+                got: blocks.len(),
+                tokens: tokens.len(),
+                block_size: self.config.block_size,
+                needed,
+            });
+        }
+        let mut previous = 0;
+        for &(pos, slot) in checkpoints {
+            if pos <= previous || pos % self.block != 0 || pos > n {
+                return Err(SnapshotError::BadCheckpointPosition { pos, block_size: self.config.block_size, limit: n });
+            }
+            self.slots.check_reserved(slot)?;
+            previous = pos;
+        }
+        let mut sorted = std::mem::take(&mut self.scratch_slots);
+        sorted.clear();
+        sorted.extend(checkpoints.iter().map(|&(_, slot)| slot));
+        sorted.sort_unstable();
+        let duplicate = sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]);
+        self.scratch_slots = sorted;
+        if let Some(slot) = duplicate {
+            return Err(SnapshotError::SlotNotReserved { slot, state: "listed twice" });
+        }
+
+        self.unpin(record.node);
+        self.free_pin(&pin);
+        let now = self.tick();
+        let mut report = FinishReport::default();
+        if let Some(&(last, _)) = checkpoints.last() {
+            let end = self.insert(record.root, tokens, blocks, checkpoints, last, now, &mut report, delta);
+            let mut at = end;
+            while at != NONE {
+                self.nodes[at as usize].last_access = now;
+                self.refresh(at);
+                at = self.nodes[at as usize].parent;
+            }
+        }
+        self.stats.admitted_checkpoints += report.admitted_checkpoints as u64;
+        self.stats.dropped_checkpoints += report.dropped_checkpoints as u64;
+        self.enforce_budget(delta);
+        self.drop_root_if_empty(record.root);
+        Ok(report)
+    }
+
+    /// Releases a pin without inserting anything (the sequence was aborted or preempted).
+    pub fn release(&mut self, pin: Pin) -> Result<(), SnapshotError> {
+        let record = self.pin_record(&pin)?.clone();
+        self.unpin(record.node);
+        self.free_pin(&pin);
+        self.drop_root_if_empty(record.root);
+        Ok(())
+    }
+
+    /// Evicts unpinned leaves (lowest score first) until the tree has released at least
+    /// `blocks` block references or has no unpinned leaf left. Returns the references released
+    /// (also listed in `delta.release_blocks`); a block is free in the pool only when no
+    /// sequence holds it either.
+    pub fn evict_for_kv(&mut self, blocks: usize, delta: &mut StoreDelta) -> usize {
+        let mut released = 0;
+        while released < blocks {
+            let Some(victim) = self.pick_victim(true) else { break };
+            released += self.nodes[victim as usize].blocks.len();
+            self.evict(victim, delta);
+        }
+        released
+    }
+
+    /// Evicts everything no pin holds (for shutdown, or to check that references balance).
+    pub fn clear_unpinned(&mut self, delta: &mut StoreDelta) {
+        while let Some(victim) = self.pick_victim(false) {
+            self.evict(victim, delta);
+        }
+    }
+
+    /// Every cached checkpoint with the tokens whose state it holds (for tests and debugging;
+    /// allocates).
+    pub fn cached_checkpoints(&self) -> Vec<CachedCheckpoint> {
+        let mut out = Vec::new();
+        for (id, node) in self.nodes.iter().enumerate() {
+            if let (true, Some(slot)) = (node.live, node.checkpoint) {
+                out.push(CachedCheckpoint { namespace: node.namespace, tokens: self.prefix_of(id as u32), slot });
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Every block reference the tree holds, as `(namespace, tokens up to the block's end, block)`
+    /// (for tests and debugging; allocates).
+    pub fn cached_blocks(&self) -> Vec<(Namespace, Vec<u32>, BlockId)> {
+        let mut out = Vec::new();
+        for (id, node) in self.nodes.iter().enumerate() {
+            if !node.live || node.blocks.is_empty() {
+                continue;
+            }
+            let prefix = self.prefix_of(id as u32);
+            for (i, &block) in node.blocks.iter().enumerate() {
+                let end = node.start + (i + 1) * self.block;
+                out.push((node.namespace, prefix[..end].to_vec(), block));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn prefix_of(&self, id: u32) -> Vec<u32> {
+        let mut path = Vec::new();
+        let mut at = id;
+        while at != NONE {
+            path.push(at);
+            at = self.nodes[at as usize].parent;
+        }
+        path.iter().rev().flat_map(|&p| self.nodes[p as usize].tokens.iter().copied()).collect()
+    }
+
+    /// Checks every invariant of the module docs; the error says which one broke.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut held = 0u64;
+        let mut cached = 0u32;
+        let mut pinned_checkpoints = 0u64;
+        let mut pinned_blocks = 0u64;
+        let mut candidates = 0usize;
+        let mut seen_slots = std::collections::HashSet::new();
+        for (id, node) in self.nodes.iter().enumerate() {
+            let id = id as u32;
+            if !node.live {
+                if node.candidate.is_some() {
+                    return Err(format!("free node {id} is a candidate"));
+                }
+                continue;
+            }
+            held += node.blocks.len() as u64;
+            if node.tokens.len() != node.blocks.len() * self.block {
+                return Err(format!("node {id}: {} tokens but {} blocks", node.tokens.len(), node.blocks.len()));
+            }
+            if let Some(slot) = node.checkpoint {
+                cached += 1;
+                if !seen_slots.insert(slot) {
+                    return Err(format!("slot {slot:?} in two nodes"));
+                }
+                if self.slots.state(slot) != Ok(crate::slots::SlotState::Cached) {
+                    return Err(format!("node {id} holds slot {slot:?} that the pool does not mark cached"));
+                }
+            }
+            if node.pins > 0 {
+                pinned_checkpoints += u64::from(node.checkpoint.is_some());
+                pinned_blocks += node.blocks.len() as u64;
+            }
+            let child_pins: u32 = node.children.iter().map(|&c| self.nodes[c as usize].pins).sum();
+            if node.pins < child_pins {
+                return Err(format!("node {id} has {} pins, fewer than its children's {child_pins}", node.pins));
+            }
+            for &c in &node.children {
+                let child = &self.nodes[c as usize];
+                if !child.live || child.parent != id || child.start != node.end() {
+                    return Err(format!("node {id}: child {c} is not attached at depth {}", node.end()));
+                }
+                if self.children.get(&(id, child.key)) != Some(&c) || child.key != block_key(&child.tokens[..self.block]) {
+                    return Err(format!("node {id}: child {c} is not indexed by its first block"));
+                }
+            }
+            if node.parent == NONE {
+                if self.roots.get(&node.namespace) != Some(&id) || node.checkpoint.is_some() || !node.tokens.is_empty() {
+                    return Err(format!("root {id} is not registered or holds data"));
+                }
+            } else {
+                if node.tokens.is_empty() {
+                    return Err(format!("node {id} has an empty edge"));
+                }
+                if node.checkpoint.is_none() && node.children.len() < 2 {
+                    return Err(format!("bare node {id} has {} children", node.children.len()));
+                }
+            }
+            let eligible = node.parent != NONE && node.pins == 0 && node.children.len() <= 1 && node.checkpoint.is_some();
+            if eligible != node.candidate.is_some() {
+                return Err(format!("node {id}: candidate flag {} but eligible {eligible}", node.candidate.is_some()));
+            }
+            if let Some(key) = node.candidate {
+                candidates += 1;
+                if key != (node.last_access, usize::MAX - node.end(), id) || !self.candidates.contains(&key) {
+                    return Err(format!("node {id}: stale candidate key"));
+                }
+            }
+        }
+        if self.children.len() + self.roots.len() != self.node_count() {
+            return Err(format!(
+                "child index has {} entries and {} roots for {} nodes",
+                self.children.len(),
+                self.roots.len(),
+                self.node_count()
+            ));
+        }
+        if candidates != self.candidates.len() {
+            return Err(format!("{} candidates indexed, {candidates} flagged", self.candidates.len()));
+        }
+        if held != self.held_blocks || cached != self.slots.cached_count() {
+            return Err(format!(
+                "counters: blocks {held} vs {}, checkpoints {cached} vs {}",
+                self.held_blocks,
+                self.slots.cached_count()
+            ));
+        }
+        if pinned_checkpoints != self.pinned_checkpoints || pinned_blocks != self.pinned_blocks {
+            return Err(format!(
+                "pinned counters: checkpoints {pinned_checkpoints} vs {}, blocks {pinned_blocks} vs {}",
+                self.pinned_checkpoints, self.pinned_blocks
+            ));
+        }
+        let active_pins = self.pins.iter().filter(|p| p.node != NONE).count();
+        if active_pins + self.free_pins.len() != self.pins.len() {
+            return Err("pin records and free list disagree".into());
+        }
+        if self.bytes() > self.config.budget_bytes {
+            return Err(format!("{} bytes over the budget of {}", self.bytes(), self.config.budget_bytes));
+        }
+        Ok(())
+    }
+
+    // ---- internals -------------------------------------------------------------------------
+
+    fn root_for(&mut self, namespace: Namespace, now: u64) -> u32 {
+        if let Some(&root) = self.roots.get(&namespace) {
+            return root;
+        }
+        let root = self.alloc(Node {
+            namespace,
+            parent: NONE,
+            start: 0,
+            tokens: Vec::new(),
+            blocks: Vec::new(),
+            key: 0,
+            children: Vec::new(),
+            checkpoint: None,
+            pins: 0,
+            last_access: now,
+            candidate: None,
+            live: true,
+        });
+        self.roots.insert(namespace, root);
+        root
+    }
+
+    fn drop_root_if_empty(&mut self, root: u32) {
+        let node = &self.nodes[root as usize];
+        if node.live && node.parent == NONE && node.children.is_empty() && node.pins == 0 {
+            self.roots.remove(&node.namespace);
+            self.free_node(root);
+        }
+    }
+
+    fn alloc(&mut self, node: Node) -> u32 {
+        if let Some(id) = self.free_nodes.pop() {
+            self.nodes[id as usize] = node;
+            id
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        }
+    }
+
+    fn free_node(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(node.candidate.is_none());
+        node.live = false;
+        node.tokens = Vec::new();
+        node.blocks = Vec::new();
+        node.children = Vec::new();
+        node.checkpoint = None;
+        node.parent = NONE;
+        self.free_nodes.push(id);
+    }
+
+    fn new_pin(&mut self, node: u32, root: u32) -> Pin {
+        if let Some(index) = self.free_pins.pop() {
+            let record = &mut self.pins[index as usize];
+            record.node = node;
+            record.root = root;
+            Pin { index, generation: record.generation }
+        } else {
+            self.pins.push(PinRecord { generation: 0, node, root });
+            Pin { index: (self.pins.len() - 1) as u32, generation: 0 }
+        }
+    }
+
+    fn pin_record(&self, pin: &Pin) -> Result<&PinRecord, SnapshotError> {
+        match self.pins.get(pin.index as usize) {
+            Some(record) if record.generation == pin.generation && record.node != NONE => Ok(record),
+            _ => Err(SnapshotError::StalePin { index: pin.index, generation: pin.generation }),
+        }
+    }
+
+    fn free_pin(&mut self, pin: &Pin) {
+        let record = &mut self.pins[pin.index as usize];
+        record.node = NONE;
+        record.generation = record.generation.wrapping_add(1);
+        self.free_pins.push(pin.index);
+    }
+
+    fn pin_node(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        if node.pins == 0 {
+            self.pinned_checkpoints += u64::from(node.checkpoint.is_some());
+            self.pinned_blocks += node.blocks.len() as u64;
+        }
+        node.pins += 1;
+        self.refresh(id);
+    }
+
+    /// Unpins `node` and its ancestors.
+    fn unpin(&mut self, node: u32) {
+        let mut at = node;
+        while at != NONE {
+            let n = &mut self.nodes[at as usize];
+            n.pins -= 1;
+            if n.pins == 0 {
+                self.pinned_checkpoints -= u64::from(n.checkpoint.is_some());
+                self.pinned_blocks -= n.blocks.len() as u64;
+            }
+            let parent = n.parent;
+            self.refresh(at);
+            at = parent;
+        }
+    }
+
+    /// Re-files `id` in the candidate set after any change to it.
+    fn refresh(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        let eligible = node.live
+            && node.parent != NONE
+            && node.pins == 0
+            && node.children.len() <= 1
+            && node.checkpoint.is_some();
+        let key = eligible.then(|| (node.last_access, usize::MAX - node.end(), id));
+        if node.candidate != key {
+            if let Some(old) = node.candidate {
+                self.candidates.remove(&old);
+            }
+            if let Some(new) = key {
+                self.candidates.insert(new);
+            }
+            node.candidate = key;
+        }
+    }
+
+    fn walk(&self, root: u32, tokens: &[u32]) -> Walk {
+        let mut node = root;
+        let mut depth = 0;
+        loop {
+            if depth == tokens.len() {
+                return Walk { node, depth, stop: Stop::End };
+            }
+            let key = block_key(&tokens[depth..depth + self.block]);
+            let Some(&child) = self.children.get(&(node, key)) else {
+                return Walk { node, depth, stop: Stop::Leave };
+            };
+            let edge = &self.nodes[child as usize].tokens;
+            let rest = &tokens[depth..];
+            let matched = common_prefix(edge, rest) / self.block * self.block;
+            if matched == 0 {
+                // A hash collision: a different first block under the same key.
+                return Walk { node, depth, stop: Stop::Leave };
+            }
+            if matched == edge.len() {
+                node = child;
+                depth += matched;
+                continue;
+            }
+            return Walk { node, depth, stop: Stop::InEdge { child, matched, diverged: matched < rest.len() } };
+        }
+    }
+
+    /// Splits `child`'s edge after `cut` tokens (a whole number of blocks, less than the edge);
+    /// returns the new upper node, which inherits the position, pins and recency.
+    fn split(&mut self, child: u32, cut: usize) -> u32 {
+        let block = self.block;
+        let c = &mut self.nodes[child as usize];
+        debug_assert!(cut > 0 && cut < c.tokens.len() && cut % block == 0);
+        let upper_tokens: Vec<u32> = c.tokens.drain(..cut).collect();
+        let upper_blocks: Vec<BlockId> = c.blocks.drain(..cut / block).collect();
+        let (namespace, parent, start, key, pins, last_access) =
+            (c.namespace, c.parent, c.start, c.key, c.pins, c.last_access);
+        c.start += cut;
+        let lower_key = block_key(&c.tokens[..block]);
+        c.key = lower_key;
+        let upper = self.alloc(Node {
+            namespace,
+            parent,
+            start,
+            tokens: upper_tokens,
+            blocks: upper_blocks,
+            key,
+            children: vec![child],
+            checkpoint: None,
+            pins,
+            last_access,
+            candidate: None,
+            live: true,
+        });
+        self.nodes[child as usize].parent = upper;
+        if let Some(slot) = self.nodes[parent as usize].children.iter_mut().find(|c| **c == child) {
+            *slot = upper;
+        }
+        self.children.insert((parent, key), upper);
+        self.children.insert((upper, lower_key), child);
+        self.refresh(child);
+        upper
+    }
+
+    fn attach(&mut self, id: u32, slot: SlotId, now: u64) {
+        self.slots.cache(slot);
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(node.checkpoint.is_none() && node.parent != NONE);
+        node.checkpoint = Some(slot);
+        node.last_access = now;
+        if node.pins > 0 {
+            self.pinned_checkpoints += 1;
+        }
+        self.refresh(id);
+    }
+
+    fn drop_slot(&mut self, slot: SlotId, delta: &mut StoreDelta) {
+        self.slots.free(slot);
+        delta.freed_slots.push(slot);
+        self.stats.dropped_checkpoints += 1;
+    }
+
+    #[allow(clippy::too_many_arguments)] // One internal call site; bundling the arguments would only rename them.
+    fn insert(
+        &mut self,
+        root: u32,
+        tokens: &[u32],
+        blocks: &[BlockId],
+        checkpoints: &[(usize, SlotId)],
+        last: usize,
+        now: u64,
+        report: &mut FinishReport,
+        delta: &mut StoreDelta,
+    ) -> u32 {
+        let block = self.block;
+        let mut node = root;
+        let mut depth = 0;
+        let mut next = 0;
+        loop {
+            if next < checkpoints.len() && checkpoints[next].0 == depth {
+                let slot = checkpoints[next].1;
+                next += 1;
+                if self.nodes[node as usize].checkpoint.is_some() {
+                    self.slots.free(slot);
+                    delta.freed_slots.push(slot);
+                    report.dropped_checkpoints += 1;
+                } else {
+                    self.attach(node, slot, now);
+                    report.admitted_checkpoints += 1;
+                }
+            }
+            if depth == last {
+                return node;
+            }
+            let next_pos = checkpoints[next].0;
+            let key = block_key(&tokens[depth..depth + block]);
+            let Some(&child) = self.children.get(&(node, key)) else {
+                // A new chain of nodes, one per remaining checkpoint.
+                let mut key = key;
+                for &(pos, slot) in &checkpoints[next..] {
+                    let new_blocks = &blocks[depth / block..pos / block];
+                    delta.retain_blocks.extend_from_slice(new_blocks);
+                    self.held_blocks += new_blocks.len() as u64;
+                    let id = self.alloc(Node {
+                        namespace: self.nodes[node as usize].namespace,
+                        parent: node,
+                        start: depth,
+                        tokens: tokens[depth..pos].to_vec(),
+                        blocks: new_blocks.to_vec(),
+                        key,
+                        children: Vec::new(),
+                        checkpoint: None,
+                        pins: 0,
+                        last_access: now,
+                        candidate: None,
+                        live: true,
+                    });
+                    self.children.insert((node, key), id);
+                    self.nodes[node as usize].children.push(id);
+                    self.refresh(node);
+                    self.attach(id, slot, now);
+                    report.admitted_checkpoints += 1;
+                    report.inserted_tokens += pos - depth;
+                    node = id;
+                    depth = pos;
+                    if pos < last {
+                        key = block_key(&tokens[pos..pos + block]);
+                    }
+                }
+                return node;
+            };
+            let edge_len = self.nodes[child as usize].tokens.len();
+            let limit = (last - depth).min(edge_len);
+            let matched =
+                common_prefix(&self.nodes[child as usize].tokens[..limit], &tokens[depth..depth + limit]) / block * block;
+            if matched == 0 {
+                // Hash collision: leave the rest uncached.
+                for &(_, slot) in &checkpoints[next..] {
+                    self.slots.free(slot);
+                    delta.freed_slots.push(slot);
+                    report.dropped_checkpoints += 1;
+                }
+                return node;
+            }
+            let cut = matched.min(next_pos - depth);
+            if cut == edge_len {
+                node = child;
+            } else {
+                node = self.split(child, cut);
+            }
+            depth += cut;
+        }
+    }
+
+    fn enforce_budget(&mut self, delta: &mut StoreDelta) {
+        while self.bytes() > self.config.budget_bytes {
+            let Some(victim) = self.pick_victim(false) else {
+                tracing::warn!(bytes = self.bytes(), budget = self.config.budget_bytes, "pinned data exceeds the budget");
+                break;
+            };
+            self.evict(victim, delta);
+        }
+    }
+
+    /// FLOPs a hit on `id` saves per byte it holds.
+    fn flop_efficiency(&self, id: u32) -> f64 {
+        let node = &self.nodes[id as usize];
+        let end = node.end() as u64;
+        let mut saved = self.config.cost.prefix_flops(end);
+        if self.config.flop_basis == FlopBasis::Marginal {
+            let mut at = node.parent;
+            while at != NONE && self.nodes[at as usize].checkpoint.is_none() {
+                at = self.nodes[at as usize].parent;
+            }
+            if at != NONE && self.nodes[at as usize].parent != NONE {
+                saved -= self.config.cost.prefix_flops(self.nodes[at as usize].end() as u64);
+            }
+        }
+        let bytes = node.blocks.len() as u64 * self.kv_bytes_per_block()
+            + u64::from(node.checkpoint.is_some()) * self.config.cost.checkpoint_bytes();
+        saved / bytes as f64
+    }
+
+    /// The candidate with the lowest score `recency + α · efficiency` (both min-max normalised
+    /// over the candidates considered); ties go to the least recent, then the deepest.
+    fn pick_victim(&mut self, leaf_only: bool) -> Option<u32> {
+        if self.config.alpha == 0.0 {
+            return self
+                .candidates
+                .iter()
+                .map(|&(_, _, id)| id)
+                .find(|&id| !leaf_only || self.nodes[id as usize].children.is_empty());
+        }
+        let mut scores = std::mem::take(&mut self.scratch_scores);
+        scores.clear();
+        let (mut t_min, mut t_max) = (u64::MAX, 0u64);
+        let (mut e_min, mut e_max) = (f64::INFINITY, f64::NEG_INFINITY);
+        for &(t, _, id) in &self.candidates {
+            if leaf_only && !self.nodes[id as usize].children.is_empty() {
+                continue;
+            }
+            let e = self.flop_efficiency(id);
+            t_min = t_min.min(t);
+            t_max = t_max.max(t);
+            e_min = e_min.min(e);
+            e_max = e_max.max(e);
+            scores.push((id, t, e));
+        }
+        let t_span = (t_max.saturating_sub(t_min)) as f64;
+        let e_span = e_max - e_min;
+        let alpha = self.config.alpha;
+        let mut best: Option<(f64, u32)> = None;
+        for &(id, t, e) in &scores {
+            let recency = if t_span > 0.0 { (t - t_min) as f64 / t_span } else { 0.0 };
+            let efficiency = if e_span > 0.0 { (e - e_min) / e_span } else { 0.0 };
+            let score = recency + alpha * efficiency;
+            if best.is_none_or(|(s, _)| score < s) {
+                best = Some((score, id));
+            }
+        }
+        self.scratch_scores = scores;
+        best.map(|(_, id)| id)
+    }
+
+    fn evict(&mut self, id: u32, delta: &mut StoreDelta) {
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(node.candidate.is_some());
+        if let Some(old) = node.candidate.take() {
+            self.candidates.remove(&old);
+        }
+        if let Some(slot) = node.checkpoint.take() {
+            self.slots.free(slot);
+            delta.freed_slots.push(slot);
+        }
+        if node.children.is_empty() {
+            self.stats.evicted_leaves += 1;
+            let (parent, key) = (node.parent, node.key);
+            let blocks = std::mem::take(&mut node.blocks);
+            self.held_blocks -= blocks.len() as u64;
+            delta.release_blocks.extend_from_slice(&blocks);
+            self.children.remove(&(parent, key));
+            let siblings = &mut self.nodes[parent as usize].children;
+            if let Some(i) = siblings.iter().position(|&c| c == id) {
+                siblings.swap_remove(i);
+            }
+            self.free_node(id);
+            let p = &self.nodes[parent as usize];
+            if p.parent == NONE {
+                self.drop_root_if_empty(parent);
+            } else if p.checkpoint.is_none() && p.children.len() == 1 {
+                self.merge_into_child(parent);
+            } else {
+                self.refresh(parent);
+            }
+        } else {
+            self.stats.evicted_checkpoints_only += 1;
+            self.merge_into_child(id);
+        }
+    }
+
+    /// Merges bare `id` (exactly one child) into its child, which takes over its edge and place.
+    fn merge_into_child(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        debug_assert!(node.checkpoint.is_none() && node.children.len() == 1);
+        if let Some(old) = node.candidate.take() {
+            self.candidates.remove(&old);
+        }
+        let child = node.children[0];
+        let (parent, key, start) = (node.parent, node.key, node.start);
+        let mut tokens = std::mem::take(&mut node.tokens);
+        let mut blocks = std::mem::take(&mut node.blocks);
+        let pins = node.pins;
+        let c = &mut self.nodes[child as usize];
+        debug_assert_eq!(c.pins, pins);
+        let child_key = c.key;
+        tokens.extend_from_slice(&c.tokens);
+        blocks.extend_from_slice(&c.blocks);
+        c.tokens = tokens;
+        c.blocks = blocks;
+        c.start = start;
+        c.parent = parent;
+        c.key = key;
+        self.children.remove(&(id, child_key));
+        self.children.insert((parent, key), child);
+        if let Some(slot) = self.nodes[parent as usize].children.iter_mut().find(|c| **c == id) {
+            *slot = child;
+        }
+        self.free_node(id);
+        self.refresh(child);
+    }
+}
+
+fn check_alpha(alpha: f64) -> Result<(), SnapshotError> {
+    if alpha.is_finite() && alpha >= 0.0 {
+        Ok(())
+    } else {
+        Err(SnapshotError::BadConfig { field: "alpha", value: alpha.to_string(), limit: "finite and non-negative" })
+    }
+}
