@@ -51,6 +51,11 @@ impl EventBus {
         receiver
     }
 
+    /// Live subscriptions (as of the last event).
+    pub(crate) fn subscriber_count(&self) -> usize {
+        self.senders.len()
+    }
+
     /// Whether anyone listens; callers skip building events otherwise.
     pub(crate) fn is_active(&self) -> bool {
         !self.senders.is_empty()

@@ -303,6 +303,11 @@ impl BlockPool {
         self.events.subscribe()
     }
 
+    /// Live event subscriptions (a dropped receiver counts until the next event).
+    pub fn subscribers(&self) -> usize {
+        self.events.subscriber_count()
+    }
+
     /// Hands out one block with reference count 1: a free block if there is one, else the least
     /// recently released evictable cached block (whose key is dropped).
     pub fn allocate(&mut self) -> Result<BlockId, Exhausted> {
@@ -603,5 +608,302 @@ impl BlockPool {
                     .publish(CacheEvent::BlockRemoved { hash: key.hash });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(num_blocks: usize, block_size: usize) -> BlockPool {
+        BlockPool::new(num_blocks, block_size).expect("valid pool")
+    }
+
+    /// Registers `id` under a made-up key, as `KvCache::insert` would.
+    fn cache(pool: &mut BlockPool, id: BlockId, hash: u128) {
+        let key = BlockKey {
+            hash: BlockHash(hash),
+            parent: None,
+            extra: ExtraKey::NONE,
+        };
+        let tokens = vec![hash as u32; pool.block_size()];
+        pool.register(id, key, &tokens);
+    }
+
+    fn gauges(pool: &BlockPool) -> (usize, usize, usize) {
+        (pool.free_blocks(), pool.cached_blocks(), pool.used_blocks())
+    }
+
+    #[test]
+    fn new_rejects_bad_sizes() {
+        let check = |num_blocks, block_size, expected: KvError| {
+            assert_eq!(
+                BlockPool::new(num_blocks, block_size).unwrap_err(),
+                expected
+            );
+        };
+        check(0, 16, KvError::NoBlocks);
+        check(4, 0, KvError::ZeroBlockSize);
+        check(
+            BlockPool::MAX_BLOCKS + 1,
+            16,
+            KvError::TooManyBlocks {
+                num_blocks: BlockPool::MAX_BLOCKS + 1,
+                max: BlockPool::MAX_BLOCKS,
+            },
+        );
+        check(
+            2,
+            usize::MAX,
+            KvError::CapacityOverflow {
+                num_blocks: 2,
+                block_size: usize::MAX,
+            },
+        );
+    }
+
+    #[test]
+    fn fresh_pool() {
+        let p = pool(3, 16);
+        assert_eq!((p.num_blocks(), p.block_size()), (3, 16));
+        assert_eq!(gauges(&p), (3, 0, 0));
+        assert_eq!(p.state(BlockId(2)), Some(BlockState::Free));
+        assert_eq!(p.state(BlockId(3)), None);
+        assert_eq!(p.ref_count(BlockId(3)), 0);
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn allocate_in_order_until_exhausted() {
+        let mut p = pool(2, 4);
+        assert_eq!(p.allocate(), Ok(BlockId(0)));
+        assert_eq!(p.allocate(), Ok(BlockId(1)));
+        assert_eq!(p.allocate(), Err(Exhausted { needed: 1, free: 0 }));
+        assert_eq!(gauges(&p), (0, 0, 2));
+        assert_eq!(p.ref_count(BlockId(0)), 1);
+        assert_eq!(p.state(BlockId(0)), Some(BlockState::Owned));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn release_returns_to_free_list_lifo() {
+        let mut p = pool(3, 4);
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        p.release(a).unwrap();
+        p.release(b).unwrap();
+        assert_eq!(gauges(&p), (3, 0, 0));
+        assert_eq!(p.allocate(), Ok(b));
+        assert_eq!(p.allocate(), Ok(a));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn release_errors_change_nothing() {
+        let mut p = pool(2, 4);
+        let a = p.allocate().unwrap();
+        p.release(a).unwrap();
+        assert_eq!(p.release(a), Err(KvError::NotHeld { block: a }));
+        assert_eq!(
+            p.release(BlockId(9)),
+            Err(KvError::UnknownBlock {
+                block: BlockId(9),
+                num_blocks: 2
+            })
+        );
+        assert_eq!(gauges(&p), (2, 0, 0));
+        // The double release did not put `a` in the free list twice.
+        assert_eq!(p.allocate(), Ok(a));
+        assert_eq!(p.allocate(), Ok(BlockId(1)));
+        assert!(p.allocate().is_err());
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn retain_counts_holders() {
+        let mut p = pool(2, 4);
+        let a = p.allocate().unwrap();
+        p.retain(a).unwrap();
+        p.retain(a).unwrap();
+        assert_eq!(p.ref_count(a), 3);
+        p.release(a).unwrap();
+        p.release(a).unwrap();
+        assert_eq!((p.ref_count(a), p.free_blocks()), (1, 1));
+        p.release(a).unwrap();
+        assert_eq!(p.state(a), Some(BlockState::Free));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn retain_errors_change_nothing() {
+        let mut p = pool(2, 4);
+        assert_eq!(
+            p.retain(BlockId(0)),
+            Err(KvError::RetainFree { block: BlockId(0) })
+        );
+        assert_eq!(
+            p.retain(BlockId(2)),
+            Err(KvError::UnknownBlock {
+                block: BlockId(2),
+                num_blocks: 2
+            })
+        );
+        let a = p.allocate().unwrap();
+        p.slots[a.index()].ref_count = u32::MAX;
+        assert_eq!(
+            p.retain(a),
+            Err(KvError::RefCountOverflow {
+                block: a,
+                max: u32::MAX
+            })
+        );
+        assert_eq!(p.ref_count(a), u32::MAX);
+        assert_eq!(gauges(&p), (1, 0, 1));
+    }
+
+    #[test]
+    fn allocate_many_is_all_or_nothing() {
+        let mut p = pool(3, 4);
+        let mut out = vec![BlockId(7)];
+        assert_eq!(
+            p.allocate_many(4, &mut out),
+            Err(Exhausted { needed: 4, free: 3 })
+        );
+        assert_eq!((out.len(), p.free_blocks()), (1, 3));
+        p.allocate_many(2, &mut out).unwrap();
+        assert_eq!(out, vec![BlockId(7), BlockId(0), BlockId(1)]);
+        assert_eq!(gauges(&p), (1, 0, 2));
+    }
+
+    #[test]
+    fn cached_blocks_walk_the_four_states() {
+        let mut p = pool(2, 2);
+        let a = p.allocate().unwrap();
+        cache(&mut p, a, 11);
+        assert_eq!(p.state(a), Some(BlockState::CachedHeld));
+        assert_eq!(
+            (p.registered_blocks(), p.lookup(BlockHash(11))),
+            (1, Some(a))
+        );
+        p.release(a).unwrap();
+        assert_eq!(p.state(a), Some(BlockState::CachedEvictable));
+        assert_eq!(gauges(&p), (1, 1, 0));
+        p.retain(a).unwrap();
+        assert_eq!(p.state(a), Some(BlockState::CachedHeld));
+        assert_eq!(gauges(&p), (1, 0, 1));
+        p.release(a).unwrap();
+        let cached = p.cached(a).unwrap();
+        assert_eq!((cached.hash, cached.tokens), (BlockHash(11), &[11, 11][..]));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn allocation_prefers_free_blocks_then_evicts_least_recent() {
+        let mut p = pool(4, 2);
+        let ids: Vec<BlockId> = (0..3).map(|_| p.allocate().unwrap()).collect();
+        for (i, &id) in ids.iter().enumerate() {
+            cache(&mut p, id, 100 + i as u128);
+        }
+        // Released in the order 2, 0, 1: block 2 is the least recently released.
+        for i in [2, 0, 1] {
+            p.release(ids[i]).unwrap();
+        }
+        let events = p.subscribe();
+        assert_eq!(p.allocate(), Ok(BlockId(3)), "the free block goes first");
+        assert_eq!(p.allocate(), Ok(ids[2]));
+        assert_eq!(p.allocate(), Ok(ids[0]));
+        assert_eq!(p.state(ids[0]), Some(BlockState::Owned));
+        assert_eq!(p.lookup(BlockHash(100)), None);
+        assert_eq!(p.lookup(BlockHash(101)), Some(ids[1]));
+        assert_eq!(p.counters().evictions, 2);
+        let got: Vec<CacheEvent> = events.try_iter().collect();
+        assert_eq!(
+            got,
+            vec![
+                CacheEvent::BlockRemoved {
+                    hash: BlockHash(102)
+                },
+                CacheEvent::BlockRemoved {
+                    hash: BlockHash(100)
+                },
+            ]
+        );
+        assert_eq!(gauges(&p), (0, 1, 3));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn clear_cache_drops_every_key() {
+        let mut p = pool(3, 2);
+        let held = p.allocate().unwrap();
+        let idle = p.allocate().unwrap();
+        cache(&mut p, held, 1);
+        cache(&mut p, idle, 2);
+        p.release(idle).unwrap();
+        let events = p.subscribe();
+        p.clear_cache();
+        assert_eq!(p.state(held), Some(BlockState::Owned));
+        assert_eq!(p.state(idle), Some(BlockState::Free));
+        assert_eq!((p.registered_blocks(), gauges(&p)), (0, (2, 0, 1)));
+        assert_eq!(events.try_recv(), Ok(CacheEvent::AllCleared));
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn dropped_subscribers_are_forgotten() {
+        let mut p = pool(2, 2);
+        let kept = p.subscribe();
+        drop(p.subscribe());
+        p.clear_cache();
+        assert_eq!(p.subscribers(), 1);
+        assert_eq!(kept.try_recv(), Ok(CacheEvent::AllCleared));
+    }
+
+    #[test]
+    fn stats_snapshot() {
+        let mut p = pool(3, 2);
+        let a = p.allocate().unwrap();
+        cache(&mut p, a, 5);
+        p.release(a).unwrap();
+        let _b = p.allocate().unwrap();
+        assert_eq!(
+            p.stats(),
+            KvStats {
+                total_blocks: 3,
+                free_blocks: 1,
+                cached_blocks: 1,
+                used_blocks: 1,
+                registered_blocks: 1,
+                counters: CacheCounters {
+                    stored_blocks: 1,
+                    ..CacheCounters::default()
+                },
+            }
+        );
+    }
+
+    #[test]
+    fn consistency_check_finds_corruption() {
+        let mut p = pool(3, 2);
+        let a = p.allocate().unwrap();
+        p.free.push(a.0);
+        assert_eq!(
+            p.check_consistency(),
+            Err(Inconsistency(
+                "free-listed block 0 is held or cached".into()
+            ))
+        );
+        p.free.pop();
+        p.free.push(1);
+        assert_eq!(
+            p.check_consistency(),
+            Err(Inconsistency("block 1 is in the free list twice".into()))
+        );
+        p.free.pop();
+        p.used = 2;
+        assert_eq!(
+            p.check_consistency(),
+            Err(Inconsistency("1 blocks are held but 2 recorded".into()))
+        );
     }
 }

@@ -276,3 +276,315 @@ impl KvCache {
         self.pool.clear_cache();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockState, BlockTable, CacheEvent};
+
+    const B: usize = 4;
+
+    fn kv(num_blocks: usize) -> KvCache {
+        KvCache::new(KvCacheConfig {
+            seed: Some(42),
+            ..KvCacheConfig::new(num_blocks, B)
+        })
+        .expect("valid config")
+    }
+
+    fn tokens(n: usize, salt: u32) -> Vec<u32> {
+        (0..n as u32).map(|t| t * 7 + salt).collect()
+    }
+
+    /// A table that ran `toks` and registered them, then released: the blocks stay cached.
+    fn finish(kv: &mut KvCache, toks: &[u32], extra: ExtraKey) -> Vec<BlockId> {
+        let mut table = BlockTable::new();
+        table.append(kv.pool_mut(), toks.len()).unwrap();
+        kv.insert(toks, table.blocks(), extra).unwrap();
+        let blocks = table.blocks().to_vec();
+        table.release_all(kv.pool_mut());
+        blocks
+    }
+
+    fn release(kv: &mut KvCache, m: &PrefixMatch) {
+        for &id in &m.blocks {
+            kv.pool_mut().release(id).unwrap();
+        }
+    }
+
+    #[test]
+    fn empty_cache_misses() {
+        let mut kv = kv(4);
+        assert_eq!(
+            kv.match_prefix(&tokens(10, 0), ExtraKey::NONE),
+            PrefixMatch::default()
+        );
+        let c = kv.pool().counters();
+        assert_eq!((c.lookups, c.lookup_tokens, c.hit_blocks), (1, 10, 0));
+    }
+
+    #[test]
+    fn match_returns_longest_cached_prefix_with_references() {
+        let mut kv = kv(8);
+        let prompt = tokens(10, 0); // two full blocks and a partial one
+        let blocks = finish(&mut kv, &prompt, ExtraKey::NONE);
+        assert_eq!(
+            kv.pool().registered_blocks(),
+            2,
+            "the partial block is not cached"
+        );
+
+        let mut query = prompt[..9].to_vec();
+        query.extend([999, 998, 997]);
+        let m = kv.match_prefix(&query, ExtraKey::NONE);
+        assert_eq!(
+            m,
+            PrefixMatch {
+                blocks: blocks[..2].to_vec(),
+                tokens: 8
+            }
+        );
+        assert_eq!(kv.pool().state(blocks[0]), Some(BlockState::CachedHeld));
+        assert_eq!(kv.pool().ref_count(blocks[1]), 1);
+
+        // A query that diverges inside the second block keeps only the first.
+        let mut diverging = prompt[..6].to_vec();
+        diverging.extend([5000, 5001]);
+        let m2 = kv.match_prefix(&diverging, ExtraKey::NONE);
+        assert_eq!(
+            m2,
+            PrefixMatch {
+                blocks: vec![blocks[0]],
+                tokens: 4
+            }
+        );
+        assert_eq!(kv.pool().ref_count(blocks[0]), 2);
+
+        release(&mut kv, &m);
+        release(&mut kv, &m2);
+        let c = kv.pool().counters();
+        assert_eq!((c.lookups, c.hit_blocks, c.hit_tokens), (2, 3, 12));
+        kv.pool().check_consistency().unwrap();
+    }
+
+    #[test]
+    fn extra_key_separates_adapters_and_tenants() {
+        let mut kv = kv(16);
+        let prompt = tokens(8, 3);
+        let tenant = ExtraKey::NONE.with_salt(77);
+        finish(&mut kv, &prompt, tenant);
+        let check = |kv: &mut KvCache, extra: ExtraKey, expected_tokens: usize| {
+            let m = kv.match_prefix(&prompt, extra);
+            assert_eq!(m.tokens, expected_tokens, "extra = {extra:?}");
+            release(kv, &m);
+        };
+        check(&mut kv, tenant, 8);
+        check(&mut kv, ExtraKey::NONE, 0);
+        check(&mut kv, ExtraKey::NONE.with_salt(78), 0);
+        check(&mut kv, tenant.with_lora(1), 0);
+        finish(&mut kv, &prompt, ExtraKey::NONE.with_lora(1));
+        check(&mut kv, ExtraKey::NONE.with_lora(1), 8);
+        check(&mut kv, ExtraKey::NONE.with_lora(2), 0);
+    }
+
+    #[test]
+    fn insert_deduplicates_equal_blocks() {
+        let mut kv = kv(8);
+        let prompt = tokens(8, 1);
+        let first = finish(&mut kv, &prompt, ExtraKey::NONE);
+        let second = {
+            let mut table = BlockTable::new();
+            table.append(kv.pool_mut(), 8).unwrap();
+            assert_eq!(kv.insert(&prompt, table.blocks(), ExtraKey::NONE), Ok(0));
+            let blocks = table.blocks().to_vec();
+            table.release_all(kv.pool_mut());
+            blocks
+        };
+        assert_ne!(first, second);
+        assert_eq!(kv.pool().counters().deduplicated_blocks, 2);
+        assert_eq!(kv.pool().state(second[0]), Some(BlockState::Free));
+        let m = kv.match_prefix(&prompt, ExtraKey::NONE);
+        assert_eq!(m.blocks, first);
+        release(&mut kv, &m);
+    }
+
+    #[test]
+    fn insert_of_matched_blocks_registers_only_new_ones() {
+        let mut kv = kv(8);
+        let prompt = tokens(4, 2);
+        finish(&mut kv, &prompt, ExtraKey::NONE);
+        let longer = tokens(12, 2);
+        let mut table = BlockTable::from_prefix(kv.match_prefix(&longer, ExtraKey::NONE));
+        assert_eq!(table.len(), 4);
+        table.append(kv.pool_mut(), 8).unwrap();
+        assert_eq!(kv.insert(&longer, table.blocks(), ExtraKey::NONE), Ok(2));
+        assert_eq!(kv.pool().registered_blocks(), 3);
+        table.release_all(kv.pool_mut());
+        kv.pool().check_consistency().unwrap();
+    }
+
+    #[test]
+    fn insert_errors_change_nothing() {
+        let mut kv = kv(8);
+        let prompt = tokens(8, 0);
+        let mut table = BlockTable::new();
+        table.append(kv.pool_mut(), 8).unwrap();
+        let b = table.blocks().to_vec();
+        let free = BlockId(7);
+        let before = kv.pool().stats();
+        let check = |kv: &mut KvCache, blocks: &[BlockId], expected: KvError| {
+            assert_eq!(kv.insert(&prompt, blocks, ExtraKey::NONE), Err(expected));
+            assert_eq!(kv.pool().stats(), before);
+        };
+        check(
+            &mut kv,
+            &b[..1],
+            KvError::TooFewBlocks {
+                tokens: 8,
+                needed: 2,
+                blocks: 1,
+            },
+        );
+        check(
+            &mut kv,
+            &[b[0], BlockId(99)],
+            KvError::UnknownBlock {
+                block: BlockId(99),
+                num_blocks: 8,
+            },
+        );
+        check(&mut kv, &[b[0], free], KvError::NotHeld { block: free });
+        check(
+            &mut kv,
+            &[b[0], b[0]],
+            KvError::DuplicateBlock { block: b[0] },
+        );
+
+        // A block cached under other contents cannot be registered again.
+        let other = tokens(4, 50);
+        kv.insert(&other, &b[1..], ExtraKey::NONE).unwrap();
+        let before = kv.pool().stats();
+        assert_eq!(
+            kv.insert(&prompt, &b, ExtraKey::NONE),
+            Err(KvError::CachedWithOtherContents {
+                block: b[1],
+                position: 1
+            })
+        );
+        assert_eq!(kv.pool().stats(), before);
+        table.release_all(kv.pool_mut());
+    }
+
+    #[test]
+    fn collisions_are_misses_not_wrong_blocks() {
+        let mut kv = kv(4);
+        let prompt = tokens(4, 0);
+        // Fake a collision: another block registered under the prompt's key with other tokens.
+        let mut hashes = Vec::new();
+        kv.block_hashes(&prompt, ExtraKey::NONE, &mut hashes);
+        let impostor = kv.pool_mut().allocate().unwrap();
+        let key = BlockKey {
+            hash: hashes[0],
+            parent: None,
+            extra: ExtraKey::NONE,
+        };
+        kv.pool_mut().register(impostor, key, &tokens(4, 1));
+
+        assert_eq!(
+            kv.match_prefix(&prompt, ExtraKey::NONE),
+            PrefixMatch::default()
+        );
+        assert_eq!(kv.pool().ref_count(impostor), 1);
+        let mut table = BlockTable::new();
+        table.append(kv.pool_mut(), 4).unwrap();
+        assert_eq!(kv.insert(&prompt, table.blocks(), ExtraKey::NONE), Ok(0));
+        assert_eq!(kv.pool().counters().hash_collisions, 2);
+        assert_eq!(kv.pool().cached(table.blocks()[0]), None);
+        table.release_all(kv.pool_mut());
+        kv.pool().check_consistency().unwrap();
+    }
+
+    #[test]
+    fn events_describe_the_chain() {
+        let mut kv = kv(3);
+        let events = kv.pool_mut().subscribe();
+        let prompt = tokens(8, 4);
+        finish(&mut kv, &prompt, ExtraKey::NONE.with_salt(9));
+        let mut hashes = Vec::new();
+        kv.block_hashes(&prompt, ExtraKey::NONE.with_salt(9), &mut hashes);
+        let stored: Vec<CacheEvent> = events.try_iter().collect();
+        assert_eq!(
+            stored,
+            vec![
+                CacheEvent::BlockStored {
+                    hash: hashes[0],
+                    parent: None,
+                    tokens: prompt[..4].to_vec(),
+                    extra: ExtraKey::NONE.with_salt(9),
+                },
+                CacheEvent::BlockStored {
+                    hash: hashes[1],
+                    parent: Some(hashes[0]),
+                    tokens: prompt[4..].to_vec(),
+                    extra: ExtraKey::NONE.with_salt(9),
+                },
+            ]
+        );
+        // Two allocations under pressure: the free block, then the chain's tail.
+        let mut out = Vec::new();
+        kv.pool_mut().allocate_many(2, &mut out).unwrap();
+        assert_eq!(
+            events.try_recv(),
+            Ok(CacheEvent::BlockRemoved { hash: hashes[1] })
+        );
+        kv.clear();
+        assert_eq!(events.try_recv(), Ok(CacheEvent::AllCleared));
+        assert!(events.try_recv().is_err());
+    }
+
+    #[test]
+    fn tails_are_evicted_before_heads() {
+        let mut kv = kv(3);
+        let prompt = tokens(12, 5);
+        let blocks = finish(&mut kv, &prompt, ExtraKey::NONE);
+        assert_eq!(kv.pool().cached_blocks(), 3);
+        assert_eq!(kv.pool_mut().allocate(), Ok(blocks[2]));
+        assert_eq!(kv.pool_mut().allocate(), Ok(blocks[1]));
+        let m = kv.match_prefix(&prompt, ExtraKey::NONE);
+        assert_eq!(
+            m,
+            PrefixMatch {
+                blocks: vec![blocks[0]],
+                tokens: 4
+            }
+        );
+    }
+
+    #[test]
+    fn wide_hash_and_explicit_hasher() {
+        let config = KvCacheConfig {
+            hash_kind: HashKind::Xxh3x128,
+            seed: Some(1),
+            ..KvCacheConfig::new(4, B)
+        };
+        let mut kv = KvCache::new(config).unwrap();
+        assert_eq!(kv.hasher().kind(), HashKind::Xxh3x128);
+        let prompt = tokens(8, 0);
+        let blocks = finish(&mut kv, &prompt, ExtraKey::NONE);
+        let m = kv.match_prefix(&prompt, ExtraKey::NONE);
+        assert_eq!(m.blocks, blocks);
+
+        // The same seed in another instance gives the same keys (what replicas rely on).
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        kv.block_hashes(&prompt, ExtraKey::NONE, &mut a);
+        KvCache::new(config)
+            .unwrap()
+            .block_hashes(&prompt, ExtraKey::NONE, &mut b);
+        assert_eq!(a, b);
+        assert_eq!(
+            KvCache::new(KvCacheConfig::new(0, 4)).unwrap_err(),
+            KvError::NoBlocks
+        );
+    }
+}

@@ -340,3 +340,329 @@ fn release_held(pool: &mut BlockPool, id: BlockId) {
         tracing::error!(block = id.0, %error, "a block table's reference was already gone");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockState, ExtraKey, KvCache, KvCacheConfig};
+
+    const B: usize = 4;
+
+    fn pool(num_blocks: usize) -> BlockPool {
+        BlockPool::new(num_blocks, B).unwrap()
+    }
+
+    fn ids(raw: &[u32]) -> Vec<BlockId> {
+        raw.iter().map(|&i| BlockId(i)).collect()
+    }
+
+    /// Ref counts of every block, for identity checks.
+    fn ref_counts(pool: &BlockPool) -> Vec<u32> {
+        (0..pool.num_blocks() as u32)
+            .map(|i| pool.ref_count(BlockId(i)))
+            .collect()
+    }
+
+    #[test]
+    fn append_allocates_at_block_boundaries() {
+        let mut p = pool(4);
+        let mut t = BlockTable::new();
+        let check = |t: &mut BlockTable, p: &mut BlockPool, count, added, len, blocks: &[u32]| {
+            assert_eq!(t.append(p, count), Ok(Appended { added, copy: None }));
+            assert_eq!((t.len(), t.blocks()), (len, &ids(blocks)[..]));
+        };
+        check(&mut t, &mut p, 0, 0, 0, &[]);
+        check(&mut t, &mut p, 3, 1, 3, &[0]);
+        check(&mut t, &mut p, 1, 0, 4, &[0]);
+        check(&mut t, &mut p, 1, 1, 5, &[0, 1]);
+        check(&mut t, &mut p, 8, 2, 13, &[0, 1, 2, 3]);
+        assert_eq!(t.slot_of(9, B), Some((BlockId(2), 1)));
+        assert_eq!(t.slot_of(16, B), None);
+        assert!(!t.is_empty());
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn append_exhausted_changes_nothing() {
+        let mut p = pool(2);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 5).unwrap();
+        let before = t.clone();
+        assert_eq!(
+            t.append(&mut p, 8),
+            Err(KvError::Exhausted(Exhausted { needed: 2, free: 0 }))
+        );
+        assert_eq!(t, before);
+        assert_eq!(
+            t.append(&mut p, usize::MAX),
+            Err(KvError::LengthOverflow {
+                len: 5,
+                added: usize::MAX
+            })
+        );
+        assert_eq!(p.used_blocks(), 2);
+    }
+
+    #[test]
+    fn truncate_releases_unneeded_blocks_last_first() {
+        let mut p = pool(4);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 12).unwrap();
+        assert_eq!(
+            t.truncate(&mut p, 13),
+            Err(KvError::TruncateBeyondLength {
+                requested: 13,
+                len: 12
+            })
+        );
+        assert_eq!(t.truncate(&mut p, 5), Ok(1));
+        assert_eq!((t.len(), t.blocks()), (5, &ids(&[0, 1])[..]));
+        assert_eq!(t.truncate(&mut p, 0), Ok(2));
+        assert_eq!(p.free_blocks(), 4);
+        // Released last first, so the free list hands out block 0 again first.
+        assert_eq!(p.allocate(), Ok(BlockId(0)));
+    }
+
+    #[test]
+    fn fork_shares_and_copies_the_partial_block_on_write() {
+        let mut p = pool(6);
+        let mut parent = BlockTable::new();
+        parent.append(&mut p, 6).unwrap(); // blocks 0 (full), 1 (2 rows)
+        let mut child = parent.fork(&mut p).unwrap();
+        assert_eq!(child.blocks(), parent.blocks());
+        assert_eq!((p.ref_count(BlockId(0)), p.ref_count(BlockId(1))), (2, 2));
+
+        let copy = BlockCopy {
+            src: BlockId(1),
+            dst: BlockId(2),
+            rows: 2,
+        };
+        assert_eq!(
+            child.append(&mut p, 1),
+            Ok(Appended {
+                added: 1,
+                copy: Some(copy)
+            })
+        );
+        assert_eq!(child.blocks(), &ids(&[0, 2])[..]);
+        assert_eq!(p.ref_count(BlockId(1)), 1);
+        // The parent is now the only holder of block 1 and writes it in place.
+        assert_eq!(
+            parent.append(&mut p, 1),
+            Ok(Appended {
+                added: 0,
+                copy: None
+            })
+        );
+        assert_eq!(parent.blocks(), &ids(&[0, 1])[..]);
+
+        parent.release_all(&mut p);
+        child.release_all(&mut p);
+        assert_eq!(p.free_blocks(), 6);
+        p.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn fork_at_a_block_boundary_needs_no_copy() {
+        let mut p = pool(4);
+        let mut parent = BlockTable::new();
+        parent.append(&mut p, 4).unwrap();
+        let mut child = parent.fork(&mut p).unwrap();
+        assert_eq!(
+            child.append(&mut p, 1),
+            Ok(Appended {
+                added: 1,
+                copy: None
+            })
+        );
+        assert_eq!(child.blocks(), &ids(&[0, 1])[..]);
+        assert_eq!(p.ref_count(BlockId(0)), 2);
+    }
+
+    #[test]
+    fn fork_does_not_share_reserved_capacity() {
+        let mut p = pool(4);
+        let mut parent = BlockTable::new();
+        parent.append(&mut p, 4).unwrap();
+        assert_eq!(parent.reserve_next(&mut p), Ok(1));
+        let child = parent.fork(&mut p).unwrap();
+        assert_eq!(
+            (child.blocks(), child.reservation()),
+            (&ids(&[0])[..], None)
+        );
+        assert_eq!(p.ref_count(BlockId(1)), 1);
+    }
+
+    #[test]
+    fn fork_error_takes_back_its_references() {
+        let mut p = pool(3);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 8).unwrap();
+        // Make the second block unretainable by releasing the table's reference behind its back.
+        p.release(BlockId(1)).unwrap();
+        assert_eq!(
+            t.fork(&mut p),
+            Err(KvError::RetainFree { block: BlockId(1) })
+        );
+        assert_eq!(p.ref_count(BlockId(0)), 1);
+    }
+
+    #[test]
+    fn writing_into_a_truncated_cached_block_copies_it() {
+        let mut kv = KvCache::new(KvCacheConfig {
+            seed: Some(3),
+            ..KvCacheConfig::new(4, B)
+        })
+        .unwrap();
+        let toks: Vec<u32> = (0..8).collect();
+        let mut t = BlockTable::new();
+        t.append(kv.pool_mut(), 8).unwrap();
+        kv.insert(&toks, t.blocks(), ExtraKey::NONE).unwrap();
+        t.truncate(kv.pool_mut(), 6).unwrap();
+        let copy = BlockCopy {
+            src: BlockId(1),
+            dst: BlockId(2),
+            rows: 2,
+        };
+        assert_eq!(
+            t.append(kv.pool_mut(), 1),
+            Ok(Appended {
+                added: 1,
+                copy: Some(copy)
+            })
+        );
+        assert_eq!(
+            kv.pool().state(BlockId(1)),
+            Some(BlockState::CachedEvictable)
+        );
+        t.release_all(kv.pool_mut());
+        let m = kv.match_prefix(&toks, ExtraKey::NONE);
+        assert_eq!(m.blocks, ids(&[0, 1]), "the cached block kept its contents");
+    }
+
+    #[test]
+    fn reserve_next_adds_a_block_only_at_a_boundary() {
+        let mut p = pool(4);
+        let mut t = BlockTable::new();
+        assert_eq!(t.reserve_next(&mut p), Ok(1));
+        assert_eq!((t.len(), t.blocks()), (0, &ids(&[0])[..]));
+        t.append(&mut p, 3).unwrap();
+        assert_eq!(t.reserve_next(&mut p), Ok(0));
+        assert_eq!(
+            t.reservation()
+                .map(|r| (r.len_before(), r.added(), r.copy())),
+            Some((3, 0, None))
+        );
+        t.append(&mut p, 1).unwrap();
+        assert_eq!(t.reserve_next(&mut p), Ok(1));
+        assert_eq!(
+            t.append(&mut p, 1),
+            Ok(Appended {
+                added: 0,
+                copy: None
+            })
+        );
+        assert_eq!(t.blocks(), &ids(&[0, 1])[..]);
+    }
+
+    #[test]
+    fn reserve_then_rollback_is_the_identity() {
+        let mut p = pool(5);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 8).unwrap();
+        let (before_table, before_counts, before_free) =
+            (t.clone(), ref_counts(&p), p.free_blocks());
+        assert_eq!(t.reserve_next(&mut p), Ok(1));
+        assert_eq!(t.rollback(&mut p), Ok(1));
+        assert_eq!(
+            (t.clone(), ref_counts(&p), p.free_blocks()),
+            (before_table.clone(), before_counts.clone(), before_free)
+        );
+
+        // With the over-run written, even across a further block boundary.
+        t.reserve_next(&mut p).unwrap();
+        t.append(&mut p, 5).unwrap();
+        assert_eq!(t.rollback(&mut p), Ok(2));
+        assert_eq!(
+            (t.clone(), ref_counts(&p), p.free_blocks()),
+            (before_table, before_counts, before_free)
+        );
+        assert_eq!(
+            p.allocate(),
+            Ok(BlockId(2)),
+            "the free list order is restored too"
+        );
+        assert_eq!(t.rollback(&mut p), Err(KvError::NoReservation));
+    }
+
+    #[test]
+    fn reserve_copies_a_shared_block_and_rollback_restores_it() {
+        let mut p = pool(4);
+        let mut parent = BlockTable::new();
+        parent.append(&mut p, 6).unwrap();
+        let mut child = parent.fork(&mut p).unwrap();
+        let counts = ref_counts(&p);
+
+        assert_eq!(child.reserve_next(&mut p), Ok(1));
+        let copy = BlockCopy {
+            src: BlockId(1),
+            dst: BlockId(2),
+            rows: 2,
+        };
+        assert_eq!(child.reservation().and_then(Reservation::copy), Some(copy));
+        assert_eq!(child.blocks(), &ids(&[0, 2])[..]);
+        // The ledger keeps the child's old reference, so the parent leaving cannot free block 1.
+        assert_eq!(p.ref_count(BlockId(1)), 2);
+        child.append(&mut p, 1).unwrap();
+        assert_eq!(child.rollback(&mut p), Ok(1));
+        assert_eq!((child.blocks(), child.len()), (&ids(&[0, 1])[..], 6));
+        assert_eq!(ref_counts(&p), counts);
+
+        // Committed instead: the ledger's reference goes.
+        child.reserve_next(&mut p).unwrap();
+        child.commit_reservation(&mut p);
+        assert_eq!((p.ref_count(BlockId(1)), p.ref_count(BlockId(2))), (1, 1));
+        assert_eq!(child.reservation(), None);
+    }
+
+    #[test]
+    fn reserve_exhausted_keeps_the_previous_reservation() {
+        let mut p = pool(2);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 4).unwrap();
+        t.reserve_next(&mut p).unwrap();
+        t.append(&mut p, 4).unwrap();
+        let before = t.clone();
+        assert_eq!(
+            t.reserve_next(&mut p),
+            Err(Exhausted { needed: 1, free: 0 })
+        );
+        assert_eq!(t, before);
+        assert_eq!(t.rollback(&mut p), Ok(1));
+        assert_eq!((t.len(), p.free_blocks()), (4, 1));
+    }
+
+    #[test]
+    fn truncate_and_release_all_commit_the_reservation() {
+        let mut p = pool(4);
+        let mut t = BlockTable::new();
+        t.append(&mut p, 4).unwrap();
+        t.reserve_next(&mut p).unwrap();
+        t.append(&mut p, 1).unwrap();
+        assert_eq!(t.truncate(&mut p, 4), Ok(1));
+        assert_eq!(t.rollback(&mut p), Err(KvError::NoReservation));
+        t.reserve_next(&mut p).unwrap();
+        assert_eq!(t.release_all(&mut p), 2);
+        assert_eq!((t.len(), t.blocks(), t.reservation()), (0, &[][..], None));
+        assert_eq!(p.free_blocks(), 4);
+    }
+
+    #[test]
+    fn from_prefix_takes_over_the_match() {
+        let t = BlockTable::from_prefix(PrefixMatch {
+            blocks: ids(&[3, 1]),
+            tokens: 8,
+        });
+        assert_eq!((t.len(), t.blocks()), (8, &ids(&[3, 1])[..]));
+    }
+}
