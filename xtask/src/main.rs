@@ -120,3 +120,56 @@ fn dispatch(args: &[String]) -> Result<(), Error> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The usage error `args` produce (these inputs never start any work).
+    fn usage_error(args: &[&str]) -> String {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        match dispatch(&args) {
+            Err(Error::Usage(message)) => message,
+            other => panic!("expected a usage error for {args:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_command_lines_are_usage_errors() {
+        assert_eq!(usage_error(&[]), "no command given");
+        assert_eq!(
+            usage_error(&["deploy"]),
+            "unknown command or arguments `deploy`"
+        );
+        assert_eq!(
+            usage_error(&["ci", "--fast"]),
+            "unknown command or arguments `ci --fast`"
+        );
+        assert_eq!(
+            usage_error(&["tidy", "x"]),
+            "unknown command or arguments `tidy x`"
+        );
+        assert_eq!(
+            usage_error(&["codegen", "--force"]),
+            "unknown codegen flag `--force`"
+        );
+        assert_eq!(
+            usage_error(&["codegen", "a", "b"]),
+            "codegen takes one generator name, got a b"
+        );
+        assert_eq!(
+            usage_error(&["codegen", "--check", "nope"]),
+            "unknown generator `nope`; generators: golden"
+        );
+        assert_eq!(
+            usage_error(&["bench", "a", "b", "--", "--quick"]),
+            "bench takes one name, got a b"
+        );
+    }
+
+    #[test]
+    fn usage_errors_show_the_help_text() {
+        let shown = Error::Usage("no command given".to_owned()).to_string();
+        assert_eq!(shown, format!("no command given\n\n{USAGE}"));
+    }
+}

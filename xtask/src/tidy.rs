@@ -476,17 +476,32 @@ fn manifest_line(manifest: &str, name: &str) -> usize {
         .map_or(1, |i| i + 1)
 }
 
-/// Runs every tidy check on the workspace at `root` and returns all violations, sorted.
-pub fn check_all(root: &Path) -> Result<Vec<Violation>, Error> {
+/// What a full tidy run looked at and found.
+#[derive(Debug)]
+pub struct Report {
+    /// How many `.rs` files were scanned.
+    pub files: usize,
+    /// How many workspace crates had their dependencies checked.
+    pub crates: usize,
+    /// Every violation, sorted by file and line.
+    pub violations: Vec<Violation>,
+}
+
+/// Runs every tidy check on the workspace at `root`.
+pub fn check_all(root: &Path) -> Result<Report, Error> {
     let files = source_files(root)?;
     let metadata = Metadata::load()?;
     let crate_roots = crate_roots(&metadata, root);
-    let mut out = check_headers(&files);
-    out.extend(check_unsafe(&files, &crate_roots));
-    out.extend(check_router_names(&files));
-    out.extend(check_dependencies(&metadata, root));
-    out.sort();
-    Ok(out)
+    let mut violations = check_headers(&files);
+    violations.extend(check_unsafe(&files, &crate_roots));
+    violations.extend(check_router_names(&files));
+    violations.extend(check_dependencies(&metadata, root));
+    violations.sort();
+    Ok(Report {
+        files: files.len(),
+        crates: metadata.members().len(),
+        violations,
+    })
 }
 
 /// Relative paths of every workspace member's library and binary roots.
@@ -502,11 +517,16 @@ pub fn crate_roots(metadata: &Metadata, root: &Path) -> BTreeSet<String> {
 
 /// `cargo xtask tidy`: prints each violation and fails when there is any.
 pub fn run(root: &Path) -> Result<(), Error> {
-    let violations = check_all(root)?;
+    let Report {
+        files,
+        crates,
+        violations,
+    } = check_all(root)?;
     for violation in &violations {
         eprintln!("{violation}");
     }
     if violations.is_empty() {
+        eprintln!("tidy: {files} source files and {crates} crates checked, no violations");
         Ok(())
     } else {
         Err(Error::Tidy {
