@@ -1,0 +1,413 @@
+//! The router's cache bookkeeping in one place: the KV block pool (`kv-cache`), and the prefix
+//! index that decides what a new sequence may reuse: the hash-chain prefix cache of `kv-cache` for
+//! attention-only models, the Marconi store of `ssm-snapshot` for hybrid ones.
+//!
+//! # Reference ownership
+//!
+//! Every block id a sequence lists holds exactly one pool reference owned by that sequence:
+//! - a fresh block comes from [`Caches::allocate`] with its one reference;
+//! - a hash-chain hit comes from `KvCache::match_prefix`, which takes the reference for the caller;
+//! - a Marconi hit lists the tree's blocks, and [`Caches::lookup`] takes one more reference on
+//!   each for the sequence (the tree keeps its own).
+//!
+//! The Marconi tree's own references move only through [`StoreDelta`]s, applied here
+//! (`retain_blocks` before `release_blocks`); its freed checkpoint slots need no memory work (the
+//! state rows are simply reused). A block is free in the pool only when neither a sequence nor the
+//! tree nor the hash chain's index holds it, so no block is ever released twice.
+
+use kv_cache::{BlockId, ExtraKey, KvCache, KvCacheConfig};
+use model::{Config, LayerKind, Model};
+use ssm_snapshot::{CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{CpuRouterConfig, Namespace, RouterError, Shape};
+
+/// The Marconi tree's hold on a running sequence's hit path.
+pub(crate) type PinHandle = Pin;
+/// A checkpoint slot of the prefix cache's region.
+pub(crate) type CheckpointSlot = SlotId;
+
+/// What a new sequence attaches on its first chunk.
+#[derive(Debug)]
+pub(crate) struct Attach {
+    /// Tokens served from the cache (a multiple of the block size).
+    pub len: usize,
+    /// The blocks of `0..len`, each with one reference taken for the sequence.
+    pub blocks: Vec<u32>,
+    /// The checkpoint whose state is the state after `len` tokens (hybrid hits).
+    pub checkpoint: Option<SlotId>,
+    /// Where the Marconi tree asks for a checkpoint during this prefill.
+    pub branch_point: Option<usize>,
+    /// The pinned hit path (hybrid models with caching on).
+    pub pin: Option<Pin>,
+}
+
+/// Prefix-cache counters for reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Lookups made by first prefill chunks.
+    pub lookups: u64,
+    /// Tokens those lookups served from the cache.
+    pub hit_tokens: u64,
+    /// Checkpoints the Marconi tree holds now.
+    pub checkpoints: u64,
+}
+
+enum Index {
+    /// No prefix reuse.
+    Off,
+    /// The hash-chain prefix cache inside `kv` (attention-only models).
+    HashChain,
+    /// The Marconi store (hybrid models).
+    Marconi(Box<SnapshotStore>),
+}
+
+/// The pool and the prefix index.
+pub(crate) struct Caches {
+    kv: KvCache,
+    index: Index,
+    delta: StoreDelta,
+    scratch_blocks: Vec<BlockId>,
+    lookups: u64,
+    hit_tokens: u64,
+}
+
+fn extra_key(ns: Namespace) -> ExtraKey {
+    ExtraKey {
+        lora_adapter: ns.adapter,
+        cache_salt: ns.cache_salt,
+    }
+}
+
+/// The Marconi store keys namespaces by a plain `(adapter, salt)` pair; presence matters too
+/// (no salt is not salt 0), so the salt field carries a hash of both options.
+fn store_namespace(ns: Namespace) -> ssm_snapshot::Namespace {
+    let mut bytes = [0u8; 14];
+    bytes[0] = u8::from(ns.adapter.is_some());
+    bytes[1] = u8::from(ns.cache_salt.is_some());
+    bytes[2..6].copy_from_slice(&ns.adapter.unwrap_or(0).to_le_bytes());
+    bytes[6..14].copy_from_slice(&ns.cache_salt.unwrap_or(0).to_le_bytes());
+    ssm_snapshot::Namespace {
+        adapter: ns.adapter.unwrap_or(0),
+        salt: xxh3_64(&bytes),
+    }
+}
+
+/// The cost model of `config` as the host computes it (f32 values).
+pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
+    let mlp = config.count(LayerKind::Mlp);
+    let moe = config.count(LayerKind::Moe);
+    let moe_width = config.num_experts_per_tok * config.moe_intermediate_size
+        + config.moe_shared_expert_intermediate_size;
+    // One width stands for both kinds of feed-forward layer: their layer-weighted mean.
+    let mlp_intermediate = (mlp * config.intermediate_size + moe * moe_width)
+        .checked_div(mlp + moe)
+        .unwrap_or(0);
+    let dims = HybridDims {
+        name: "host-model".to_string(),
+        hidden_size: config.hidden_size as u64,
+        attention_layers: config.count(LayerKind::Attention) as u32,
+        num_attention_heads: config.num_attention_heads as u64,
+        num_key_value_heads: config.num_key_value_heads as u64,
+        head_dim: config.head_dim as u64,
+        mamba_layers: config.count(LayerKind::Mamba) as u32,
+        mamba_num_heads: config.mamba_num_heads as u64,
+        mamba_head_dim: config.mamba_head_dim as u64,
+        ssm_state_size: config.ssm_state_size as u64,
+        n_groups: config.n_groups as u64,
+        conv_kernel: config.conv_kernel as u64,
+        mlp_layers: (mlp + moe) as u32,
+        mlp_intermediate: mlp_intermediate as u64,
+        mlp_matrices: 2,
+        elem_bytes: 4,
+    };
+    CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()))
+}
+
+/// The weight of FLOP efficiency against recency in the Marconi eviction score when
+/// `marconi: true`; recency and efficiency are each min-max normalised, so 1 weighs them equally.
+pub(crate) const MARCONI_ALPHA: f64 = 1.0;
+
+impl Caches {
+    pub fn new(
+        model: &Model,
+        config: &CpuRouterConfig,
+        shape: &Shape,
+    ) -> Result<Self, RouterError> {
+        let kv = KvCache::new(KvCacheConfig::new(shape.num_blocks, shape.block_size))
+            .map_err(|err| RouterError::Cache(err.to_string()))?;
+        let index = if !config.prefix_cache {
+            Index::Off
+        } else if !shape.hybrid {
+            Index::HashChain
+        } else if shape.checkpoint_slots == 0 {
+            // A hybrid hit needs a checkpoint; with no region there is nothing to reuse.
+            Index::Off
+        } else {
+            let cost = cost_model(model.config())?;
+            let slots =
+                u32::try_from(shape.checkpoint_slots).map_err(|_| RouterError::BadConfig {
+                    field: "checkpoints",
+                    value: shape.checkpoint_slots as u64,
+                    limit: "at most u32::MAX - 1 slots".to_string(),
+                })?;
+            let mut store_config = StoreConfig::engine(
+                cost.clone(),
+                shape.block_size as u32,
+                u64::from(slots) * cost.checkpoint_bytes(),
+            );
+            store_config.checkpoint_slots = slots;
+            store_config.alpha = if config.marconi { MARCONI_ALPHA } else { 0.0 };
+            let store = SnapshotStore::new(store_config)
+                .map_err(|err| RouterError::Cache(err.to_string()))?;
+            Index::Marconi(Box::new(store))
+        };
+        Ok(Caches {
+            kv,
+            index,
+            delta: StoreDelta::default(),
+            scratch_blocks: Vec::new(),
+            lookups: 0,
+            hit_tokens: 0,
+        })
+    }
+
+    /// Whether sequences keep a checkpoint at their latest block boundary for the Marconi tree.
+    pub fn wants_end_checkpoints(&self) -> bool {
+        matches!(self.index, Index::Marconi(_))
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.kv.pool().free_blocks()
+    }
+
+    /// Cached blocks that `allocate` can take back without evicting from the Marconi tree.
+    pub fn evictable_blocks(&self) -> usize {
+        self.kv.pool().cached_blocks()
+    }
+
+    /// Blocks the prefix cache keeps (held by a sequence or not), each counted once.
+    pub fn cached_blocks(&self) -> usize {
+        match &self.index {
+            Index::Off => 0,
+            Index::HashChain => self.kv.pool().registered_blocks(),
+            Index::Marconi(store) => store.held_block_count() as usize,
+        }
+    }
+
+    pub fn checkpoint_slots_used(&self) -> usize {
+        match &self.index {
+            Index::Marconi(store) => {
+                (store.slots().cached_count() + store.slots().reserved_count()) as usize
+            }
+            _ => 0,
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            lookups: self.lookups,
+            hit_tokens: self.hit_tokens,
+            checkpoints: match &self.index {
+                Index::Marconi(store) => u64::from(store.slots().cached_count()),
+                _ => 0,
+            },
+        }
+    }
+
+    /// Applies a Marconi delta to the pool: new references first, then dropped ones.
+    fn apply_delta(kv: &mut KvCache, delta: &mut StoreDelta) {
+        for &block in &delta.retain_blocks {
+            if let Err(err) = kv.pool_mut().retain(block) {
+                tracing::error!(%err, "the Marconi tree adopted a block nobody held");
+            }
+        }
+        for &block in &delta.release_blocks {
+            if let Err(err) = kv.pool_mut().release(block) {
+                tracing::error!(%err, "the Marconi tree released a block it did not hold");
+            }
+        }
+        delta.clear();
+    }
+
+    /// One block with one reference; evicts from the Marconi tree when the pool is dry (the
+    /// pool itself evicts hash-chain blocks). `None` when nothing can be freed.
+    pub fn allocate(&mut self) -> Option<u32> {
+        loop {
+            if let Ok(block) = self.kv.pool_mut().allocate() {
+                return Some(block.0);
+            }
+            let Index::Marconi(store) = &mut self.index else {
+                return None;
+            };
+            let released = store.evict_for_kv(1, &mut self.delta);
+            Self::apply_delta(&mut self.kv, &mut self.delta);
+            if released == 0 {
+                return None;
+            }
+        }
+    }
+
+    /// Drops one reference the router holds on `block`.
+    pub fn release(&mut self, block: u32) {
+        if let Err(err) = self.kv.pool_mut().release(BlockId(block)) {
+            tracing::error!(%err, "released a block the router did not hold");
+            debug_assert!(false, "double release of block {block}: {err}");
+        }
+    }
+
+    /// The longest reusable prefix of `tokens` (already without the prompt's last token), with
+    /// references taken for the sequence and, on a hybrid model, the hit path pinned.
+    pub fn lookup(&mut self, ns: Namespace, tokens: &[u32]) -> Attach {
+        let mut attach = Attach {
+            len: 0,
+            blocks: Vec::new(),
+            checkpoint: None,
+            branch_point: None,
+            pin: None,
+        };
+        match &mut self.index {
+            Index::Off => return attach,
+            Index::HashChain => {
+                let found = self.kv.match_prefix(tokens, extra_key(ns));
+                attach.len = found.tokens;
+                attach.blocks = found.blocks.iter().map(|b| b.0).collect();
+            }
+            Index::Marconi(store) => {
+                let hit = store.lookup(store_namespace(ns), tokens, &mut self.scratch_blocks);
+                for &block in &self.scratch_blocks {
+                    // The tree holds each listed block, so a retain cannot find it free.
+                    if let Err(err) = self.kv.pool_mut().retain(block) {
+                        tracing::error!(%err, "a Marconi hit listed a block the tree did not hold");
+                    }
+                    attach.blocks.push(block.0);
+                }
+                attach.len = hit.hit_tokens;
+                attach.checkpoint = hit.checkpoint;
+                attach.branch_point = hit.branch_at;
+                attach.pin = Some(hit.pin);
+            }
+        }
+        self.lookups += 1;
+        self.hit_tokens += attach.len as u64;
+        attach
+    }
+
+    /// Gives back what a lookup took, for a step that was refused after its lookups.
+    pub fn undo_attach(&mut self, attach: Attach) {
+        self.lookups -= 1;
+        self.hit_tokens -= attach.len as u64;
+        for block in attach.blocks {
+            self.release(block);
+        }
+        if let Some(pin) = attach.pin {
+            self.unpin(pin);
+        }
+    }
+
+    pub fn unpin(&mut self, pin: Pin) {
+        if let Index::Marconi(store) = &mut self.index {
+            if let Err(err) = store.release(pin) {
+                tracing::error!(%err, "released a Marconi pin twice");
+            }
+        }
+    }
+
+    /// A checkpoint slot to copy a state into (evicting cached checkpoints if the region is
+    /// full); `None` when the region is held entirely by running sequences.
+    pub fn take_checkpoint_slot(&mut self) -> Option<SlotId> {
+        let Index::Marconi(store) = &mut self.index else {
+            return None;
+        };
+        let slot = store.reserve_checkpoint(&mut self.delta);
+        Self::apply_delta(&mut self.kv, &mut self.delta);
+        slot
+    }
+
+    /// Gives back a checkpoint slot that will not be offered to the tree.
+    pub fn free_checkpoint_slot(&mut self, slot: SlotId) {
+        if let Index::Marconi(store) = &mut self.index {
+            if let Err(err) = store.cancel_checkpoint(slot) {
+                tracing::error!(%err, "cancelled a checkpoint slot that was not reserved");
+            }
+        }
+    }
+
+    /// Registers the checkpoint a sequence took at its branch point (`tokens.len()`).
+    pub fn register_branch(&mut self, pin: &Pin, tokens: &[u32], slot: SlotId) {
+        let Index::Marconi(store) = &mut self.index else {
+            return;
+        };
+        match store.commit_branch(pin, tokens, tokens.len(), slot, &mut self.delta) {
+            Ok(outcome) => tracing::debug!(?outcome, pos = tokens.len(), "branch checkpoint"),
+            Err(err) => {
+                tracing::error!(%err, "the Marconi tree refused a branch checkpoint");
+                let _ = store.cancel_checkpoint(slot);
+            }
+        }
+        Self::apply_delta(&mut self.kv, &mut self.delta);
+    }
+
+    /// Offers a finished sequence's full blocks (and, on a hybrid model, its checkpoints, at
+    /// increasing block boundaries `<= tokens.len()`) to the prefix cache; consumes the pin. The caller still
+    /// holds every block and releases its own references afterwards.
+    pub fn insert_finished(
+        &mut self,
+        ns: Namespace,
+        pin: Option<Pin>,
+        tokens: &[u32],
+        blocks: &[u32],
+        checkpoints: &[(usize, SlotId)],
+    ) {
+        match &mut self.index {
+            Index::Off => {}
+            Index::HashChain => {
+                self.scratch_blocks.clear();
+                self.scratch_blocks
+                    .extend(blocks.iter().map(|&b| BlockId(b)));
+                if let Err(err) = self.kv.insert(tokens, &self.scratch_blocks, extra_key(ns)) {
+                    tracing::error!(%err, "the prefix cache refused a finished sequence");
+                }
+            }
+            Index::Marconi(store) => {
+                // A restored sequence never looked the tree up; an empty lookup pins the root.
+                let pin = match pin {
+                    Some(pin) => pin,
+                    None => {
+                        store
+                            .lookup(store_namespace(ns), &[], &mut self.scratch_blocks)
+                            .pin
+                    }
+                };
+                self.scratch_blocks.clear();
+                self.scratch_blocks
+                    .extend(blocks.iter().map(|&b| BlockId(b)));
+                if let Err(err) = store.finish(
+                    pin,
+                    tokens,
+                    &self.scratch_blocks,
+                    checkpoints,
+                    &mut self.delta,
+                ) {
+                    tracing::error!(%err, "the Marconi tree refused a finished sequence");
+                    for &(_, slot) in checkpoints {
+                        let _ = store.cancel_checkpoint(slot);
+                    }
+                }
+                Self::apply_delta(&mut self.kv, &mut self.delta);
+            }
+        }
+    }
+
+    /// Drops every cached prefix no running sequence holds.
+    pub fn clear(&mut self) {
+        match &mut self.index {
+            Index::Off => {}
+            Index::HashChain => self.kv.clear(),
+            Index::Marconi(store) => {
+                store.clear_unpinned(&mut self.delta);
+                Self::apply_delta(&mut self.kv, &mut self.delta);
+            }
+        }
+    }
+}

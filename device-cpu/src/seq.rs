@@ -1,0 +1,146 @@
+//! `CpuSeq`: the host router's per-sequence bookkeeping, and `LogitsHandle`, its logits pointer.
+//!
+//! # Invariants
+//!
+//! - `tokens[..computed_len]` are the tokens whose KV and state exist on the router; `tokens` starts as
+//!   the prompt and grows by one per decoded input token, so after the prompt is complete
+//!   `tokens.len() == computed_len`, and before it `tokens.len() == prompt_len`.
+//! - `blocks` holds one pool reference per entry, owned by this sequence; `blocks.len() * block_size
+//!   >= computed_len`, and it may hold one more block than that needs (after `ReserveKv`).
+//! - `tenure` is `Some` exactly while the sequence holds router resources (blocks, a slot, a pinned
+//!   cache path or a pending checkpoint); the router's tenure table names it, which is how `teardown`
+//!   reports holders and how a slot is never freed by a sequence that no longer owns it.
+//! - `slot` is `Some` only with a `tenure`, and the router's slot table records that tenure as the
+//!   slot's owner.
+//! - `input_checkpoint` and `output_checkpoint`, when `Some((pos, slot))`, are reserved checkpoint
+//!   slots holding the live state as it was at position `pos` (a positive multiple of `block_size`,
+//!   `<= computed_len`): the input one at the prompt's last block boundary (taken during prefill),
+//!   the output one at the latest block boundary a decode step reached (taken by
+//!   `MarconiCheckpoint`), so `input.pos < output.pos` when both exist. Marconi admits exactly
+//!   these (the end of a request's input, the end of its output); they are offered to the tree on
+//!   a cached release and freed otherwise.
+//! - `failed` is set when a forward step over this row failed; such a sequence is never cached.
+
+use device_io::{SeqSpec, Sequence};
+
+/// The device's handle to one step's logits: the number of the step that produced them.
+///
+/// The router keeps only the latest step's logits; `ReadLogits` with a handle of an older step is a
+/// typed error ([`device_io::DeviceError::Invalid`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LogitsHandle {
+    /// The step (ticket number) whose logits this names.
+    pub step: u64,
+}
+
+/// The cache namespace of a sequence: two sequences share cached prefixes only within one namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Namespace {
+    /// The LoRA adapter, if any.
+    pub adapter: Option<u32>,
+    /// The tenant's cache salt, if any.
+    pub cache_salt: Option<u64>,
+}
+
+/// The host router's bookkeeping for one sequence. Create it with [`Sequence::create`]; only the router
+/// changes it (through plans and effects).
+#[derive(Debug)]
+pub struct CpuSeq {
+    pub(crate) id: u64,
+    pub(crate) prompt_len: usize,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) computed_len: usize,
+    pub(crate) blocks: Vec<u32>,
+    pub(crate) slot: Option<usize>,
+    pub(crate) tenure: Option<u64>,
+    pub(crate) namespace: Namespace,
+    /// The Marconi path this sequence pinned at its first chunk (released with the sequence).
+    pub(crate) pin: Option<crate::cache::PinHandle>,
+    /// Where the Marconi tree asked for a checkpoint during this sequence's prefill, if not taken yet.
+    pub(crate) branch_point: Option<usize>,
+    pub(crate) input_checkpoint: Option<(usize, crate::cache::CheckpointSlot)>,
+    pub(crate) output_checkpoint: Option<(usize, crate::cache::CheckpointSlot)>,
+    pub(crate) checkpoint_due: bool,
+    pub(crate) failed: bool,
+}
+
+impl CpuSeq {
+    /// The tokens whose KV and state exist (`tokens()[..computed_len()]`), plus, before the prompt is
+    /// complete, the rest of the prompt.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The KV block ids this sequence holds a reference on, in position order.
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+
+    /// The cache namespace (LoRA adapter and cache salt).
+    pub fn namespace(&self) -> Namespace {
+        self.namespace
+    }
+
+    /// Whether a forward step over this sequence failed (it will never be cached).
+    pub fn failed(&self) -> bool {
+        self.failed
+    }
+
+    /// The positions of the checkpoints this sequence holds for the prefix cache (end of input,
+    /// latest block boundary of the output).
+    pub fn checkpoints_held(&self) -> (Option<usize>, Option<usize>) {
+        (
+            self.input_checkpoint.map(|(pos, _)| pos),
+            self.output_checkpoint.map(|(pos, _)| pos),
+        )
+    }
+
+    /// Whether the sequence holds any router resource.
+    pub fn holds_resources(&self) -> bool {
+        self.tenure.is_some()
+    }
+}
+
+impl Sequence for CpuSeq {
+    fn create(spec: SeqSpec<'_>) -> Self {
+        CpuSeq {
+            id: spec.id,
+            prompt_len: spec.prompt.len(),
+            tokens: spec.prompt.to_vec(),
+            computed_len: 0,
+            blocks: Vec::new(),
+            slot: None,
+            tenure: None,
+            namespace: Namespace {
+                adapter: spec.adapter,
+                cache_salt: spec.cache_salt,
+            },
+            pin: None,
+            branch_point: None,
+            input_checkpoint: None,
+            output_checkpoint: None,
+            checkpoint_due: false,
+            failed: false,
+        }
+    }
+
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+
+    fn computed_len(&self) -> usize {
+        self.computed_len
+    }
+
+    fn slot(&self) -> Option<usize> {
+        self.slot
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.checkpoint_due
+    }
+}
