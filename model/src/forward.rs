@@ -1,0 +1,537 @@
+//! The forward pass over a batch of token rows: embedding, the block stack (Mamba2, attention, MLP,
+//! MoE) over caller-owned KV blocks and Mamba state slots, final norm and lm_head.
+//!
+//! One code path serves prefill chunks and decode batches: a row is one token with its position,
+//! block table and state slot. Rows of one sequence (a prefill chunk) are processed in position
+//! order, so the Mamba recurrence sees them one by one exactly as a decode step would, and every
+//! attention query reads keys `0..=pos` in position order. Matrix products batch all rows; every
+//! other reduction runs per row in a fixed order (see `math`). Hence a row's logits are the same
+//! bits whatever other rows share its batch and however its sequence was cut into chunks.
+//!
+//! Callers validate everything (ids, positions, layouts) before calling [`forward`]; it only
+//! indexes memory the validation has vouched for.
+
+use crate::config::DtClamp;
+use crate::math::{dot, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares};
+use crate::state::{KvPool, MambaStates};
+use crate::weights::{AttentionWeights, MambaWeights, Mixer, MlpWeights, MoeWeights, Weights};
+use crate::{Config, DecodeRow, PrefillRow};
+
+/// Rows processed together at most; longer prefills are split (which cannot change any bits).
+pub(crate) const MAX_ROWS: usize = 128;
+
+/// Reusable activation buffers. They only grow, so a steady-state step allocates nothing here
+/// (matrixmultiply still allocates its packing buffer per product). A `Scratch` may be shared by
+/// models of different configs; it simply grows to the largest.
+#[derive(Debug, Default, Clone)]
+pub struct Scratch {
+    hidden: Vec<f32>,
+    normed: Vec<f32>,
+    proj: Vec<f32>,
+    mixed: Vec<f32>,
+    out: Vec<f32>,
+    // Mamba per-token temporaries.
+    conv_out: Vec<f32>,
+    dt_b: Vec<f32>,
+    // Attention scores of one query head.
+    scores: Vec<f32>,
+    // MoE.
+    router: Vec<f32>,
+    choices: Vec<(usize, f32)>,
+    kept_groups: Vec<bool>,
+    expert_rows: Vec<(usize, f32)>,
+    expert_in: Vec<f32>,
+    expert_act: Vec<f32>,
+    expert_out: Vec<f32>,
+    routed: Vec<f32>,
+    latent_in: Vec<f32>,
+    shared_act: Vec<f32>,
+    // Validation.
+    pub(crate) pairs: Vec<(usize, usize)>,
+}
+
+/// `buf[..len]`, growing `buf` if needed (never shrinking, so no reallocation in steady state).
+fn take(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
+}
+
+impl Scratch {
+    /// Buffers pre-sized for `config` at up to [`MAX_ROWS`] rows and `context` positions.
+    pub fn new(config: &Config) -> Self {
+        let mut scratch = Self::default();
+        let rows = MAX_ROWS;
+        let d = config.hidden_size;
+        let widest = [
+            config.mamba_in_proj_dim(),
+            (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
+            config.intermediate_size,
+            config.moe_intermediate_size,
+            config.moe_shared_expert_intermediate_size,
+            config.vocab_size,
+            d,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(d);
+        take(&mut scratch.hidden, rows * d);
+        take(&mut scratch.normed, rows * d);
+        take(&mut scratch.out, rows * d);
+        take(&mut scratch.proj, rows * widest);
+        take(&mut scratch.mixed, rows * widest);
+        scratch
+    }
+}
+
+/// The rows of one forward call.
+pub(crate) enum Rows<'r, 'a> {
+    /// Tokens `first..first + len` of one sequence's prefill chunk.
+    Prefill {
+        row: &'r PrefillRow<'a>,
+        first: usize,
+        len: usize,
+    },
+    /// Independent decode rows.
+    Decode(&'r [DecodeRow<'a>]),
+}
+
+impl Rows<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Prefill { len, .. } => *len,
+            Self::Decode(rows) => rows.len(),
+        }
+    }
+
+    fn token(&self, i: usize) -> u32 {
+        match self {
+            Self::Prefill { row, first, .. } => row.tokens[first + i],
+            Self::Decode(rows) => rows[i].token,
+        }
+    }
+
+    fn pos(&self, i: usize) -> usize {
+        match self {
+            Self::Prefill { row, first, .. } => row.start_pos + first + i,
+            Self::Decode(rows) => rows[i].pos,
+        }
+    }
+
+    fn blocks(&self, i: usize) -> &[u32] {
+        match self {
+            Self::Prefill { row, .. } => row.blocks,
+            Self::Decode(rows) => rows[i].blocks,
+        }
+    }
+
+    fn slot(&self, i: usize) -> usize {
+        match self {
+            Self::Prefill { row, .. } => row.slot,
+            Self::Decode(rows) => rows[i].slot,
+        }
+    }
+}
+
+/// Which rows of a forward call get logits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LogitRows {
+    /// Every row.
+    All,
+    /// Only this row.
+    One(usize),
+    /// None (the call only advances KV and Mamba state).
+    Skip,
+}
+
+/// Runs `rows` through the model and writes the logits of `logit_rows` to `logits` (exactly
+/// `count * vocab` floats).
+pub(crate) fn forward(
+    config: &Config,
+    weights: &Weights,
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    logit_rows: LogitRows,
+    logits: &mut [f32],
+) {
+    let m = rows.len();
+    let d = config.hidden_size;
+    let eps = config.layer_norm_epsilon as f32;
+    let hidden = take(&mut scratch.hidden, m * d);
+    for i in 0..m {
+        let t = rows.token(i) as usize;
+        hidden[i * d..(i + 1) * d].copy_from_slice(&weights.embeddings[t * d..(t + 1) * d]);
+    }
+    let (mut attention_index, mut mamba_index) = (0, 0);
+    for layer in &weights.layers {
+        let normed = take(&mut scratch.normed, m * d);
+        let hidden = &scratch.hidden[..m * d];
+        for (h, n) in hidden.chunks_exact(d).zip(normed.chunks_exact_mut(d)) {
+            rms_norm(h, &layer.norm, eps, n);
+        }
+        match &layer.mixer {
+            Mixer::Mamba(w) => {
+                mamba(config, w, scratch, states, rows, mamba_index);
+                mamba_index += 1;
+            }
+            Mixer::Attention(w) => {
+                attention(config, w, scratch, kv, rows, attention_index);
+                attention_index += 1;
+            }
+            Mixer::Mlp(w) => {
+                let normed = &scratch.normed[..m * d];
+                mlp(w, normed, m, &mut scratch.mixed, &mut scratch.out);
+            }
+            Mixer::Moe(w) => moe(config, w, scratch, m),
+        }
+        let out = &scratch.out[..m * d];
+        for (h, o) in scratch.hidden[..m * d].iter_mut().zip(out) {
+            *h += o;
+        }
+    }
+    let (first, count) = match logit_rows {
+        LogitRows::All => (0, m),
+        LogitRows::One(i) => (i, 1),
+        LogitRows::Skip => return,
+    };
+    let normed = take(&mut scratch.normed, count * d);
+    for (i, n) in normed.chunks_exact_mut(d).enumerate() {
+        let row = first + i;
+        rms_norm(&scratch.hidden[row * d..(row + 1) * d], &weights.norm_f, eps, n);
+    }
+    matmul(&scratch.normed[..count * d], count, &weights.lm_head, logits);
+}
+
+/// Dense MLP: `out = down(relu(up x)²)`.
+fn mlp(w: &MlpWeights, x: &[f32], m: usize, act: &mut Vec<f32>, out: &mut Vec<f32>) {
+    let act = take(act, m * w.up.out_dim);
+    matmul(x, m, &w.up, act);
+    relu2(act);
+    let out = take(out, m * w.down.out_dim);
+    matmul(act, m, &w.down, out);
+}
+
+/// Mamba2 mixer (ARCH.md §3), one recurrence step per row in row order.
+fn mamba(
+    config: &Config,
+    w: &MambaWeights,
+    scratch: &mut Scratch,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    layer: usize,
+) {
+    let m = rows.len();
+    let (h, p, n, g, k) = (
+        config.mamba_num_heads,
+        config.mamba_head_dim,
+        config.ssm_state_size,
+        config.n_groups,
+        config.conv_kernel,
+    );
+    let inner = config.mamba_inner();
+    let conv_dim = config.mamba_conv_dim();
+    let proj_dim = config.mamba_in_proj_dim();
+    let eps = config.layer_norm_epsilon as f32;
+    let clamp = match config.dt_clamp {
+        DtClamp::TimeStepMin => Some(config.time_step_min as f32),
+        DtClamp::Off => None,
+    };
+    let proj = take(&mut scratch.proj, m * proj_dim);
+    matmul(&scratch.normed[..m * config.hidden_size], m, &w.in_proj, proj);
+    let mixed = take(&mut scratch.mixed, m * inner);
+    let conv_out = take(&mut scratch.conv_out, conv_dim);
+    let dt_b = take(&mut scratch.dt_b, n);
+    let heads_per_group = h / g;
+    let group_size = inner / g;
+    for i in 0..m {
+        let u = &scratch.proj[i * proj_dim..(i + 1) * proj_dim];
+        let (z, rest) = u.split_at(inner);
+        let (xbc, dt_raw) = rest.split_at(conv_dim);
+        let (conv_hist, ssm) = states.layer_mut(rows.slot(i), layer);
+        // Causal depthwise conv over the K-1 previous inputs and this one.
+        for c in 0..conv_dim {
+            let taps = &w.conv_weight[c * k..(c + 1) * k];
+            let mut acc = 0.0f32;
+            for (j, tap) in taps[..k - 1].iter().enumerate() {
+                acc += tap * conv_hist[j * conv_dim + c];
+            }
+            acc += taps[k - 1] * xbc[c];
+            if let Some(bias) = &w.conv_bias {
+                acc += bias[c];
+            }
+            conv_out[c] = silu(acc);
+        }
+        if k > 1 {
+            conv_hist.copy_within(conv_dim.., 0);
+            conv_hist[(k - 2) * conv_dim..].copy_from_slice(xbc);
+        }
+        let (x, bc) = conv_out.split_at(inner);
+        let (b_all, c_all) = bc.split_at(g * n);
+        let y = &mut mixed[i * inner..(i + 1) * inner];
+        for head in 0..h {
+            let mut dt = softplus(dt_raw[head] + w.dt_bias[head]);
+            if let Some(min) = clamp {
+                dt = dt.max(min);
+            }
+            let decay = (dt * w.a[head]).exp();
+            let group = head / heads_per_group;
+            let b = &b_all[group * n..(group + 1) * n];
+            let c = &c_all[group * n..(group + 1) * n];
+            for (o, &bv) in dt_b.iter_mut().zip(b) {
+                *o = dt * bv;
+            }
+            for pp in 0..p {
+                let channel = head * p + pp;
+                let xv = x[channel];
+                let s = &mut ssm[channel * n..(channel + 1) * n];
+                for (sv, &db) in s.iter_mut().zip(dt_b.iter()) {
+                    *sv = *sv * decay + db * xv;
+                }
+                y[channel] = dot(s, c) + w.d[head] * xv;
+            }
+        }
+        // Gate first, then RMSNorm per group (norm_before_gate = False).
+        for (yv, &zv) in y.iter_mut().zip(z) {
+            *yv *= silu(zv);
+        }
+        for (seg, weight) in y
+            .chunks_exact_mut(group_size)
+            .zip(w.norm.chunks_exact(group_size))
+        {
+            let inv = 1.0 / (sum_squares(seg) / group_size as f32 + eps).sqrt();
+            for (v, &wv) in seg.iter_mut().zip(weight) {
+                *v = wv * (*v * inv);
+            }
+        }
+    }
+    let out = take(&mut scratch.out, m * config.hidden_size);
+    matmul(&scratch.mixed[..m * inner], m, &w.out_proj, out);
+}
+
+/// Causal GQA attention without positional encoding (ARCH.md §4) over the paged pool.
+fn attention(
+    config: &Config,
+    w: &AttentionWeights,
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    rows: &Rows<'_, '_>,
+    layer: usize,
+) {
+    let m = rows.len();
+    let (nh, nkv, hd) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    let qkv_dim = (nh + 2 * nkv) * hd;
+    let proj = take(&mut scratch.proj, m * qkv_dim);
+    matmul(&scratch.normed[..m * config.hidden_size], m, &w.qkv, proj);
+    let block_size = kv.block_size();
+    let value_offset = kv.value_offset();
+    // Write every row's K/V first: rows of one prefill chunk attend to earlier rows of the chunk.
+    for i in 0..m {
+        let pos = rows.pos(i);
+        let block = rows.blocks(i)[pos / block_size];
+        let row = &scratch.proj[i * qkv_dim..(i + 1) * qkv_dim];
+        let (k_new, v_new) = row[nh * hd..].split_at(nkv * hd);
+        let start = kv.key_index(layer, block, pos % block_size, 0);
+        let data = kv.data_mut();
+        data[start..start + nkv * hd].copy_from_slice(k_new);
+        data[start + value_offset..start + value_offset + nkv * hd].copy_from_slice(v_new);
+    }
+    let scale = (hd as f64).powf(-0.5) as f32;
+    let group = nh / nkv;
+    let mixed = take(&mut scratch.mixed, m * nh * hd);
+    let data = kv.data();
+    for i in 0..m {
+        let pos = rows.pos(i);
+        let blocks = rows.blocks(i);
+        let q_row = &scratch.proj[i * qkv_dim..i * qkv_dim + nh * hd];
+        let scores = take(&mut scratch.scores, pos + 1);
+        for head in 0..nh {
+            let q = &q_row[head * hd..(head + 1) * hd];
+            let kv_head = head / group;
+            let mut max = f32::NEG_INFINITY;
+            for (s, score) in scores.iter_mut().enumerate() {
+                let at = kv.key_index(layer, blocks[s / block_size], s % block_size, kv_head);
+                *score = dot(q, &data[at..at + hd]) * scale;
+                max = max.max(*score);
+            }
+            let mut sum = 0.0f32;
+            for score in scores.iter_mut() {
+                *score = (*score - max).exp();
+                sum += *score;
+            }
+            let o = &mut mixed[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
+            o.fill(0.0);
+            for (s, &e) in scores.iter().enumerate() {
+                let weight = e / sum;
+                let at = kv.key_index(layer, blocks[s / block_size], s % block_size, kv_head)
+                    + value_offset;
+                for (ov, &vv) in o.iter_mut().zip(&data[at..at + hd]) {
+                    *ov += weight * vv;
+                }
+            }
+        }
+    }
+    let out = take(&mut scratch.out, m * config.hidden_size);
+    matmul(&scratch.mixed[..m * nh * hd], m, &w.o_proj, out);
+}
+
+/// Index of the largest value (lowest index on ties).
+fn argmax_first(values: impl Iterator<Item = f32>) -> usize {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, v) in values.enumerate() {
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map_or(0, |(i, _)| i)
+}
+
+/// The router of ARCH.md §6.1 for one token: turns `logits` into sigmoid scores and fills
+/// `choices` with `k` (expert, weight) pairs. `kept` is scratch for the group mask.
+fn route(
+    config: &Config,
+    w: &MoeWeights,
+    logits: &mut [f32],
+    kept: &mut Vec<bool>,
+    choices: &mut [(usize, f32)],
+) {
+    let e = config.n_routed_experts;
+    let per_group = e / config.n_group;
+    for l in logits.iter_mut() {
+        *l = sigmoid(*l);
+    }
+    let s = &*logits;
+    // The correction bias only decides which experts are chosen, never their weights.
+    let corrected = |j: usize| s[j] + w.correction_bias[j];
+    // Group score: the sum of the two largest corrected scores in the group (whatever k is).
+    let group_score = |grp: usize| {
+        let base = grp * per_group;
+        let top = argmax_first((0..per_group).map(|j| corrected(base + j)));
+        let second = argmax_first((0..per_group).map(|j| {
+            if j == top {
+                f32::NEG_INFINITY
+            } else {
+                corrected(base + j)
+            }
+        }));
+        corrected(base + top) + corrected(base + second)
+    };
+    kept.clear();
+    kept.resize(config.n_group, false);
+    for _ in 0..config.topk_group {
+        let best = argmax_first((0..config.n_group).map(|grp| {
+            if kept[grp] {
+                f32::NEG_INFINITY
+            } else {
+                group_score(grp)
+            }
+        }));
+        kept[best] = true;
+    }
+    let mut total = 0.0f32;
+    for j in 0..choices.len() {
+        let best = argmax_first((0..e).map(|x| {
+            let taken = choices[..j].iter().any(|&(c, _)| c == x);
+            if taken || !kept[x / per_group] {
+                f32::NEG_INFINITY
+            } else {
+                corrected(x)
+            }
+        }));
+        choices[j] = (best, s[best]);
+        total += s[best];
+    }
+    let scale = config.routed_scaling_factor as f32;
+    for choice in choices.iter_mut() {
+        if config.norm_topk_prob {
+            choice.1 /= total + 1e-20;
+        }
+        choice.1 *= scale;
+    }
+}
+
+/// Mixture of experts (ARCH.md §6): routed experts (ascending expert order per token) plus the
+/// shared expert.
+fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
+    let d = config.hidden_size;
+    let e = config.n_routed_experts;
+    let k = config.num_experts_per_tok;
+    let expert_dim = config.moe_expert_dim();
+    let normed = &scratch.normed[..m * d];
+    let router = take(&mut scratch.router, m * e);
+    matmul(normed, m, &w.gate, router);
+    scratch.choices.clear();
+    scratch.choices.resize(m * k, (0, 0.0));
+    for (logits, choices) in router
+        .chunks_exact_mut(e)
+        .zip(scratch.choices.chunks_exact_mut(k))
+    {
+        route(config, w, logits, &mut scratch.kept_groups, choices);
+    }
+    let expert_input: &[f32] = match &w.latent {
+        Some((fc1, _)) => {
+            let latent = take(&mut scratch.latent_in, m * expert_dim);
+            matmul(normed, m, fc1, latent);
+            &scratch.latent_in[..m * expert_dim]
+        }
+        None => normed,
+    };
+    let routed = take(&mut scratch.routed, m * expert_dim);
+    routed.fill(0.0);
+    for (expert, ew) in w.experts.iter().enumerate() {
+        scratch.expert_rows.clear();
+        for (t, choices) in scratch.choices.chunks_exact(k).enumerate() {
+            if let Some(&(_, weight)) = choices.iter().find(|c| c.0 == expert) {
+                scratch.expert_rows.push((t, weight));
+            }
+        }
+        let count = scratch.expert_rows.len();
+        if count == 0 {
+            continue;
+        }
+        let input = take(&mut scratch.expert_in, count * expert_dim);
+        for (r, &(t, _)) in scratch.expert_rows.iter().enumerate() {
+            input[r * expert_dim..(r + 1) * expert_dim]
+                .copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
+        }
+        mlp(
+            ew,
+            &scratch.expert_in[..count * expert_dim],
+            count,
+            &mut scratch.expert_act,
+            &mut scratch.expert_out,
+        );
+        for (r, &(t, weight)) in scratch.expert_rows.iter().enumerate() {
+            let src = &scratch.expert_out[r * expert_dim..(r + 1) * expert_dim];
+            for (acc, &v) in routed[t * expert_dim..(t + 1) * expert_dim].iter_mut().zip(src) {
+                *acc += v * weight;
+            }
+        }
+    }
+    // `out` receives the routed sum (projected back from the latent space if any), then the
+    // shared expert is added; `mixed` is free for the shared expert's activation.
+    if let Some((_, fc2)) = &w.latent {
+        let out = take(&mut scratch.out, m * d);
+        matmul(&scratch.routed[..m * expert_dim], m, fc2, out);
+    } else {
+        let out = take(&mut scratch.out, m * d);
+        out.copy_from_slice(&scratch.routed[..m * d]);
+    }
+    mlp(
+        &w.shared,
+        &scratch.normed[..m * d],
+        m,
+        &mut scratch.shared_act,
+        &mut scratch.mixed,
+    );
+    let shared = &scratch.mixed[..m * d];
+    for (o, &s) in scratch.out[..m * d].iter_mut().zip(shared) {
+        *o += s;
+    }
+}

@@ -1,0 +1,411 @@
+//! Per-sequence state the caller owns: the paged K/V pool of all attention layers ([`KvPool`]) and
+//! the Mamba2 conv + SSM state of all Mamba layers, one flat slot per sequence ([`MambaStates`]).
+//!
+//! **KV layout.** Block `b` is one contiguous run of [`KvPool::floats_per_block`] floats at
+//! `b * floats_per_block`. Inside it, attention layer `a` (counting attention layers only, in stack
+//! order) owns `2 * block_size * kv_heads * head_dim` floats: first K, then V, each
+//! `[block_size, kv_heads, head_dim]`. Token position `p` of a sequence lives in block
+//! `table[p / block_size]` at offset `p % block_size`. Keys are stored as projected (no RoPE).
+//!
+//! **Mamba layout.** Slot `s` is one contiguous run of [`MambaStates::floats_per_slot`] floats.
+//! Inside it, Mamba layer `m` (counting Mamba layers only) owns `conv_floats + ssm_floats`: first the
+//! last `K - 1` pre-conv `xBC` vectors, oldest first (`[K-1, conv_dim]`), then the SSM state
+//! `[H, P, N]`. A slot must be all zeros before a sequence's first token ([`MambaStates::zero_slot`]);
+//! the model never zeroes it, because a prefill starting at position p > 0 legitimately continues
+//! from a restored state.
+
+use crate::{Config, LayerKind, ModelError};
+
+/// K/V for every attention layer of a model, in fixed-size blocks addressed by block id.
+#[derive(Debug, Clone)]
+pub struct KvPool {
+    data: Vec<f32>,
+    num_blocks: usize,
+    block_size: usize,
+    attention_layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    floats_per_block: usize,
+}
+
+impl KvPool {
+    /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `config`'s attention layers.
+    pub fn new(config: &Config, num_blocks: usize, block_size: usize) -> Result<Self, ModelError> {
+        if block_size == 0 {
+            return Err(ModelError::InvalidConfig {
+                field: "block_size",
+                value: "0".into(),
+                reason: "a KV block holds at least one token".into(),
+            });
+        }
+        if num_blocks > u32::MAX as usize + 1 {
+            return Err(ModelError::InvalidConfig {
+                field: "num_blocks",
+                value: num_blocks.to_string(),
+                reason: "block ids are u32".into(),
+            });
+        }
+        let attention_layers = config.count(LayerKind::Attention);
+        let (kv_heads, head_dim) = if attention_layers == 0 {
+            (0, 0)
+        } else {
+            (config.num_key_value_heads, config.head_dim)
+        };
+        let floats_per_block = attention_layers
+            .checked_mul(2 * block_size)
+            .and_then(|x| x.checked_mul(kv_heads))
+            .and_then(|x| x.checked_mul(head_dim))
+            .ok_or(ModelError::SizeOverflow("KV floats per block"))?;
+        let total = floats_per_block
+            .checked_mul(num_blocks)
+            .ok_or(ModelError::SizeOverflow("KV pool size"))?;
+        Ok(Self {
+            data: vec![0.0; total],
+            num_blocks,
+            block_size,
+            attention_layers,
+            kv_heads,
+            head_dim,
+            floats_per_block,
+        })
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Floats of one block: all attention layers, K and V.
+    pub fn floats_per_block(&self) -> usize {
+        self.floats_per_block
+    }
+
+    /// Attention layers covered.
+    pub fn attention_layers(&self) -> usize {
+        self.attention_layers
+    }
+
+    fn check(&self, block: u32) -> Result<usize, ModelError> {
+        let b = block as usize;
+        if b < self.num_blocks {
+            Ok(b * self.floats_per_block)
+        } else {
+            Err(ModelError::BadBlock {
+                block,
+                num_blocks: self.num_blocks,
+            })
+        }
+    }
+
+    /// Copies block `src` over block `dst` (copy-on-write for forked sequences).
+    pub fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ModelError> {
+        let from = self.check(src)?;
+        let to = self.check(dst)?;
+        self.data
+            .copy_within(from..from + self.floats_per_block, to);
+        Ok(())
+    }
+
+    /// The floats of one block (all layers, K and V), for spilling.
+    pub fn block(&self, block: u32) -> Result<&[f32], ModelError> {
+        let start = self.check(block)?;
+        Ok(&self.data[start..start + self.floats_per_block])
+    }
+
+    /// Appends the block's floats (all layers) to `out`.
+    pub fn export_block(&self, block: u32, out: &mut Vec<f32>) -> Result<(), ModelError> {
+        out.extend_from_slice(self.block(block)?);
+        Ok(())
+    }
+
+    /// Overwrites a block with floats produced by [`KvPool::export_block`].
+    pub fn import_block(&mut self, block: u32, data: &[f32]) -> Result<(), ModelError> {
+        let start = self.check(block)?;
+        if data.len() != self.floats_per_block {
+            return Err(ModelError::LengthMismatch {
+                what: "imported KV block",
+                expected: self.floats_per_block,
+                actual: data.len(),
+            });
+        }
+        self.data[start..start + self.floats_per_block].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Errors unless the pool was built for `config`'s attention geometry.
+    pub(crate) fn check_layout(&self, config: &Config) -> Result<(), ModelError> {
+        let layers = config.count(LayerKind::Attention);
+        if layers == 0 {
+            return Ok(());
+        }
+        if (self.attention_layers, self.kv_heads, self.head_dim)
+            != (layers, config.num_key_value_heads, config.head_dim)
+        {
+            return Err(ModelError::LayoutMismatch {
+                what: "KvPool",
+                detail: format!(
+                    "pool has {} attention layers x {} KV heads x {} dims, model needs {} x {} x {}",
+                    self.attention_layers,
+                    self.kv_heads,
+                    self.head_dim,
+                    layers,
+                    config.num_key_value_heads,
+                    config.head_dim
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Index of `K[layer][offset][head][0]` in block `block` (ids already validated).
+    #[inline]
+    pub(crate) fn key_index(&self, layer: usize, block: u32, offset: usize, head: usize) -> usize {
+        block as usize * self.floats_per_block
+            + layer * 2 * self.block_size * self.kv_heads * self.head_dim
+            + (offset * self.kv_heads + head) * self.head_dim
+    }
+
+    /// Distance from a key to its value.
+    #[inline]
+    pub(crate) fn value_offset(&self) -> usize {
+        self.block_size * self.kv_heads * self.head_dim
+    }
+
+    pub(crate) fn data(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub(crate) fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
+
+/// Sizes of one Mamba state slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MambaLayout {
+    /// Mamba layers in the model.
+    pub mamba_layers: usize,
+    /// Floats of one layer's conv history: `(conv_kernel - 1) * conv_dim`.
+    pub conv_floats: usize,
+    /// Floats of one layer's SSM state: `H * P * N`.
+    pub ssm_floats: usize,
+}
+
+impl MambaLayout {
+    /// The layout `config` needs.
+    pub fn of(config: &Config) -> Result<Self, ModelError> {
+        let mamba_layers = config.count(LayerKind::Mamba);
+        if mamba_layers == 0 {
+            return Ok(Self {
+                mamba_layers: 0,
+                conv_floats: 0,
+                ssm_floats: 0,
+            });
+        }
+        let conv_floats = (config.conv_kernel - 1)
+            .checked_mul(config.mamba_conv_dim())
+            .ok_or(ModelError::SizeOverflow("Mamba conv state"))?;
+        let ssm_floats = config
+            .mamba_inner()
+            .checked_mul(config.ssm_state_size)
+            .ok_or(ModelError::SizeOverflow("Mamba SSM state"))?;
+        let layout = Self {
+            mamba_layers,
+            conv_floats,
+            ssm_floats,
+        };
+        layout
+            .layer_floats()
+            .checked_mul(mamba_layers)
+            .ok_or(ModelError::SizeOverflow("Mamba state slot"))?;
+        Ok(layout)
+    }
+
+    /// Floats of one layer (conv history then SSM state).
+    pub fn layer_floats(&self) -> usize {
+        self.conv_floats + self.ssm_floats
+    }
+
+    /// Floats of one slot (all Mamba layers).
+    pub fn floats_per_slot(&self) -> usize {
+        self.layer_floats() * self.mamba_layers
+    }
+}
+
+/// Conv and SSM state of every Mamba layer, one flat slot per live sequence.
+#[derive(Debug, Clone)]
+pub struct MambaStates {
+    data: Vec<f32>,
+    num_slots: usize,
+    layout: MambaLayout,
+}
+
+impl MambaStates {
+    /// `num_slots` zeroed slots for `config`.
+    pub fn new(config: &Config, num_slots: usize) -> Result<Self, ModelError> {
+        let layout = MambaLayout::of(config)?;
+        let total = layout
+            .floats_per_slot()
+            .checked_mul(num_slots)
+            .ok_or(ModelError::SizeOverflow("Mamba state store"))?;
+        Ok(Self {
+            data: vec![0.0; total],
+            num_slots,
+            layout,
+        })
+    }
+
+    /// Number of slots.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// Floats per slot.
+    pub fn floats_per_slot(&self) -> usize {
+        self.layout.floats_per_slot()
+    }
+
+    /// The slot layout.
+    pub fn layout(&self) -> MambaLayout {
+        self.layout
+    }
+
+    fn range(&self, slot: usize) -> Result<std::ops::Range<usize>, ModelError> {
+        if slot >= self.num_slots {
+            return Err(ModelError::BadSlot {
+                slot,
+                num_slots: self.num_slots,
+            });
+        }
+        let n = self.floats_per_slot();
+        Ok(slot * n..(slot + 1) * n)
+    }
+
+    /// One sequence's whole state (for checkpoints and spills).
+    pub fn slot(&self, slot: usize) -> Result<&[f32], ModelError> {
+        let range = self.range(slot)?;
+        Ok(&self.data[range])
+    }
+
+    /// One sequence's whole state, writable (for restoring checkpoints).
+    pub fn slot_mut(&mut self, slot: usize) -> Result<&mut [f32], ModelError> {
+        let range = self.range(slot)?;
+        Ok(&mut self.data[range])
+    }
+
+    /// Zeroes a slot; required before a new sequence's first token.
+    pub fn zero_slot(&mut self, slot: usize) -> Result<(), ModelError> {
+        self.slot_mut(slot)?.fill(0.0);
+        Ok(())
+    }
+
+    /// Copies slot `src` over slot `dst`.
+    pub fn copy_slot(&mut self, src: usize, dst: usize) -> Result<(), ModelError> {
+        let from = self.range(src)?;
+        let to = self.range(dst)?;
+        self.data.copy_within(from, to.start);
+        Ok(())
+    }
+
+    /// Appends a slot's floats to `out`.
+    pub fn export_slot(&self, slot: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+        out.extend_from_slice(self.slot(slot)?);
+        Ok(())
+    }
+
+    /// Overwrites a slot with floats produced by [`MambaStates::export_slot`].
+    pub fn import_slot(&mut self, slot: usize, data: &[f32]) -> Result<(), ModelError> {
+        let expected = self.floats_per_slot();
+        let target = self.slot_mut(slot)?;
+        if data.len() != expected {
+            return Err(ModelError::LengthMismatch {
+                what: "imported Mamba state slot",
+                expected,
+                actual: data.len(),
+            });
+        }
+        target.copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Errors unless the store was built for `config`.
+    pub(crate) fn check_layout(&self, config: &Config) -> Result<(), ModelError> {
+        let needed = MambaLayout::of(config)?;
+        if needed != self.layout {
+            return Err(ModelError::LayoutMismatch {
+                what: "MambaStates",
+                detail: format!("store has {:?}, model needs {:?}", self.layout, needed),
+            });
+        }
+        Ok(())
+    }
+
+    /// Conv history and SSM state of Mamba layer `layer` in `slot` (slot already validated).
+    pub(crate) fn layer_mut(&mut self, slot: usize, layer: usize) -> (&mut [f32], &mut [f32]) {
+        let start = slot * self.floats_per_slot() + layer * self.layout.layer_floats();
+        let region = &mut self.data[start..start + self.layout.layer_floats()];
+        region.split_at_mut(self.layout.conv_floats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_blocks_copy_export_import() {
+        let config = Config::tiny_demo();
+        let mut pool = KvPool::new(&config, 3, 4).unwrap();
+        // 2 attention layers x K,V x 4 tokens x 2 heads x 16 dims.
+        assert_eq!(pool.floats_per_block(), 2 * 2 * 4 * 2 * 16);
+        let pattern: Vec<f32> = (0..pool.floats_per_block()).map(|i| i as f32).collect();
+        pool.import_block(1, &pattern).unwrap();
+        pool.copy_block(1, 2).unwrap();
+        let mut out = Vec::new();
+        pool.export_block(2, &mut out).unwrap();
+        assert_eq!(out, pattern);
+        assert!(pool.block(0).unwrap().iter().all(|&x| x == 0.0));
+        assert!(matches!(
+            pool.copy_block(1, 3),
+            Err(ModelError::BadBlock {
+                block: 3,
+                num_blocks: 3
+            })
+        ));
+        assert!(matches!(
+            pool.import_block(0, &pattern[1..]),
+            Err(ModelError::LengthMismatch { .. })
+        ));
+        assert!(pool.block(0).unwrap().iter().all(|&x| x == 0.0));
+        assert!(KvPool::new(&config, 3, 0).is_err());
+    }
+
+    #[test]
+    fn mamba_slots_copy_zero_import() {
+        let config = Config::tiny_demo();
+        let mut states = MambaStates::new(&config, 2).unwrap();
+        // 4 Mamba layers x (3 x 128 conv + 4 x 16 x 16 SSM).
+        assert_eq!(states.floats_per_slot(), 4 * (3 * 128 + 1024));
+        let pattern: Vec<f32> = (0..states.floats_per_slot()).map(|i| i as f32).collect();
+        states.import_slot(0, &pattern).unwrap();
+        states.copy_slot(0, 1).unwrap();
+        assert_eq!(states.slot(1).unwrap(), &pattern[..]);
+        states.zero_slot(0).unwrap();
+        assert!(states.slot(0).unwrap().iter().all(|&x| x == 0.0));
+        assert!(matches!(
+            states.copy_slot(0, 2),
+            Err(ModelError::BadSlot {
+                slot: 2,
+                num_slots: 2
+            })
+        ));
+        let mut out = Vec::new();
+        states.export_slot(1, &mut out).unwrap();
+        assert_eq!(out, pattern);
+    }
+}
