@@ -1,0 +1,1225 @@
+//! The engine: a queue of requests and a set of running sequences, advanced one step at a time
+//! over any router.
+//!
+//! # One step
+//!
+//! 1. Commands (submissions, cancellations, shutdown) are drained.
+//! 2. **Admission**: waiting requests (preempted ones first, then new ones in arrival order) move
+//!    to running while live slots and an estimate of the KV blocks allow; a spilled one is
+//!    restored with `RestoreSequenceState`, any other gets a fresh sequence.
+//! 3. **Decode**: every running sequence whose prompt is complete feeds its last token. The
+//!    readback is the device `Argmax` unless a row needs host logits (random sampling or a logits
+//!    digest), then `HostLogits`.
+//! 4. **Prefill**: sequences whose prompt is not complete advance by chunks, within the step's
+//!    token budget (`max_step_tokens` minus the decode rows) and `max_prefill_chunk` per row.
+//! 5. `MarconiCheckpoint` for every sequence that [`Sequence::checkpoint_due`].
+//! 6. Ended requests are released (`ReleaseSeq { cache: true }` when finished or cancelled,
+//!    `cache: false` when failed) and their final event is sent.
+//! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders) move
+//!    down with `CompactSlot`, so live sequences occupy slots `0..n`.
+//!
+//! A launch that finds the KV pool (or the slots) dry changed nothing; the engine preempts a
+//! victim (fewest generated tokens, not resumed in the last `protect_steps` steps unless all
+//! were; the latest arrival on ties) and relaunches without it. A row that cannot fit even when
+//! it is the only live sequence fails with [`ServeError::CannotFit`]. Any other launch error fails
+//! exactly that plan's rows.
+//!
+//! # Invariants
+//!
+//! - A request is in exactly one of `waiting` and `running`, or has ended and been sent its
+//!   final event (and is in neither).
+//! - Every sequence in `running` may hold router resources; a sequence in `waiting` holds none
+//!   (it was released, or never launched).
+//! - `Tracked::end` is `None` for every request in `waiting`; in `running` it is set only between
+//!   the moment a request ends and the release at the end of the same step.
+//! - `Tracked::tokens` is the prompt followed by every generated token; a decode row feeds the
+//!   last of them, and a recompute creates its sequence from all of them.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use device_io::{
+    DeviceError, DeviceIo, Effect, Readback, RowOutput, SeqSpec, Sequence, StepPlan, StepResult,
+};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::event::{Event, FinishReason, ServeError, Usage};
+use crate::handle::{Command, EngineClient, RequestHandle, ShutdownMode};
+use crate::metrics::{Metrics, StepReport};
+use crate::request::{Limits, Request, RequestError};
+use crate::sampling::Sampler;
+use crate::spill::{SpillStore, SpillTarget};
+
+/// How a preempted sequence comes back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Preemption {
+    /// Release it with `ReleaseSeq { cache: true }` and later prefill prompt plus generated
+    /// tokens again (mostly served from the prefix cache when it is on).
+    Recompute,
+    /// Save its image with `SaveSequenceState`, release it, and later `RestoreSequenceState`.
+    /// A failed save or restore falls back to recompute.
+    Spill(SpillTarget),
+}
+
+/// The engine's policy knobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// The most running sequences (also bounded by the router's live slots); at least 1.
+    pub max_running: usize,
+    /// Tokens one step may compute: one per decode row plus the prefill chunks. Must exceed
+    /// `max_running`, so prefill always gets some budget.
+    pub max_step_tokens: usize,
+    /// The most prompt tokens one row computes in one step; at least 1.
+    pub max_prefill_chunk: usize,
+    /// How preempted sequences come back.
+    pub preemption: Preemption,
+    /// A sequence resumed (restored or readmitted) within this many steps is not chosen as a
+    /// victim unless every candidate was.
+    pub protect_steps: u64,
+    /// The router streams to `Quiesce` at shutdown.
+    pub streams: Vec<u64>,
+    /// The LoRA adapters requests may name.
+    pub adapters: Vec<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 32,
+            max_step_tokens: 512,
+            max_prefill_chunk: 256,
+            preemption: Preemption::Recompute,
+            protect_steps: 4,
+            streams: vec![0],
+            adapters: Vec::new(),
+        }
+    }
+}
+
+/// An engine-level error (construction, shutdown); request-level failures are [`ServeError`]s.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A configuration value breaks its rule.
+    #[error("engine config: {field} = {value} breaks the rule `{rule}`")]
+    Config {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// The rule it breaks.
+        rule: &'static str,
+    },
+    /// The spill directory could not be created.
+    #[error("spill directory: {0}")]
+    SpillDirectory(#[source] std::io::Error),
+    /// A shutdown effect failed (the remaining shutdown steps still ran).
+    #[error("shutdown effect {effect} failed: {source}")]
+    Shutdown {
+        /// The effect that failed.
+        effect: &'static str,
+        /// The router's error.
+        #[source]
+        source: DeviceError,
+    },
+    /// The router's teardown failed (for example, sequences still held resources).
+    #[error("router teardown failed: {0}")]
+    Teardown(#[source] DeviceError),
+    /// The engine thread panicked.
+    #[error("the engine thread panicked")]
+    ThreadPanicked,
+}
+
+/// Why a request ended (set during a step, acted on when the step releases it).
+#[derive(Debug)]
+enum End {
+    Finish(FinishReason),
+    Fail(ServeError),
+}
+
+/// A request's running logits hash (the hasher's state is large, so it lives on the heap).
+struct Digest(Box<Xxh3>);
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Digest")
+    }
+}
+
+/// The engine's state of one accepted request.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    id: u64,
+    /// Prompt, then every generated token.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+    adapter: Option<u32>,
+    cache_salt: Option<u64>,
+    sampler: Sampler,
+    digest: Option<Digest>,
+    events: Sender<Event>,
+    arrived: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    cached_tokens: usize,
+    preemptions: usize,
+    /// The step it was last resumed at (restored, or readmitted after a preemption).
+    resumed_at: Option<u64>,
+    end: Option<End>,
+}
+
+impl Tracked {
+    pub(crate) fn new(id: u64, request: Request, events: Sender<Event>) -> Self {
+        let prompt_len = request.prompt.len();
+        let mut tokens = request.prompt;
+        tokens.reserve(request.max_tokens);
+        Tracked {
+            id,
+            tokens,
+            prompt_len,
+            max_tokens: request.max_tokens,
+            stop_tokens: request.stop_tokens,
+            adapter: request.adapter,
+            cache_salt: request.cache_salt,
+            sampler: Sampler::new(request.sampling),
+            digest: request.logits_digest.then(|| Digest(Box::new(Xxh3::new()))),
+            events,
+            arrived: Instant::now(),
+            scheduled: None,
+            first_token: None,
+            last_token: None,
+            cached_tokens: 0,
+            preemptions: 0,
+            resumed_at: None,
+            end: None,
+        }
+    }
+
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn needs_logits(&self) -> bool {
+        self.digest.is_some() || self.sampler.needs_logits()
+    }
+
+    fn spec(&self) -> SeqSpec<'_> {
+        SeqSpec {
+            id: self.id,
+            prompt: &self.tokens,
+            adapter: self.adapter,
+            cache_salt: self.cache_salt,
+        }
+    }
+
+    /// Appends a generated token, streams it, and sets `end` when a stop condition holds.
+    fn push_token(&mut self, token: u32, now: Instant) {
+        self.tokens.push(token);
+        self.first_token.get_or_insert(now);
+        self.last_token = Some(now);
+        if self.events.send(Event::Token(token)).is_err() {
+            // Nobody listens any more: stop spending compute on it.
+            self.end = Some(End::Finish(FinishReason::Cancelled));
+        } else if self.stop_tokens.contains(&token) {
+            self.end = Some(End::Finish(FinishReason::Stop(token)));
+        } else if self.generated() >= self.max_tokens {
+            self.end = Some(End::Finish(FinishReason::Length));
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        let generated = self.generated();
+        let time_per_output_token = match (self.first_token, self.last_token) {
+            (Some(first), Some(last)) if generated >= 2 => {
+                Some((last - first) / (generated as u32 - 1))
+            }
+            _ => None,
+        };
+        Usage {
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            generated_tokens: generated,
+            queue_time: self
+                .scheduled
+                .map(|at| at - self.arrived)
+                .unwrap_or_default(),
+            time_to_first_token: self.first_token.map(|at| at - self.arrived),
+            time_per_output_token,
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Sends the final event for `end` (the receiver may be gone; that is fine).
+    fn send_final(&mut self, end: End) {
+        let event = match end {
+            End::Finish(reason) => Event::Finished {
+                reason,
+                usage: self.usage(),
+                logits_digest: self.digest.as_ref().map(|digest| digest.0.digest()),
+            },
+            End::Fail(err) => Event::Error(err),
+        };
+        let _ = self.events.send(event);
+    }
+}
+
+#[derive(Debug)]
+struct Active<S> {
+    seq: S,
+    req: Tracked,
+    /// Whether the sequence is a row of the plan being built or settled.
+    in_plan: bool,
+}
+
+#[derive(Debug)]
+struct Waiting<S> {
+    req: Tracked,
+    /// The released sequence whose image is in the spill store, when it was spilled.
+    spilled: Option<S>,
+}
+
+/// Buffers reused by every step, so a steady state allocates nothing of its own.
+#[derive(Debug, Default)]
+struct Scratch {
+    tokens: Vec<u32>,
+    budgets: Vec<usize>,
+    logits: Vec<f32>,
+    sample: Vec<(f32, u32)>,
+    slot_used: Vec<bool>,
+    /// The allocation of the per-launch `Vec<&mut Seq>`, kept empty between launches.
+    rows: Vec<usize>,
+}
+
+/// Reuses the allocation of an (emptied) vector for elements of another type of the same size
+/// and alignment, such as `&mut T` and `usize`; the standard library collects in place then.
+fn recycle<T, U>(mut vec: Vec<T>) -> Vec<U> {
+    vec.clear();
+    vec.into_iter().map(|_| -> U { unreachable!() }).collect()
+}
+
+/// Which plan a launch loop builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PlanKind {
+    Decode,
+    Prefill,
+}
+
+impl PlanKind {
+    fn name(self) -> &'static str {
+        match self {
+            PlanKind::Decode => "Decode",
+            PlanKind::Prefill => "Prefill",
+        }
+    }
+}
+
+/// The engine over router `D`; see the module docs for what a step does.
+pub struct Engine<D: DeviceIo> {
+    router: Box<D>,
+    config: EngineConfig,
+    limits: Arc<Limits>,
+    waiting: VecDeque<Waiting<D::Seq>>,
+    running: Vec<Active<D::Seq>>,
+    commands: Receiver<Command>,
+    command_tx: Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    spill: Option<SpillStore>,
+    step_no: u64,
+    metrics: Metrics,
+    shutdown_requested: Option<ShutdownMode>,
+    closed: bool,
+    scratch: Scratch,
+}
+
+impl<D: DeviceIo> std::fmt::Debug for Engine<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("config", &self.config)
+            .field("limits", &self.limits)
+            .field("waiting", &self.waiting.len())
+            .field("running", &self.running.len())
+            .field("step", &self.step_no)
+            .field("metrics", &self.metrics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D> Engine<D>
+where
+    D: DeviceIo,
+    D::Seq: Sequence,
+{
+    /// An engine over `router` (idle, nothing queued).
+    pub fn new(router: D, config: EngineConfig) -> Result<Self, EngineError> {
+        let rules: [(&'static str, usize, bool, &'static str); 3] = [
+            (
+                "max_running",
+                config.max_running,
+                config.max_running >= 1,
+                "max_running >= 1",
+            ),
+            (
+                "max_prefill_chunk",
+                config.max_prefill_chunk,
+                config.max_prefill_chunk >= 1,
+                "max_prefill_chunk >= 1",
+            ),
+            (
+                "max_step_tokens",
+                config.max_step_tokens,
+                config.max_step_tokens > config.max_running,
+                "max_step_tokens > max_running",
+            ),
+        ];
+        if let Some((field, value, _, rule)) = rules.into_iter().find(|rule| !rule.2) {
+            return Err(EngineError::Config { field, value, rule });
+        }
+        let spill = match &config.preemption {
+            Preemption::Recompute => None,
+            Preemption::Spill(target) => {
+                Some(SpillStore::open(target).map_err(EngineError::SpillDirectory)?)
+            }
+        };
+        let limits = Arc::new(Limits::new(&router.facts(), config.adapters.clone()));
+        let (command_tx, commands) = crossbeam_channel::unbounded();
+        let scratch = Scratch {
+            rows: Vec::with_capacity(config.max_running),
+            tokens: Vec::with_capacity(config.max_running),
+            budgets: Vec::with_capacity(config.max_running),
+            ..Scratch::default()
+        };
+        Ok(Engine {
+            router: Box::new(router),
+            config,
+            limits,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            commands,
+            command_tx,
+            next_id: Arc::new(AtomicU64::new(1)),
+            spill,
+            step_no: 0,
+            metrics: Metrics::default(),
+            shutdown_requested: None,
+            closed: false,
+            scratch,
+        })
+    }
+
+    /// The router (for facts and inspection; the engine owns every sequence).
+    pub fn router(&self) -> &D {
+        &self.router
+    }
+
+    /// What requests are checked against.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Cumulative counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The directory the spill store owns (removed at shutdown), when spilling to files.
+    pub fn spill_directory(&self) -> Option<&std::path::Path> {
+        self.spill.as_ref().and_then(SpillStore::directory)
+    }
+
+    /// Requests waiting (new or preempted).
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests running (holding or about to hold router resources).
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether nothing is waiting or running (commands not yet drained are not counted).
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// A cloneable, `Send` client that submits to this engine (through its command channel;
+    /// the submissions are taken at the start of the next step).
+    pub fn client(&self) -> EngineClient {
+        EngineClient::new(
+            self.command_tx.clone(),
+            Arc::clone(&self.limits),
+            Arc::clone(&self.next_id),
+        )
+    }
+
+    /// Validates and queues `request`; its events arrive on the handle as steps run.
+    pub fn submit(&mut self, request: Request) -> Result<RequestHandle, RequestError> {
+        if self.closed {
+            return Err(RequestError::EngineStopped);
+        }
+        self.limits.validate(&request)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        self.waiting.push_back(Waiting {
+            req: Tracked::new(id, request, events_tx),
+            spilled: None,
+        });
+        Ok(RequestHandle::new(id, events, self.command_tx.clone()))
+    }
+
+    /// Runs steps until nothing is waiting or running.
+    pub fn run_until_idle(&mut self) {
+        self.drain_commands();
+        while !self.is_idle() {
+            self.step();
+        }
+    }
+
+    /// Runs the engine loop on the current thread until a shutdown command arrives, then shuts
+    /// down (used by [`crate::EngineThread`]).
+    pub fn run(mut self) -> Result<Metrics, EngineError> {
+        loop {
+            if let Some(mode) = self.shutdown_requested {
+                return self.shutdown(mode);
+            }
+            if self.is_idle() {
+                // The engine holds a sender itself, so this only returns with a command.
+                if let Ok(command) = self.commands.recv() {
+                    self.handle_command(command);
+                }
+                continue;
+            }
+            self.step();
+        }
+    }
+
+    /// One step (see the module docs).
+    pub fn step(&mut self) -> StepReport {
+        self.drain_commands();
+        self.step_no += 1;
+        self.metrics.steps += 1;
+        let mut report = StepReport {
+            admitted: self.admit(),
+            ..StepReport::default()
+        };
+        let preemptions_before = self.metrics.preemptions;
+        report.decode_rows = self.launch_loop(PlanKind::Decode, 0).0;
+        let (rows, tokens) = self.launch_loop(PlanKind::Prefill, report.decode_rows);
+        report.prefill_rows = rows;
+        report.prefill_tokens = tokens;
+        report.preempted = (self.metrics.preemptions - preemptions_before) as usize;
+        self.checkpoints();
+        report.ended = self.retire_ended();
+        for _ in 0..3 {
+            // A failed `CompactSlot` ends its request; release it and compact again.
+            if self.compact() {
+                break;
+            }
+            report.ended += self.retire_ended();
+        }
+        report
+    }
+
+    /// Shuts down: finishes (`Drain`) or fails (`Abort`) every request, then applies
+    /// `EpShutdown`, `Quiesce` for each configured stream, and tears the router down. Every
+    /// stage runs even if an earlier one failed; the first failure is the error.
+    pub fn shutdown(mut self, mode: ShutdownMode) -> Result<Metrics, EngineError> {
+        self.closed = true;
+        self.drain_commands();
+        if mode == ShutdownMode::Drain {
+            while !self.is_idle() {
+                self.step();
+            }
+        }
+        for mut waiting in std::mem::take(&mut self.waiting) {
+            if let Some(store) = &mut self.spill {
+                store.remove(waiting.req.id);
+            }
+            self.metrics.failed += 1;
+            waiting.req.send_final(End::Fail(ServeError::Shutdown));
+        }
+        for active in &mut self.running {
+            active.req.end = Some(End::Fail(ServeError::Shutdown));
+        }
+        self.retire_ended();
+        let mut first_error = None;
+        if let Err(source) = self.router.apply(Effect::EpShutdown) {
+            first_error.get_or_insert(EngineError::Shutdown {
+                effect: "EpShutdown",
+                source,
+            });
+        }
+        for &stream in &self.config.streams {
+            if let Err(source) = self.router.apply(Effect::Quiesce { stream }) {
+                first_error.get_or_insert(EngineError::Shutdown {
+                    effect: "Quiesce",
+                    source,
+                });
+            }
+        }
+        let Engine {
+            router, metrics, ..
+        } = self;
+        if let Err(err) = router.teardown() {
+            first_error.get_or_insert(EngineError::Teardown(err));
+        }
+        match first_error {
+            None => Ok(metrics),
+            Some(err) => Err(err),
+        }
+    }
+
+    fn drain_commands(&mut self) {
+        while let Ok(command) = self.commands.try_recv() {
+            self.handle_command(command);
+        }
+    }
+
+    fn handle_command(&mut self, command: Command) {
+        match command {
+            Command::Submit(req) => {
+                let mut req = *req;
+                if self.closed || self.shutdown_requested.is_some() {
+                    self.metrics.failed += 1;
+                    req.send_final(End::Fail(ServeError::Shutdown));
+                } else {
+                    self.waiting.push_back(Waiting { req, spilled: None });
+                }
+            }
+            Command::Cancel(id) => self.cancel(id),
+            Command::Shutdown(mode) => {
+                self.shutdown_requested.get_or_insert(mode);
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: u64) {
+        if let Some(active) = self.running.iter_mut().find(|a| a.req.id == id) {
+            active
+                .req
+                .end
+                .get_or_insert(End::Finish(FinishReason::Cancelled));
+        } else if let Some(index) = self.waiting.iter().position(|w| w.req.id == id) {
+            if let Some(mut waiting) = self.waiting.remove(index) {
+                if let Some(store) = &mut self.spill {
+                    store.remove(id);
+                }
+                self.metrics.cancelled += 1;
+                waiting.req.send_final(End::Finish(FinishReason::Cancelled));
+            }
+        }
+    }
+
+    /// KV blocks the running sequences will still take for their current work (the rest of the
+    /// prompt, or the next decode position).
+    fn committed_blocks(&self) -> usize {
+        let limits = &self.limits;
+        self.running
+            .iter()
+            .filter(|a| a.req.end.is_none())
+            .map(|a| {
+                let computed = a.seq.computed_len();
+                let target = a.seq.prompt_len().max(computed + 1);
+                limits.blocks_for(target) - limits.blocks_for(computed)
+            })
+            .sum()
+    }
+
+    fn admit(&mut self) -> usize {
+        let facts = self.router.facts();
+        let cap = self.config.max_running.min(facts.live_slots_total);
+        let mut available =
+            (facts.kv_blocks_free + facts.kv_blocks_cached).saturating_sub(self.committed_blocks());
+        let mut admitted = 0;
+        while self.running.len() < cap {
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
+            let needed = self.limits.blocks_for(front.req.tokens.len() + 1);
+            // With nothing running the head always goes: the pool can hold it alone, since
+            // requests that can never fit were refused at submission.
+            if needed > available && !self.running.is_empty() {
+                break;
+            }
+            let Some(Waiting { mut req, spilled }) = self.waiting.pop_front() else {
+                break;
+            };
+            if req.scheduled.is_none() {
+                req.scheduled = Some(Instant::now());
+                self.metrics.admitted += 1;
+            }
+            if req.preemptions > 0 {
+                req.resumed_at = Some(self.step_no);
+            }
+            let seq = match spilled {
+                Some(seq) => match self.restore(seq, &mut req) {
+                    Restored::Yes(seq) => seq,
+                    Restored::Later(seq) => {
+                        self.waiting.push_front(Waiting {
+                            req,
+                            spilled: Some(seq),
+                        });
+                        break;
+                    }
+                    Restored::Recompute => D::Seq::create(req.spec()),
+                },
+                None => D::Seq::create(req.spec()),
+            };
+            available = available.saturating_sub(needed);
+            admitted += 1;
+            self.running.push(Active {
+                seq,
+                req,
+                in_plan: false,
+            });
+        }
+        admitted
+    }
+
+    fn restore(&mut self, mut seq: D::Seq, req: &mut Tracked) -> Restored<D::Seq> {
+        let Some(store) = &mut self.spill else {
+            return Restored::Recompute;
+        };
+        let router = &self.router;
+        let loaded = store.load(req.id, |reader| {
+            router.apply(Effect::RestoreSequenceState {
+                seq: &mut seq,
+                reader,
+            })
+        });
+        match loaded {
+            Ok(Ok(_)) => {
+                store.remove(req.id);
+                self.metrics.restores += 1;
+                Restored::Yes(seq)
+            }
+            Ok(Err(DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. })) => {
+                Restored::Later(seq)
+            }
+            Ok(Err(err)) => {
+                tracing::warn!(id = req.id, %err, "restore failed; recomputing instead");
+                store.remove(req.id);
+                self.metrics.spill_fallbacks += 1;
+                self.metrics.recomputes += 1;
+                Restored::Recompute
+            }
+            Err(err) => {
+                tracing::warn!(id = req.id, %err, "spill image unreadable; recomputing instead");
+                store.remove(req.id);
+                self.metrics.spill_fallbacks += 1;
+                self.metrics.recomputes += 1;
+                Restored::Recompute
+            }
+        }
+    }
+
+    /// Builds, launches and settles one plan of `kind`, preempting on exhaustion and relaunching
+    /// without the victim. Answers the rows and computed prompt tokens of the settled plan.
+    fn launch_loop(&mut self, kind: PlanKind, decode_rows: usize) -> (usize, usize) {
+        loop {
+            let (rows, wants_logits) = self.mark_rows(kind, decode_rows);
+            if rows == 0 {
+                return (0, 0);
+            }
+            match self.launch(kind, wants_logits) {
+                Ok(step) => {
+                    let computed = self.accept(kind, step);
+                    return (rows, computed);
+                }
+                Err(
+                    err @ (DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. }),
+                ) => {
+                    if !self.make_room(kind, err) {
+                        return (0, 0);
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(plan = kind.name(), %err, "step failed; failing its rows");
+                    self.fail_plan_rows(|| ServeError::Device {
+                        during: kind.name(),
+                        source: err.clone(),
+                    });
+                    return (0, 0);
+                }
+            }
+        }
+    }
+
+    /// Marks the rows of the next plan of `kind` (and fills the per-row inputs); answers how
+    /// many there are and whether any needs host logits.
+    fn mark_rows(&mut self, kind: PlanKind, decode_rows: usize) -> (usize, bool) {
+        let Engine {
+            running,
+            scratch,
+            config,
+            ..
+        } = self;
+        scratch.tokens.clear();
+        scratch.budgets.clear();
+        let mut budget_left = config.max_step_tokens.saturating_sub(decode_rows);
+        let mut rows = 0;
+        let mut wants_logits = false;
+        for active in running.iter_mut() {
+            active.in_plan = false;
+            if active.req.end.is_some() {
+                continue;
+            }
+            let prefill_done = active.seq.prefill_done();
+            match kind {
+                PlanKind::Decode if prefill_done => {
+                    let Some(&last) = active.req.tokens.last() else {
+                        continue;
+                    };
+                    scratch.tokens.push(last);
+                }
+                PlanKind::Prefill if !prefill_done && budget_left > 0 => {
+                    let remaining = active.seq.prompt_len() - active.seq.computed_len();
+                    let budget = remaining.min(config.max_prefill_chunk).min(budget_left);
+                    budget_left -= budget;
+                    scratch.budgets.push(budget);
+                }
+                _ => continue,
+            }
+            active.in_plan = true;
+            wants_logits |= active.req.needs_logits();
+            rows += 1;
+        }
+        (rows, wants_logits)
+    }
+
+    fn launch(
+        &mut self,
+        kind: PlanKind,
+        wants_logits: bool,
+    ) -> Result<StepResult<D::Ptr>, DeviceError> {
+        let Engine {
+            router,
+            running,
+            scratch,
+            ..
+        } = self;
+        let mut rows: Vec<&mut D::Seq> = recycle(std::mem::take(&mut scratch.rows));
+        rows.extend(running.iter_mut().filter(|a| a.in_plan).map(|a| &mut a.seq));
+        let readback = if wants_logits {
+            Readback::HostLogits {
+                into: &mut scratch.logits,
+            }
+        } else {
+            Readback::Argmax
+        };
+        let plan = match kind {
+            PlanKind::Decode => StepPlan::Decode {
+                tokens: &scratch.tokens,
+                readback,
+            },
+            PlanKind::Prefill => StepPlan::Prefill {
+                budgets: &scratch.budgets,
+                readback,
+            },
+        };
+        let result = router
+            .launch(plan, &mut rows)
+            .and_then(|ticket| router.await_result(ticket));
+        scratch.rows = recycle(rows);
+        result
+    }
+
+    /// Takes a settled plan's outputs into the marked rows; answers the prompt tokens computed.
+    fn accept(&mut self, kind: PlanKind, step: StepResult<D::Ptr>) -> usize {
+        let now = Instant::now();
+        let Engine {
+            running,
+            scratch,
+            metrics,
+            limits,
+            ..
+        } = self;
+        let vocab = limits.vocab_size;
+        let mut outputs = step.rows.iter();
+        let mut computed_total = 0;
+        match kind {
+            PlanKind::Decode => metrics.decode_launches += 1,
+            PlanKind::Prefill => metrics.prefill_launches += 1,
+        }
+        for active in running.iter_mut().filter(|a| a.in_plan) {
+            let req = &mut active.req;
+            let Some(output) = outputs.next() else {
+                req.end = Some(End::Fail(protocol(
+                    kind,
+                    "the step answered fewer rows than it had",
+                )));
+                continue;
+            };
+            if kind == PlanKind::Prefill {
+                let Some(report) = output.prefill else {
+                    req.end = Some(End::Fail(protocol(kind, "a prefill row has no report")));
+                    continue;
+                };
+                req.cached_tokens += report.cached;
+                metrics.prefill_tokens_cached += report.cached as u64;
+                metrics.prefill_tokens_computed += report.computed as u64;
+                computed_total += report.computed;
+                if !report.done {
+                    continue;
+                }
+            }
+            match choose_token(req, output, &scratch.logits, vocab, &mut scratch.sample) {
+                Ok(token) => {
+                    metrics.generated_tokens += 1;
+                    req.push_token(token, now);
+                }
+                Err(detail) => req.end = Some(End::Fail(protocol(kind, detail))),
+            }
+        }
+        computed_total
+    }
+
+    /// After a launch found the pool or the slots dry: preempts a victim and answers `true` to
+    /// relaunch, or, when no other live sequence is left to preempt, fails the plan's rows.
+    fn make_room(&mut self, kind: PlanKind, err: DeviceError) -> bool {
+        let live = self.running.iter().filter(|a| a.req.end.is_none()).count();
+        if live <= 1 {
+            tracing::warn!(plan = kind.name(), %err, "a sequence cannot fit even alone");
+            self.fail_plan_rows(|| match &err {
+                DeviceError::KvExhausted { needed, free } => ServeError::CannotFit {
+                    needed: *needed,
+                    free: *free,
+                },
+                other => ServeError::Device {
+                    during: kind.name(),
+                    source: other.clone(),
+                },
+            });
+            return false;
+        }
+        let Some(victim) = self.choose_victim() else {
+            return false;
+        };
+        self.preempt(victim);
+        true
+    }
+
+    fn fail_plan_rows(&mut self, error: impl Fn() -> ServeError) {
+        for active in self.running.iter_mut().filter(|a| a.in_plan) {
+            active.req.end = Some(End::Fail(error()));
+        }
+    }
+
+    /// The live sequence to preempt: the fewest generated tokens among those not resumed in the
+    /// last `protect_steps` steps (all live ones when every one was), the latest arrival on ties.
+    fn choose_victim(&self) -> Option<usize> {
+        let protect = self.config.protect_steps;
+        let step = self.step_no;
+        let is_protected = |a: &Active<D::Seq>| {
+            a.req
+                .resumed_at
+                .is_some_and(|at| step < at.saturating_add(protect))
+        };
+        let live = || {
+            self.running
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.req.end.is_none())
+        };
+        let all_protected = live().all(|(_, a)| is_protected(a));
+        live()
+            .filter(|(_, a)| all_protected || !is_protected(a))
+            .min_by_key(|(_, a)| (a.req.generated(), std::cmp::Reverse(a.req.id)))
+            .map(|(index, _)| index)
+    }
+
+    fn preempt(&mut self, index: usize) {
+        let Active { seq, mut req, .. } = self.running.remove(index);
+        req.preemptions += 1;
+        self.metrics.preemptions += 1;
+        tracing::debug!(
+            id = req.id,
+            generated = req.generated(),
+            "preempting on KV exhaustion"
+        );
+        let seq = match &mut self.spill {
+            Some(store) => {
+                let router = &self.router;
+                let saved = store.save(req.id, |writer| {
+                    router
+                        .apply(Effect::SaveSequenceState { seq: &seq, writer })
+                        .map(|_| ())
+                });
+                match saved {
+                    Ok(Ok(())) => Some(seq),
+                    Ok(Err(err)) => {
+                        tracing::warn!(id = req.id, %err, "spill failed; recomputing instead");
+                        self.metrics.spill_fallbacks += 1;
+                        self.recompute(seq, req);
+                        return;
+                    }
+                    Err(err) => {
+                        tracing::warn!(id = req.id, %err, "spill store failed; recomputing instead");
+                        self.metrics.spill_fallbacks += 1;
+                        self.recompute(seq, req);
+                        return;
+                    }
+                }
+            }
+            None => {
+                self.recompute(seq, req);
+                return;
+            }
+        };
+        let Some(mut seq) = seq else { return };
+        // The image holds everything the sequence needs; offering its blocks to the cache too
+        // would only compete with other entries.
+        match self.release(&mut seq, false, "preempt") {
+            Ok(()) => {
+                self.metrics.spills += 1;
+                self.waiting.push_front(Waiting {
+                    req,
+                    spilled: Some(seq),
+                });
+            }
+            Err(source) => {
+                if let Some(store) = &mut self.spill {
+                    store.remove(req.id);
+                }
+                self.metrics.failed += 1;
+                req.send_final(End::Fail(ServeError::Device {
+                    during: "ReleaseSeq",
+                    source,
+                }));
+            }
+        }
+    }
+
+    fn recompute(&mut self, mut seq: D::Seq, mut req: Tracked) {
+        match self.release(&mut seq, true, "preempt") {
+            Ok(()) => {
+                self.metrics.recomputes += 1;
+                self.waiting.push_front(Waiting { req, spilled: None });
+            }
+            Err(source) => {
+                self.metrics.failed += 1;
+                req.send_final(End::Fail(ServeError::Device {
+                    during: "ReleaseSeq",
+                    source,
+                }));
+            }
+        }
+    }
+
+    /// Releases `seq`. When that fails (the router changed nothing), tries once more without
+    /// caching; if that fails too the sequence's resources stay with the router (counted in
+    /// [`Metrics::leaked_sequences`]). Answers the first error.
+    fn release(
+        &mut self,
+        seq: &mut D::Seq,
+        cache: bool,
+        what: &'static str,
+    ) -> Result<(), DeviceError> {
+        let err = match self.router.apply(Effect::ReleaseSeq { seq, cache, what }) {
+            Ok(_) => return Ok(()),
+            Err(err) => err,
+        };
+        tracing::warn!(id = seq.id(), %err, "release failed; retrying without caching");
+        if let Err(again) = self.router.apply(Effect::ReleaseSeq {
+            seq,
+            cache: false,
+            what: "fault",
+        }) {
+            tracing::error!(id = seq.id(), err = %again, "release failed twice; the router keeps its resources");
+            self.metrics.leaked_sequences += 1;
+        }
+        Err(err)
+    }
+
+    fn checkpoints(&mut self) {
+        let Engine {
+            router,
+            running,
+            metrics,
+            ..
+        } = self;
+        for active in running
+            .iter_mut()
+            .filter(|a| a.req.end.is_none() && a.seq.checkpoint_due())
+        {
+            match router.apply(Effect::MarconiCheckpoint {
+                seq: &mut active.seq,
+            }) {
+                Ok(_) => metrics.marconi_checkpoints += 1,
+                Err(err) => {
+                    // The router changed nothing; only caching loses, the request goes on.
+                    tracing::warn!(id = active.req.id, %err, "MarconiCheckpoint failed");
+                    metrics.marconi_checkpoint_failures += 1;
+                }
+            }
+        }
+    }
+
+    /// Releases every ended request and sends its final event; answers how many.
+    fn retire_ended(&mut self) -> usize {
+        let mut ended = 0;
+        let mut index = 0;
+        while index < self.running.len() {
+            if self.running[index].req.end.is_none() {
+                index += 1;
+                continue;
+            }
+            let Active {
+                mut seq, mut req, ..
+            } = self.running.remove(index);
+            ended += 1;
+            let Some(end) = req.end.take() else {
+                continue;
+            };
+            match end {
+                End::Finish(reason) => {
+                    let what = if reason == FinishReason::Cancelled {
+                        "cancel"
+                    } else {
+                        "finish"
+                    };
+                    match self.release(&mut seq, true, what) {
+                        Ok(()) => {
+                            if reason == FinishReason::Cancelled {
+                                self.metrics.cancelled += 1;
+                            } else {
+                                self.metrics.finished += 1;
+                            }
+                            req.send_final(End::Finish(reason));
+                        }
+                        Err(source) => {
+                            self.metrics.failed += 1;
+                            req.send_final(End::Fail(ServeError::Device {
+                                during: "ReleaseSeq",
+                                source,
+                            }));
+                        }
+                    }
+                }
+                End::Fail(err) => {
+                    let what = if err == ServeError::Shutdown {
+                        "shutdown"
+                    } else {
+                        "fault"
+                    };
+                    // A failed row may be in an unspecified state: never cache it. The request
+                    // fails with its own error whatever the release answers.
+                    let _ = self.release(&mut seq, false, what);
+                    self.metrics.failed += 1;
+                    req.send_final(End::Fail(err));
+                }
+            }
+        }
+        ended
+    }
+
+    /// Moves slot holders at or above `n` into the free slots below it; answers `false` when a
+    /// move failed (its request is marked failed and must be retired).
+    fn compact(&mut self) -> bool {
+        let Engine {
+            router,
+            running,
+            scratch,
+            metrics,
+            ..
+        } = self;
+        let holders = running.iter().filter(|a| a.seq.slot().is_some()).count();
+        scratch.slot_used.clear();
+        scratch.slot_used.resize(holders, false);
+        for active in running.iter() {
+            if let Some(slot) = active.seq.slot() {
+                if slot < holders {
+                    scratch.slot_used[slot] = true;
+                }
+            }
+        }
+        let mut all_moved = true;
+        let mut next_free = 0;
+        for active in running.iter_mut() {
+            let Some(slot) = active.seq.slot() else {
+                continue;
+            };
+            if slot < holders {
+                continue;
+            }
+            while scratch.slot_used[next_free] {
+                next_free += 1;
+            }
+            match router.apply(Effect::CompactSlot {
+                seq: &mut active.seq,
+                target: next_free,
+            }) {
+                Ok(_) => {
+                    scratch.slot_used[next_free] = true;
+                    metrics.compactions += 1;
+                }
+                Err(source) => {
+                    all_moved = false;
+                    // Skip this target: the next holder tries the next free slot.
+                    next_free += 1;
+                    active.req.end = Some(End::Fail(ServeError::Device {
+                        during: "CompactSlot",
+                        source,
+                    }));
+                }
+            }
+        }
+        all_moved
+    }
+}
+
+/// What restoring a spilled sequence came to.
+enum Restored<S> {
+    /// Restored; the sequence runs again.
+    Yes(S),
+    /// The pool or the slots are dry; try again later.
+    Later(S),
+    /// The image could not be restored; prefill prompt plus generated tokens again.
+    Recompute,
+}
+
+fn protocol(kind: PlanKind, detail: &str) -> ServeError {
+    ServeError::Device {
+        during: kind.name(),
+        source: DeviceError::Invalid {
+            what: kind.name(),
+            detail: detail.to_string(),
+        },
+    }
+}
+
+/// The token for a row that reached a token position; hashes its logits row into the digest.
+fn choose_token(
+    req: &mut Tracked,
+    output: &RowOutput,
+    logits: &[f32],
+    vocab: usize,
+    scratch: &mut Vec<(f32, u32)>,
+) -> Result<u32, &'static str> {
+    if let Some(row) = output.logits_row {
+        let start = row * vocab;
+        let Some(row_logits) = logits.get(start..start + vocab) else {
+            return Err("a logits row index is outside the host logits");
+        };
+        if let Some(digest) = &mut req.digest {
+            digest.0.update(bytemuck::cast_slice(row_logits));
+        }
+        return Ok(req.sampler.from_logits(row_logits, scratch));
+    }
+    if req.needs_logits() {
+        return Err("a row that needs host logits got none");
+    }
+    match output.token {
+        Some(argmax) => Ok(req.sampler.from_argmax(argmax)),
+        None => Err("a row that reached a token position has no token"),
+    }
+}

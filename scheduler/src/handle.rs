@@ -1,0 +1,205 @@
+//! The engine's public faces: a request's handle (its token stream and cancel), a cloneable
+//! `Send` client, and the engine thread.
+//!
+//! Every handle and client talks to the engine through one command channel; the engine takes
+//! commands at the start of each step (or blocks on them when idle, on its own thread).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use device_io::{DeviceIo, Sequence};
+
+use crate::engine::{Engine, EngineError, Tracked};
+use crate::event::{Event, FinishReason, ServeError, Usage};
+use crate::metrics::Metrics;
+use crate::request::{Limits, Request, RequestError};
+
+/// What a client or handle asks of the engine.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Submit(Box<Tracked>),
+    Cancel(u64),
+    Shutdown(ShutdownMode),
+}
+
+/// How the engine treats requests still in flight at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownMode {
+    /// Serve every accepted request to completion first (new submissions fail).
+    Drain,
+    /// Fail every request still waiting or running with [`ServeError::Shutdown`].
+    Abort,
+}
+
+/// A submitted request: its id, its event stream, and a way to cancel it.
+///
+/// Dropping the handle does not cancel the request at once; the engine cancels it when it next
+/// fails to deliver a token to the dropped stream.
+#[derive(Debug)]
+pub struct RequestHandle {
+    id: u64,
+    events: Receiver<Event>,
+    commands: Sender<Command>,
+}
+
+/// A completed request's whole output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// Every generated token, in order.
+    pub tokens: Vec<u32>,
+    /// Why it stopped.
+    pub reason: FinishReason,
+    /// What it used.
+    pub usage: Usage,
+    /// The logits digest, when the request asked for one.
+    pub logits_digest: Option<u64>,
+}
+
+impl RequestHandle {
+    pub(crate) fn new(id: u64, events: Receiver<Event>, commands: Sender<Command>) -> Self {
+        RequestHandle {
+            id,
+            events,
+            commands,
+        }
+    }
+
+    /// The request's id (unique within its engine).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The stream: tokens, then one `Finished` or `Error`.
+    pub fn events(&self) -> &Receiver<Event> {
+        &self.events
+    }
+
+    /// Asks the engine to cancel the request; it ends with `Finished { reason: Cancelled }`
+    /// unless it ended before the engine saw the command.
+    pub fn cancel(&self) {
+        // A closed channel means the engine is gone, and so is the request.
+        let _ = self.commands.send(Command::Cancel(self.id));
+    }
+
+    /// Blocks until the request ends and answers its whole output. With an engine driven step
+    /// by step on this thread, call it only after the request ended (e.g. after
+    /// [`Engine::run_until_idle`]), or it waits forever.
+    pub fn wait(self) -> Result<Completion, ServeError> {
+        let mut tokens = Vec::new();
+        loop {
+            match self.events.recv() {
+                Ok(Event::Token(token)) => tokens.push(token),
+                Ok(Event::Finished {
+                    reason,
+                    usage,
+                    logits_digest,
+                }) => {
+                    return Ok(Completion {
+                        tokens,
+                        reason,
+                        usage,
+                        logits_digest,
+                    })
+                }
+                Ok(Event::Error(err)) => return Err(err),
+                Err(_) => return Err(ServeError::EngineStopped),
+            }
+        }
+    }
+}
+
+/// A cloneable, `Send` client of an engine: submits requests, and nothing else.
+#[derive(Debug, Clone)]
+pub struct EngineClient {
+    commands: Sender<Command>,
+    limits: Arc<Limits>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl EngineClient {
+    pub(crate) fn new(
+        commands: Sender<Command>,
+        limits: Arc<Limits>,
+        next_id: Arc<AtomicU64>,
+    ) -> Self {
+        EngineClient {
+            commands,
+            limits,
+            next_id,
+        }
+    }
+
+    /// What requests are checked against.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Validates `request` here (so a bad one is refused at once) and hands it to the engine.
+    pub fn submit(&self, request: Request) -> Result<RequestHandle, RequestError> {
+        self.limits.validate(&request)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        let tracked = Tracked::new(id, request, events_tx);
+        self.commands
+            .send(Command::Submit(Box::new(tracked)))
+            .map_err(|_| RequestError::EngineStopped)?;
+        Ok(RequestHandle::new(id, events, self.commands.clone()))
+    }
+}
+
+/// An engine running on its own thread. Dropping it aborts and joins the thread; call
+/// [`EngineThread::shutdown`] to choose the mode and see the result.
+#[derive(Debug)]
+pub struct EngineThread {
+    client: EngineClient,
+    join: Option<JoinHandle<Result<Metrics, EngineError>>>,
+}
+
+impl EngineThread {
+    /// Moves `engine` to a new thread named `engine` that serves until shutdown.
+    pub fn spawn<D>(engine: Engine<D>) -> std::io::Result<Self>
+    where
+        D: DeviceIo + 'static,
+        D::Seq: Sequence + 'static,
+    {
+        let client = engine.client();
+        let join = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || engine.run())?;
+        Ok(EngineThread {
+            client,
+            join: Some(join),
+        })
+    }
+
+    /// A client of the engine.
+    pub fn client(&self) -> EngineClient {
+        self.client.clone()
+    }
+
+    /// Shuts the engine down in `mode`, waits for its thread, and answers its final counters.
+    pub fn shutdown(mut self, mode: ShutdownMode) -> Result<Metrics, EngineError> {
+        self.stop(mode)
+    }
+
+    fn stop(&mut self, mode: ShutdownMode) -> Result<Metrics, EngineError> {
+        let Some(join) = self.join.take() else {
+            return Err(EngineError::ThreadPanicked);
+        };
+        // A closed channel means the thread already ended; joining tells how.
+        let _ = self.client.commands.send(Command::Shutdown(mode));
+        join.join().map_err(|_| EngineError::ThreadPanicked)?
+    }
+}
+
+impl Drop for EngineThread {
+    fn drop(&mut self) {
+        if self.join.is_some() {
+            if let Err(err) = self.stop(ShutdownMode::Abort) {
+                tracing::error!(%err, "engine shutdown on drop failed");
+            }
+        }
+    }
+}

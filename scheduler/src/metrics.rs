@@ -1,0 +1,63 @@
+//! Counters the engine keeps over its lifetime, and what one step did.
+
+use serde::Serialize;
+
+/// Cumulative counters of an engine. Every field only grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Metrics {
+    /// Steps run.
+    pub steps: u64,
+    /// `Prefill` plans that settled.
+    pub prefill_launches: u64,
+    /// `Decode` plans that settled.
+    pub decode_launches: u64,
+    /// Prompt tokens the router computed (including recompute after preemption).
+    pub prefill_tokens_computed: u64,
+    /// Prompt tokens the router served from the prefix cache.
+    pub prefill_tokens_cached: u64,
+    /// Tokens generated (delivered to streams).
+    pub generated_tokens: u64,
+    /// Requests admitted for the first time.
+    pub admitted: u64,
+    /// Requests that finished normally (length or stop token).
+    pub finished: u64,
+    /// Requests cancelled.
+    pub cancelled: u64,
+    /// Requests that failed while being served.
+    pub failed: u64,
+    /// Preemptions (either kind).
+    pub preemptions: u64,
+    /// Preemptions that spilled the sequence's image.
+    pub spills: u64,
+    /// Spilled sequences restored.
+    pub restores: u64,
+    /// Preemptions (or failed spills/restores) that released the sequence for recompute.
+    pub recomputes: u64,
+    /// Spills or restores that failed and fell back to recompute.
+    pub spill_fallbacks: u64,
+    /// `CompactSlot` effects applied.
+    pub compactions: u64,
+    /// `MarconiCheckpoint` effects applied.
+    pub marconi_checkpoints: u64,
+    /// `MarconiCheckpoint` effects the router refused (the request continues; only caching loses).
+    pub marconi_checkpoint_failures: u64,
+    /// Sequences whose release failed twice; their resources stay with the router until teardown.
+    pub leaked_sequences: u64,
+}
+
+/// What one [`crate::Engine::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepReport {
+    /// Requests moved from the queue to running (new, restored or recomputing).
+    pub admitted: usize,
+    /// Rows of the settled `Decode` plan.
+    pub decode_rows: usize,
+    /// Rows of the settled `Prefill` plan.
+    pub prefill_rows: usize,
+    /// Prompt tokens computed by the `Prefill` plan.
+    pub prefill_tokens: usize,
+    /// Preemptions during the step.
+    pub preempted: usize,
+    /// Requests that ended during the step (finished, cancelled or failed).
+    pub ended: usize,
+}

@@ -1,0 +1,249 @@
+//! Token choice per request: greedy, seeded random sampling with filters, or forced tokens.
+//!
+//! A [`Sampler`] belongs to one request and lives as long as it does, across preemptions (so a
+//! request's random stream continues where it left off after a spill or a recompute). Greedy
+//! and forced samplers never need host logits; a random sampler always does.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::request::{RandomSampling, Sampling};
+
+/// The token chooser of one request.
+#[derive(Debug)]
+pub(crate) struct Sampler {
+    kind: Kind,
+}
+
+#[derive(Debug)]
+enum Kind {
+    Greedy,
+    Random {
+        params: RandomSampling,
+        rng: ChaCha8Rng,
+    },
+    Forced {
+        tokens: Vec<u32>,
+        next: usize,
+    },
+}
+
+impl Sampler {
+    pub(crate) fn new(sampling: Sampling) -> Self {
+        let kind = match sampling {
+            Sampling::Greedy => Kind::Greedy,
+            Sampling::Random(params) => Kind::Random {
+                rng: ChaCha8Rng::seed_from_u64(params.seed),
+                params,
+            },
+            Sampling::Forced(tokens) => Kind::Forced { tokens, next: 0 },
+        };
+        Sampler { kind }
+    }
+
+    /// Whether choosing a token needs the host logits (a device argmax will not do).
+    pub(crate) fn needs_logits(&self) -> bool {
+        matches!(self.kind, Kind::Random { .. })
+    }
+
+    /// The next token when only the device argmax is known (never called for a random sampler,
+    /// which [`Self::needs_logits`]).
+    pub(crate) fn from_argmax(&mut self, argmax: u32) -> u32 {
+        match &mut self.kind {
+            Kind::Greedy | Kind::Random { .. } => argmax,
+            Kind::Forced { tokens, next } => take_forced(tokens, next, argmax),
+        }
+    }
+
+    /// The next token from one row of host logits; `scratch` is reused between calls.
+    pub(crate) fn from_logits(&mut self, logits: &[f32], scratch: &mut Vec<(f32, u32)>) -> u32 {
+        match &mut self.kind {
+            Kind::Greedy => argmax(logits),
+            Kind::Forced { tokens, next } => take_forced(tokens, next, argmax(logits)),
+            Kind::Random { params, rng } => sample(logits, params, rng, scratch),
+        }
+    }
+}
+
+fn take_forced(tokens: &[u32], next: &mut usize, fallback: u32) -> u32 {
+    // Validation guarantees `max_tokens <= tokens.len()`, so the list never runs out before the
+    // request stops; the fallback only keeps this total.
+    let token = tokens.get(*next).copied().unwrap_or(fallback);
+    *next += 1;
+    token
+}
+
+/// The index of the largest logit, the first one on ties; NaNs never win (0 when all are NaN).
+pub(crate) fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_value = f32::NEG_INFINITY;
+    let mut seen = false;
+    for (index, &value) in logits.iter().enumerate() {
+        if value > best_value || (!seen && !value.is_nan()) {
+            best = index;
+            best_value = value;
+            seen = true;
+        }
+    }
+    best as u32
+}
+
+fn sample(
+    logits: &[f32],
+    params: &RandomSampling,
+    rng: &mut ChaCha8Rng,
+    scratch: &mut Vec<(f32, u32)>,
+) -> u32 {
+    scratch.clear();
+    scratch.extend(
+        logits
+            .iter()
+            .enumerate()
+            .filter(|(_, value)| !value.is_nan())
+            .map(|(index, &value)| (value / params.temperature, index as u32)),
+    );
+    if scratch.is_empty() {
+        tracing::warn!("every logit is NaN; answering token 0");
+        return 0;
+    }
+    // Most likely first; equal logits in id order, so the order (and the draw) is deterministic.
+    let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if let Some(k) = params.top_k {
+        if k < scratch.len() {
+            scratch.select_nth_unstable_by(k - 1, by_rank);
+            scratch.truncate(k);
+        }
+    }
+    scratch.sort_unstable_by(by_rank);
+    // Softmax in place (unnormalised): the first entry is the maximum; -inf logits get 0.
+    let max = scratch[0].0;
+    let mut total = 0.0f64;
+    for entry in scratch.iter_mut() {
+        // With an infinite maximum (all -inf, or some +inf), the maxima share the mass equally.
+        let p = if max.is_infinite() {
+            if entry.0 == max {
+                1.0
+            } else {
+                0.0
+            }
+        } else {
+            (entry.0 - max).exp()
+        };
+        entry.0 = p;
+        total += f64::from(p);
+    }
+    if params.top_p < 1.0 {
+        let mut cumulative = 0.0f64;
+        let mut keep = scratch.len();
+        for (index, entry) in scratch.iter().enumerate() {
+            cumulative += f64::from(entry.0) / total;
+            if cumulative >= f64::from(params.top_p) {
+                keep = index + 1;
+                break;
+            }
+        }
+        scratch.truncate(keep);
+    }
+    if params.min_p > 0.0 {
+        let floor = params.min_p * scratch[0].0;
+        let keep = scratch.iter().take_while(|entry| entry.0 >= floor).count();
+        scratch.truncate(keep.max(1));
+    }
+    let kept: f64 = scratch.iter().map(|entry| f64::from(entry.0)).sum();
+    let mut target = rng.random::<f64>() * kept;
+    for entry in scratch.iter() {
+        target -= f64::from(entry.0);
+        if target < 0.0 {
+            return entry.1;
+        }
+    }
+    scratch[scratch.len() - 1].1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(f: impl FnOnce(&mut RandomSampling)) -> Sampler {
+        let mut params = RandomSampling::new(1.0, 42);
+        f(&mut params);
+        Sampler::new(Sampling::Random(params))
+    }
+
+    fn draws(sampler: &mut Sampler, logits: &[f32], n: usize) -> Vec<u32> {
+        let mut scratch = Vec::new();
+        (0..n)
+            .map(|_| sampler.from_logits(logits, &mut scratch))
+            .collect()
+    }
+
+    #[test]
+    fn argmax_takes_the_first_maximum_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, -5.0, f32::NAN]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn greedy_and_forced_ignore_randomness() {
+        let mut scratch = Vec::new();
+        let mut greedy = Sampler::new(Sampling::Greedy);
+        assert!(!greedy.needs_logits());
+        assert_eq!(greedy.from_logits(&[0.0, 2.0, 1.0], &mut scratch), 1);
+        assert_eq!(greedy.from_argmax(9), 9);
+        let mut forced = Sampler::new(Sampling::Forced(vec![4, 5]));
+        assert!(!forced.needs_logits());
+        assert_eq!(forced.from_argmax(9), 4);
+        assert_eq!(forced.from_logits(&[0.0, 2.0], &mut scratch), 5);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let a = draws(&mut random(|_| {}), &logits, 64);
+        let b = draws(&mut random(|_| {}), &logits, 64);
+        assert_eq!(a, b);
+        let c = draws(&mut random(|p| p.seed = 43), &logits, 64);
+        assert_ne!(a, c);
+        // Random sampling really spreads over several tokens.
+        let mut distinct = a.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 5, "{distinct:?}");
+    }
+
+    #[test]
+    fn filters_restrict_the_support() {
+        let logits = [0.0, 1.0, 5.0, 4.9, -3.0, 4.8];
+        let mut top2 = draws(&mut random(|p| p.top_k = Some(2)), &logits, 200);
+        top2.sort_unstable();
+        top2.dedup();
+        assert_eq!(top2, vec![2, 3]);
+
+        // Probabilities of 2, 3, 5 are about 0.36, 0.33, 0.30: top_p 0.5 keeps two.
+        let mut nucleus = draws(&mut random(|p| p.top_p = 0.5), &logits, 200);
+        nucleus.sort_unstable();
+        nucleus.dedup();
+        assert_eq!(nucleus, vec![2, 3]);
+
+        // min_p 0.5: tokens at least half as likely as token 2 (2, 3 and 5).
+        let mut min_p = draws(&mut random(|p| p.min_p = 0.5), &logits, 400);
+        min_p.sort_unstable();
+        min_p.dedup();
+        assert_eq!(min_p, vec![2, 3, 5]);
+
+        // A tiny temperature is greedy in effect.
+        let cold = draws(&mut random(|p| p.temperature = 1e-3), &logits, 50);
+        assert!(cold.iter().all(|&t| t == 2));
+    }
+
+    #[test]
+    fn infinite_logits_are_handled() {
+        let logits = [0.0, f32::INFINITY, 1.0, f32::NEG_INFINITY];
+        let picks = draws(&mut random(|_| {}), &logits, 20);
+        assert!(picks.iter().all(|&t| t == 1));
+        let picks = draws(&mut random(|_| {}), &[f32::NAN, f32::NAN], 3);
+        assert_eq!(picks, vec![0, 0, 0]);
+    }
+}
