@@ -149,6 +149,9 @@ pub fn run(root: &Path) -> Result<(), Error> {
                 stage.name,
                 format_duration(elapsed)
             );
+            if stage.name == "fmt" {
+                println!("ci: run `cargo fmt --all` to fix the formatting");
+            }
             return Err(err);
         }
         println!("ci: {:<22} ok  {:>8}", stage.name, format_duration(elapsed));
