@@ -108,3 +108,75 @@ pub(crate) fn relu2(values: &mut [f32]) {
         *v = r * r;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn random(n: usize, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// One row's product has the same bits alone and at any place in a batch of any size. The
+    /// shapes cross matrixmultiply's tile sizes (8 or 16 rows, 8 or 16 columns) and its 256-deep
+    /// k-blocking, and the bias path.
+    #[test]
+    fn matmul_row_bits_do_not_depend_on_batch() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &(k, n) in &[(64, 196), (300, 70), (17, 9)] {
+            let lin = Linear {
+                weight: random(n * k, &mut rng),
+                bias: Some(random(n, &mut rng)),
+                out_dim: n,
+                in_dim: k,
+            };
+            let batch = 70;
+            let x = random(batch * k, &mut rng);
+            let mut all = vec![0.0; batch * n];
+            matmul(&x, batch, &lin, &mut all);
+            for &rows in &[1usize, 2, 7, 8, 9, 16, 17, 33, 70] {
+                let mut part = vec![0.0; rows * n];
+                for start in [0, batch - rows] {
+                    matmul(&x[start * k..], rows, &lin, &mut part);
+                    for r in 0..rows {
+                        let ours = &part[r * n..(r + 1) * n];
+                        let full = &all[(start + r) * n..(start + r + 1) * n];
+                        assert!(
+                            ours.iter().zip(full).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "k={k} n={n}: row {} differs in a batch of {rows}",
+                            start + r
+                        );
+                    }
+                }
+            }
+            // And it is the right product (sgemm vs a plain f64 dot, loosely).
+            for r in [0, batch - 1] {
+                for o in [0, n - 1] {
+                    let exact: f64 = (0..k)
+                        .map(|i| f64::from(x[r * k + i]) * f64::from(lin.weight[o * k + i]))
+                        .sum::<f64>()
+                        + f64::from(lin.bias.as_ref().unwrap()[o]);
+                    assert!((f64::from(all[r * n + o]) - exact).abs() < 1e-4);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_kernels() {
+        assert_eq!(dot(&[1.0; 19], &[2.0; 19]), 38.0);
+        assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
+        assert_eq!(softplus(30.0), 30.0);
+        assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
+        assert_eq!(silu(0.0), 0.0);
+        assert_eq!(sigmoid(0.0), 0.5);
+        let mut v = [-2.0, 3.0];
+        relu2(&mut v);
+        assert_eq!(v, [0.0, 9.0]);
+        let mut out = [0.0; 2];
+        rms_norm(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut out);
+        let inv = 1.0 / 12.5f32.sqrt();
+        assert_eq!(out, [3.0 * inv, 2.0 * (4.0 * inv)]);
+    }
+}
