@@ -4,7 +4,8 @@
 //! run ends with a summary of every stage's time. Stages, cheapest first so a mistake fails fast:
 //! 1. `fmt`: `cargo fmt --all -- --check`;
 //! 2. `tidy`: the checks of [`crate::tidy`] (module docs, unsafe code, router names, dependency
-//!    invariants); they are also `#[test]`s of xtask, so `cargo test` runs them too;
+//!    invariants, workspace lints, test attributes); they are also `#[test]`s of xtask, so
+//!    `cargo test` runs them too;
 //! 3. `clippy`: `cargo clippy --workspace --all-targets -- -D warnings`;
 //! 4. `test`: `cargo test --workspace`;
 //! 5. `check <crate>`: `cargo check -p <crate> --no-default-features` for each library crate

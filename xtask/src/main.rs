@@ -8,7 +8,8 @@
 //! - `cargo xtask tidy` runs only the tidy checks (see `tidy.rs`): every `.rs` file starts with
 //!   `//!`; `unsafe` appears only in `device-cuda` (with `SAFETY` comments there) and every other
 //!   library or binary root has `#![forbid(unsafe_code)]`; only `scheduler/src/backend.rs` names
-//!   a concrete router; the dependency invariants of DESIGN.md hold in `cargo metadata`.
+//!   a concrete router; the dependency invariants of DESIGN.md hold in `cargo metadata`; every
+//!   crate opts into the workspace lints; no `#[should_panic]` and no `#[ignore]` without a reason.
 //! - `cargo xtask codegen [--check] [NAME]` regenerates checked-in files, or with `--check` fails
 //!   when one is stale and leaves the tree as it was (see `codegen.rs`). The golden-file
 //!   protocol: a golden test compares its output with a checked-in file, and with

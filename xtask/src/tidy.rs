@@ -12,6 +12,10 @@
 //!   module) names a concrete router (`CpuRouter`, `CudaRouter`, `device_cpu`, `device_cuda`).
 //! - [`check_dependencies`]: the dependency table of DESIGN.md's code map, read from
 //!   `cargo metadata`.
+//! - [`check_lints_opt_in`]: every crate's manifest says `[lints] workspace = true`, so the one
+//!   lint table of the root manifest applies everywhere.
+//! - [`check_test_attributes`]: no `#[should_panic]` (a test asserts an exact `Err` instead) and
+//!   no bare `#[ignore]`; an ignored test names its reason (`#[ignore = "needs a GPU"]`).
 //!
 //! Code is told from comments and strings by [`crate::lex`], so prose may mention `unsafe` or
 //! `CpuRouter` freely. Source files are found by walking the workspace, skipping `target/`
@@ -247,6 +251,73 @@ fn check_safety_comments(file: &SourceFile, tokens: &[Token]) -> Vec<Violation> 
         }
     }
     out
+}
+
+/// No `#[should_panic]`, and `#[ignore]` only with a reason.
+pub fn check_test_attributes(files: &[SourceFile]) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for file in files {
+        let tokens = lex::scan(&file.text).tokens;
+        for (i, w) in tokens.windows(3).enumerate() {
+            if !(w[0].is_punct('#') && w[1].is_punct('[')) {
+                continue;
+            }
+            // `#[ignore = "reason"]` has `=` right after the attribute name.
+            let has_reason = tokens.get(i + 3).is_some_and(|t| t.is_punct('='));
+            let message = if w[2].is_word("should_panic") {
+                "`#[should_panic]`: assert the exact `Err` the call returns instead"
+            } else if w[2].is_word("ignore") && !has_reason {
+                "a bare `#[ignore]`: give the reason, `#[ignore = \"...\"]`, and run the test somewhere"
+            } else {
+                continue;
+            };
+            out.push(Violation {
+                path: file.path.clone(),
+                line: w[2].line(),
+                message: message.to_owned(),
+            });
+        }
+    }
+    out
+}
+
+/// Every workspace member's manifest opts into the workspace lint table.
+pub fn check_lints_opt_in(metadata: &Metadata, root: &Path) -> Vec<Violation> {
+    let mut out = Vec::new();
+    for package in metadata.members().values() {
+        let manifest = std::fs::read_to_string(&package.manifest_path).unwrap_or_default();
+        if !opts_into_workspace_lints(&manifest) {
+            out.push(Violation {
+                path: relative(root, &package.manifest_path),
+                line: 1,
+                message: "the manifest must say `[lints] workspace = true` (one lint table for the workspace)"
+                    .to_owned(),
+            });
+        }
+    }
+    out
+}
+
+/// True when `manifest` has `lints.workspace = true`, or a `[lints]` table with
+/// `workspace = true` in it. A line check, not a TOML parser: it reads the two spellings cargo
+/// documents.
+fn opts_into_workspace_lints(manifest: &str) -> bool {
+    let compact = |line: &str| {
+        line.split('#')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect::<String>()
+    };
+    let mut in_lints = false;
+    for line in manifest.lines().map(compact) {
+        if line.starts_with('[') {
+            in_lints = line == "[lints]";
+        } else if line == "lints.workspace=true" || (in_lints && line == "workspace=true") {
+            return true;
+        }
+    }
+    false
 }
 
 /// In `scheduler/src`, only `backend.rs` or `backend/` names a concrete router.
@@ -495,7 +566,9 @@ pub fn check_all(root: &Path) -> Result<Report, Error> {
     let mut violations = check_headers(&files);
     violations.extend(check_unsafe(&files, &crate_roots));
     violations.extend(check_router_names(&files));
+    violations.extend(check_test_attributes(&files));
     violations.extend(check_dependencies(&metadata, root));
+    violations.extend(check_lints_opt_in(&metadata, root));
     violations.sort();
     Ok(Report {
         files: files.len(),
@@ -692,6 +765,63 @@ mod tests {
     }
 
     #[test]
+    fn test_attributes() {
+        let check = |text: &str, expected: &[&str]| {
+            assert_eq!(
+                lines(&check_test_attributes(&[file("a/tests/t.rs", text)])),
+                expected,
+                "text: {text:?}"
+            );
+        };
+        check("//! Doc.\n#[test]\nfn ok() {}\n", &[]);
+        check(
+            "//! Doc.\n#[test]\n#[should_panic]\nfn bad() {}\n",
+            &["a/tests/t.rs:3"],
+        );
+        check(
+            "//! Doc.\n#[test]\n#[should_panic(expected = \"x\")]\nfn bad() {}\n",
+            &["a/tests/t.rs:3"],
+        );
+        check(
+            "//! Doc.\n#[test]\n#[ignore]\nfn bad() {}\n",
+            &["a/tests/t.rs:3"],
+        );
+        check(
+            "//! Doc.\n#[test]\n#[ignore = \"needs a GPU; runs in the cuda job\"]\nfn gpu() {}\n",
+            &[],
+        );
+        // Prose about the attributes is fine.
+        check(
+            "//! Never use #[should_panic] or #[ignore].\nconst S: &str = \"#[ignore]\";\n",
+            &[],
+        );
+    }
+
+    #[test]
+    fn lints_opt_in() {
+        let check = |manifest: &str, expected: bool| {
+            assert_eq!(
+                opts_into_workspace_lints(manifest),
+                expected,
+                "manifest:\n{manifest}"
+            );
+        };
+        check(
+            "[package]\nname = \"x\"\n\n[lints]\nworkspace = true\n",
+            true,
+        );
+        check("[package]\nname = \"x\"\nlints.workspace = true\n", true);
+        check("[lints]\nworkspace = true # shared table\n", true);
+        check(
+            "[package]\nname = \"x\"\n[dependencies]\nworkspace = true\n",
+            false,
+        );
+        check("[lints]\nworkspace = false\n", false);
+        check("[lints.rust]\nworkspace = true\n", false);
+        check("[package]\nname = \"x\"\n", false);
+    }
+
+    #[test]
     fn manifest_lines() {
         let manifest = "[package]\nname = \"x\"\n\n[dependencies]\nkv-cache.workspace = true\nmodel = { path = \"../model\" }\n\n[dependencies.device-io]\npath = \"x\"\n";
         assert_eq!(manifest_line(manifest, "kv-cache"), 5);
@@ -792,6 +922,21 @@ mod tests {
                 "crate roots: {roots:?}"
             );
             assert_clean(check_unsafe(&source_files(&root).unwrap(), &roots));
+        }
+
+        #[test]
+        fn no_should_panic_and_no_bare_ignore() {
+            assert_clean(check_test_attributes(
+                &source_files(&workspace_root()).unwrap(),
+            ));
+        }
+
+        #[test]
+        fn every_crate_uses_the_workspace_lints() {
+            assert_clean(check_lints_opt_in(
+                &Metadata::load().unwrap(),
+                &workspace_root(),
+            ));
         }
 
         #[test]
