@@ -43,7 +43,10 @@ fn main() -> ExitCode {
             if case.passed(tolerance) { "ok" } else { "FAIL" },
         );
     }
-    println!("max abs diff {:.2e} (tolerance {tolerance:.0e})", report.max_diff());
+    println!(
+        "max abs diff {:.2e} (tolerance {tolerance:.0e})",
+        report.max_diff()
+    );
     if report.passed(tolerance) {
         println!("OK");
         ExitCode::SUCCESS

@@ -371,8 +371,7 @@ impl Config {
                 );
             }
         }
-        let mtp_layer_kinds = match (&raw.mtp_layers_block_type, &raw.mtp_hybrid_override_pattern)
-        {
+        let mtp_layer_kinds = match (&raw.mtp_layers_block_type, &raw.mtp_hybrid_override_pattern) {
             (Some(list), _) => parse_block_types(list, "mtp_layers_block_type")?,
             (None, Some(pattern)) => parse_pattern(pattern, "mtp_hybrid_override_pattern")?,
             (None, None) => vec![LayerKind::Attention, LayerKind::Moe],
@@ -538,13 +537,20 @@ impl Config {
         }
         nonzero("hidden_size", self.hidden_size)?;
         if self.layer_kinds.is_empty() {
-            return Err(invalid("layers_block_type", "[]", "needs at least one layer"));
+            return Err(invalid(
+                "layers_block_type",
+                "[]",
+                "needs at least one layer",
+            ));
         }
         if self.num_hidden_layers != self.layer_kinds.len() {
             return Err(invalid(
                 "num_hidden_layers",
                 self.num_hidden_layers,
-                format!("must equal the {} layers of the layout", self.layer_kinds.len()),
+                format!(
+                    "must equal the {} layers of the layout",
+                    self.layer_kinds.len()
+                ),
             ));
         }
         if !(self.layer_norm_epsilon.is_finite() && self.layer_norm_epsilon > 0.0) {
@@ -572,14 +578,13 @@ impl Config {
                 ));
             }
         }
-        if self.has(LayerKind::Mlp) || self.has(LayerKind::Moe) {
-            if self.mlp_hidden_act != "relu2" {
-                return Err(invalid(
-                    "mlp_hidden_act",
-                    &self.mlp_hidden_act,
-                    "only relu2 is supported",
-                ));
-            }
+        if (self.has(LayerKind::Mlp) || self.has(LayerKind::Moe)) && self.mlp_hidden_act != "relu2"
+        {
+            return Err(invalid(
+                "mlp_hidden_act",
+                &self.mlp_hidden_act,
+                "only relu2 is supported",
+            ));
         }
         if self.has(LayerKind::Mlp) {
             nonzero("intermediate_size", self.intermediate_size)?;
@@ -725,8 +730,7 @@ impl Config {
                 serde_json::json!({"__float__": "NaN"})
             }
         };
-        let kinds =
-            |kinds: &[LayerKind]| kinds.iter().map(|k| k.block_type()).collect::<Vec<_>>();
+        let kinds = |kinds: &[LayerKind]| kinds.iter().map(|k| k.block_type()).collect::<Vec<_>>();
         let value = serde_json::json!({
             "architectures": ["NemotronHForCausalLM"],
             "model_type": "nemotron_h",
@@ -858,7 +862,8 @@ fn pattern_kinds(pattern: &str) -> Vec<LayerKind> {
 mod tests {
     use super::*;
 
-    const FIXTURE_CONFIG: &str = include_str!("../tests/fixtures/nemotron-h-tiny/model/config.json");
+    const FIXTURE_CONFIG: &str =
+        include_str!("../tests/fixtures/nemotron-h-tiny/model/config.json");
 
     #[test]
     fn fixture_config_parses_to_the_tiny_demo() {
@@ -905,7 +910,10 @@ mod tests {
             ("conv_kernel", None),
             ("mamba_d_conv", Some(json!(3))),
             ("time_step_limit", None),
-            ("mamba_dt_limit", Some(json!([0.0, {"__float__": "Infinity"}]))),
+            (
+                "mamba_dt_limit",
+                Some(json!([0.0, {"__float__": "Infinity"}])),
+            ),
             ("mtp_layers_block_type", None),
             ("mtp_hybrid_override_pattern", Some(json!("*E-"))),
         ])
@@ -929,7 +937,10 @@ mod tests {
         // The list wins over the string, and legacy list names are accepted.
         let config = parse_with(&[
             ("hybrid_override_pattern", Some(json!("MMMM"))),
-            ("layers_block_type", Some(json!(["mamba", "attention", "moe"]))),
+            (
+                "layers_block_type",
+                Some(json!(["mamba", "attention", "moe"])),
+            ),
         ])
         .unwrap();
         assert_eq!(config.pattern(), "M*E");

@@ -59,7 +59,7 @@ fn take(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 }
 
 impl Scratch {
-    /// Buffers pre-sized for `config` at up to [`MAX_ROWS`] rows and `context` positions.
+    /// Buffers pre-sized for `config` at the largest row count one forward pass uses (128).
     pub fn new(config: &Config) -> Self {
         let mut scratch = Self::default();
         let rows = MAX_ROWS;
@@ -134,19 +134,18 @@ impl Rows<'_, '_> {
     }
 }
 
-/// Which rows of a forward call get logits.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum LogitRows {
+/// Which rows of a forward call get logits, and where they go (`count * vocab` floats).
+#[derive(Debug)]
+pub(crate) enum LogitRows<'o> {
     /// Every row.
-    All,
+    All(&'o mut [f32]),
     /// Only this row.
-    One(usize),
+    One(usize, &'o mut [f32]),
     /// None (the call only advances KV and Mamba state).
     Skip,
 }
 
-/// Runs `rows` through the model and writes the logits of `logit_rows` to `logits` (exactly
-/// `count * vocab` floats).
+/// Runs `rows` through the model and writes the logits `logit_rows` asks for.
 pub(crate) fn forward(
     config: &Config,
     weights: &Weights,
@@ -154,8 +153,7 @@ pub(crate) fn forward(
     kv: &mut KvPool,
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
-    logit_rows: LogitRows,
-    logits: &mut [f32],
+    logit_rows: LogitRows<'_>,
 ) {
     let m = rows.len();
     let d = config.hidden_size;
@@ -192,17 +190,27 @@ pub(crate) fn forward(
             *h += o;
         }
     }
-    let (first, count) = match logit_rows {
-        LogitRows::All => (0, m),
-        LogitRows::One(i) => (i, 1),
+    let (first, count, logits) = match logit_rows {
+        LogitRows::All(out) => (0, m, out),
+        LogitRows::One(i, out) => (i, 1, out),
         LogitRows::Skip => return,
     };
     let normed = take(&mut scratch.normed, count * d);
     for (i, n) in normed.chunks_exact_mut(d).enumerate() {
         let row = first + i;
-        rms_norm(&scratch.hidden[row * d..(row + 1) * d], &weights.norm_f, eps, n);
+        rms_norm(
+            &scratch.hidden[row * d..(row + 1) * d],
+            &weights.norm_f,
+            eps,
+            n,
+        );
     }
-    matmul(&scratch.normed[..count * d], count, &weights.lm_head, logits);
+    matmul(
+        &scratch.normed[..count * d],
+        count,
+        &weights.lm_head,
+        logits,
+    );
 }
 
 /// Dense MLP: `out = down(relu(up x)²)`.
@@ -240,7 +248,12 @@ fn mamba(
         DtClamp::Off => None,
     };
     let proj = take(&mut scratch.proj, m * proj_dim);
-    matmul(&scratch.normed[..m * config.hidden_size], m, &w.in_proj, proj);
+    matmul(
+        &scratch.normed[..m * config.hidden_size],
+        m,
+        &w.in_proj,
+        proj,
+    );
     let mixed = take(&mut scratch.mixed, m * inner);
     let conv_out = take(&mut scratch.conv_out, conv_dim);
     let dt_b = take(&mut scratch.dt_b, n);
@@ -271,8 +284,8 @@ fn mamba(
         let (x, bc) = conv_out.split_at(inner);
         let (b_all, c_all) = bc.split_at(g * n);
         let y = &mut mixed[i * inner..(i + 1) * inner];
-        for head in 0..h {
-            let mut dt = softplus(dt_raw[head] + w.dt_bias[head]);
+        for (head, &raw) in dt_raw.iter().enumerate() {
+            let mut dt = softplus(raw + w.dt_bias[head]);
             if let Some(min) = clamp {
                 dt = dt.max(min);
             }
@@ -509,7 +522,10 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
         );
         for (r, &(t, weight)) in scratch.expert_rows.iter().enumerate() {
             let src = &scratch.expert_out[r * expert_dim..(r + 1) * expert_dim];
-            for (acc, &v) in routed[t * expert_dim..(t + 1) * expert_dim].iter_mut().zip(src) {
+            for (acc, &v) in routed[t * expert_dim..(t + 1) * expert_dim]
+                .iter_mut()
+                .zip(src)
+            {
                 *acc += v * weight;
             }
         }

@@ -251,18 +251,22 @@ impl Model {
                 len,
             };
             let wanted = if all_logits {
-                forward::LogitRows::All
+                forward::LogitRows::All(&mut logits[first * vocab..(first + len) * vocab])
             } else if first + len == n {
-                forward::LogitRows::One(len - 1)
+                forward::LogitRows::One(len - 1, &mut logits[..])
             } else {
                 // Earlier sub-chunks only advance the state; their logits are not wanted.
                 forward::LogitRows::Skip
             };
-            let out = match wanted {
-                forward::LogitRows::All => &mut logits[first * vocab..(first + len) * vocab],
-                _ => &mut logits[..],
-            };
-            forward::forward(&self.config, &self.weights, scratch, kv, states, &rows, wanted, out);
+            forward::forward(
+                &self.config,
+                &self.weights,
+                scratch,
+                kv,
+                states,
+                &rows,
+                wanted,
+            );
             first += len;
         }
         Ok(())
@@ -311,7 +315,8 @@ impl Model {
             let block_size = kv.block_size();
             pairs.clear();
             pairs.extend(rows.iter().enumerate().map(|(i, r)| {
-                let target = r.blocks[r.pos / block_size] as usize * block_size + r.pos % block_size;
+                let target =
+                    r.blocks[r.pos / block_size] as usize * block_size + r.pos % block_size;
                 (target, i)
             }));
             pairs.sort_unstable();
@@ -339,8 +344,7 @@ impl Model {
                 kv,
                 states,
                 &Rows::Decode(chunk),
-                forward::LogitRows::All,
-                out,
+                forward::LogitRows::All(out),
             );
         }
         Ok(())

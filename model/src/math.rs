@@ -143,7 +143,9 @@ mod tests {
                         let ours = &part[r * n..(r + 1) * n];
                         let full = &all[(start + r) * n..(start + r + 1) * n];
                         assert!(
-                            ours.iter().zip(full).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            ours.iter()
+                                .zip(full)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
                             "k={k} n={n}: row {} differs in a batch of {rows}",
                             start + r
                         );

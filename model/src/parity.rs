@@ -104,7 +104,9 @@ fn expected_logits(
     let view = tensors
         .tensor(name)
         .map_err(|e| fixture_err(path, format!("tensor `{name}`: {e}")))?;
-    if view.dtype() != safetensors::Dtype::F32 || view.shape().len() != 2 || view.shape()[1] != vocab
+    if view.dtype() != safetensors::Dtype::F32
+        || view.shape().len() != 2
+        || view.shape()[1] != vocab
     {
         return Err(fixture_err(
             path,
@@ -127,7 +129,10 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0, |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) })
+        .fold(
+            0.0,
+            |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+        )
 }
 
 /// Loads `dir/model` and checks every case of `dir/cases.json` against `dir/expected.safetensors`.
@@ -173,10 +178,18 @@ pub fn check_model(model: &Model, dir: &Path) -> Result<ParityReport, ModelError
         if let Some(next) = case["next_id_after_last_step"].as_u64() {
             expected_greedy.push(next as u32);
         }
-        let (prompt_rows, prompt_logits) =
-            expected_logits(&tensors, &format!("case{index}.prompt_logits"), vocab, &expected_path)?;
-        let (decode_rows, decode_logits) =
-            expected_logits(&tensors, &format!("case{index}.decode_logits"), vocab, &expected_path)?;
+        let (prompt_rows, prompt_logits) = expected_logits(
+            &tensors,
+            &format!("case{index}.prompt_logits"),
+            vocab,
+            &expected_path,
+        )?;
+        let (decode_rows, decode_logits) = expected_logits(
+            &tensors,
+            &format!("case{index}.decode_logits"),
+            vocab,
+            &expected_path,
+        )?;
         if prompt_rows != prompt.len() || decode_rows != greedy.len() {
             return Err(fixture_err(
                 &expected_path,

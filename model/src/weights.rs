@@ -139,7 +139,10 @@ fn mlp(
 
 impl Weights {
     /// Builds every tensor of `config` from `source`, in checkpoint order.
-    pub(crate) fn build(config: &Config, source: &mut dyn TensorSource) -> Result<Self, ModelError> {
+    pub(crate) fn build(
+        config: &Config,
+        source: &mut dyn TensorSource,
+    ) -> Result<Self, ModelError> {
         let (v, d) = (config.vocab_size, config.hidden_size);
         let embeddings = source.tensor("backbone.embeddings.weight", &[v, d])?;
         let mut layers = Vec::with_capacity(config.layer_kinds.len());
@@ -236,7 +239,11 @@ impl Weights {
         })
     }
 
-    fn moe(config: &Config, source: &mut dyn TensorSource, m: &str) -> Result<MoeWeights, ModelError> {
+    fn moe(
+        config: &Config,
+        source: &mut dyn TensorSource,
+        m: &str,
+    ) -> Result<MoeWeights, ModelError> {
         let d = config.hidden_size;
         let e = config.n_routed_experts;
         let gate = linear(source, &format!("{m}.gate"), e, d, false)?;
@@ -262,8 +269,20 @@ impl Weights {
         )?;
         let latent = match config.moe_latent_size {
             Some(l) => Some((
-                linear(source, &format!("{m}.fc1_latent_proj"), l, d, config.mlp_bias)?,
-                linear(source, &format!("{m}.fc2_latent_proj"), d, l, config.mlp_bias)?,
+                linear(
+                    source,
+                    &format!("{m}.fc1_latent_proj"),
+                    l,
+                    d,
+                    config.mlp_bias,
+                )?,
+                linear(
+                    source,
+                    &format!("{m}.fc2_latent_proj"),
+                    d,
+                    l,
+                    config.mlp_bias,
+                )?,
             )),
             None => None,
         };
@@ -294,11 +313,19 @@ impl Weights {
                 out.push((format!("{prefix}.bias"), vec![lin.out_dim], bias));
             }
         }
-        fn push_mlp<'w>(out: &mut Vec<(String, Vec<usize>, &'w [f32])>, prefix: &str, w: &'w MlpWeights) {
+        fn push_mlp<'w>(
+            out: &mut Vec<(String, Vec<usize>, &'w [f32])>,
+            prefix: &str,
+            w: &'w MlpWeights,
+        ) {
             push_linear(out, &format!("{prefix}.up_proj"), &w.up);
             push_linear(out, &format!("{prefix}.down_proj"), &w.down);
         }
-        out.push(("backbone.embeddings.weight".into(), vec![v, d], &self.embeddings));
+        out.push((
+            "backbone.embeddings.weight".into(),
+            vec![v, d],
+            &self.embeddings,
+        ));
         for (i, layer) in self.layers.iter().enumerate() {
             let prefix = format!("backbone.layers.{i}");
             out.push((format!("{prefix}.norm.weight"), vec![d], &layer.norm));
@@ -319,7 +346,11 @@ impl Weights {
                     out.push((format!("{m}.dt_bias"), vec![h], &w.dt_bias));
                     out.push((format!("{m}.A_log"), vec![h], &w.a_log));
                     out.push((format!("{m}.D"), vec![h], &w.d));
-                    out.push((format!("{m}.norm.weight"), vec![config.mamba_inner()], &w.norm));
+                    out.push((
+                        format!("{m}.norm.weight"),
+                        vec![config.mamba_inner()],
+                        &w.norm,
+                    ));
                     push_linear(&mut out, &format!("{m}.out_proj"), &w.out_proj);
                 }
                 Mixer::Attention(w) => {
@@ -412,9 +443,12 @@ impl<'a> SafetensorsSource<'a> {
 
 impl TensorSource for SafetensorsSource<'_> {
     fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let file = *self.index.get(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-        })?;
+        let file = *self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
         let view = self.parsed[file]
             .tensor(name)
             .map_err(|e| ModelError::Safetensors {
@@ -511,7 +545,10 @@ impl TensorSource for RandomSource {
         let values = if name.ends_with("norm.weight") || name.ends_with("norm_f.weight") {
             self.uniform(n, 0.9, 1.1)
         } else if name.ends_with(".A_log") {
-            self.uniform(n, 1.0, 16.0).into_iter().map(f32::ln).collect()
+            self.uniform(n, 1.0, 16.0)
+                .into_iter()
+                .map(f32::ln)
+                .collect()
         } else if name.ends_with(".dt_bias") {
             // Inverse softplus of dt: dt + ln(1 - exp(-dt)).
             self.uniform(n, 0.01, 0.1)

@@ -8,7 +8,8 @@ use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
 const BLOCK_SIZE: usize = 16;
 
 fn fixture_model() -> Model {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model");
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model");
     Model::load(&dir).unwrap()
 }
 
@@ -69,14 +70,21 @@ fn check_chunk_invariance(model: &Model, len: usize, chunks: &[usize]) {
         for &b in &table {
             kv.export_block(b, &mut kv_floats).unwrap();
         }
-        (bits(&logits), bits(states.slot(0).unwrap()), bits(&kv_floats))
+        (
+            bits(&logits),
+            bits(states.slot(0).unwrap()),
+            bits(&kv_floats),
+        )
     };
     let whole = run(len);
     assert_eq!(whole.0.len(), len * config.vocab_size);
     for &chunk in chunks {
         let chunked = run(chunk);
         assert!(whole.0 == chunked.0, "logits differ with chunks of {chunk}");
-        assert!(whole.1 == chunked.1, "Mamba state differs with chunks of {chunk}");
+        assert!(
+            whole.1 == chunked.1,
+            "Mamba state differs with chunks of {chunk}"
+        );
         assert!(whole.2 == chunked.2, "KV differs with chunks of {chunk}");
     }
 
@@ -164,11 +172,19 @@ fn check_batch_invariance(model: &Model) {
                 )
                 .unwrap();
             // The batch lists the rows in a rotated order so the probe is not always first.
-            let order: Vec<usize> = (0..lengths.len()).map(|i| (i + 4) % lengths.len()).collect();
+            let order: Vec<usize> = (0..lengths.len())
+                .map(|i| (i + 4) % lengths.len())
+                .collect();
             let rows: Vec<DecodeRow<'_>> = order.iter().map(|&s| row(s, tokens[s])).collect();
             let mut batch = Vec::new();
             model
-                .decode(&mut scratch, &mut kv_batch, &mut states_batch, &rows, &mut batch)
+                .decode(
+                    &mut scratch,
+                    &mut kv_batch,
+                    &mut states_batch,
+                    &rows,
+                    &mut batch,
+                )
                 .unwrap();
             let at = order.iter().position(|&s| s == probe).unwrap();
             assert!(
