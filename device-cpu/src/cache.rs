@@ -267,7 +267,7 @@ impl Caches {
             pin: None,
         };
         match &mut self.index {
-            Index::Off => return attach,
+            Index::Off => {}
             Index::HashChain => {
                 let found = self.kv.match_prefix(tokens, extra_key(ns));
                 attach.len = found.tokens;
