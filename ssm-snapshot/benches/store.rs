@@ -14,7 +14,8 @@ use ssm_snapshot::{
 /// and 64 output tokens.
 fn requests() -> Vec<(Vec<u32>, Vec<u32>)> {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..50_000)).collect() };
+    let mut tokens =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..50_000)).collect() };
     let openers: Vec<Vec<u32>> = (0..8).map(|_| tokens(1024)).collect();
     (0..512)
         .map(|i| {
@@ -40,7 +41,9 @@ fn serve(
     let hit = store.lookup(Namespace::default(), &input[..input.len() - 1], table);
     if let Some(pos) = hit.branch_at {
         if let Some(slot) = store.reserve_checkpoint(delta) {
-            store.commit_branch(&hit.pin, input, pos, slot, delta).expect("valid branch");
+            store
+                .commit_branch(&hit.pin, input, pos, slot, delta)
+                .expect("valid branch");
         }
     }
     let block = store.config().block_size as usize;
@@ -51,8 +54,12 @@ fn serve(
     }
     let hit_tokens = hit.hit_tokens;
     match store.reserve_checkpoint(delta) {
-        Some(slot) => store.finish(hit.pin, full, table, &[(n * block, slot)], delta).expect("valid finish"),
-        None => store.finish(hit.pin, full, table, &[], delta).expect("valid finish"),
+        Some(slot) => store
+            .finish(hit.pin, full, table, &[(n * block, slot)], delta)
+            .expect("valid finish"),
+        None => store
+            .finish(hit.pin, full, table, &[], delta)
+            .expect("valid finish"),
     };
     store.evict_for_kv(4, delta);
     hit_tokens
@@ -80,7 +87,14 @@ fn bench_request(c: &mut Criterion) {
         let mut table = Vec::new();
         let mut next_block = 0u32;
         for (input, full) in &requests {
-            serve(&mut store, input, full, &mut table, &mut next_block, &mut delta);
+            serve(
+                &mut store,
+                input,
+                full,
+                &mut table,
+                &mut next_block,
+                &mut delta,
+            );
         }
         let mut i = 0;
         let id = BenchmarkId::new(format!("B={block_size}"), format!("alpha={alpha}"));
@@ -88,7 +102,14 @@ fn bench_request(c: &mut Criterion) {
             b.iter(|| {
                 let (input, full) = &requests[i % requests.len()];
                 i += 1;
-                serve(&mut store, input, full, &mut table, &mut next_block, &mut delta)
+                serve(
+                    &mut store,
+                    input,
+                    full,
+                    &mut table,
+                    &mut next_block,
+                    &mut delta,
+                )
             })
         });
     }

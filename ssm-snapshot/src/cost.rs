@@ -100,21 +100,33 @@ impl CostModel {
     /// Checks and wraps raw coefficients.
     pub fn new(c: CostCoefficients) -> Result<Self, SnapshotError> {
         let floats = [
-            ("attention_linear_flops_per_token", c.attention_linear_flops_per_token),
+            (
+                "attention_linear_flops_per_token",
+                c.attention_linear_flops_per_token,
+            ),
             ("attention_quadratic_flops", c.attention_quadratic_flops),
             ("mamba_flops_per_token", c.mamba_flops_per_token),
             ("mlp_flops_per_token", c.mlp_flops_per_token),
         ];
         for (field, value) in floats {
             if !value.is_finite() || value < 0.0 {
-                return Err(SnapshotError::BadCost { field, value: value.to_string() });
+                return Err(SnapshotError::BadCost {
+                    field,
+                    value: value.to_string(),
+                });
             }
         }
         if c.kv_bytes_per_token == 0 {
-            return Err(SnapshotError::BadCost { field: "kv_bytes_per_token", value: "0".into() });
+            return Err(SnapshotError::BadCost {
+                field: "kv_bytes_per_token",
+                value: "0".into(),
+            });
         }
         if c.checkpoint_bytes == 0 {
-            return Err(SnapshotError::BadCost { field: "checkpoint_bytes", value: "0".into() });
+            return Err(SnapshotError::BadCost {
+                field: "checkpoint_bytes",
+                value: "0".into(),
+            });
         }
         Ok(Self {
             name: c.name,
@@ -183,14 +195,18 @@ impl CostModel {
         ];
         for (field, value) in nonzero {
             let needed = match field {
-                "num_attention_heads" | "num_key_value_heads" | "head_dim" => dims.attention_layers > 0,
-                "mamba_num_heads" | "mamba_head_dim" | "ssm_state_size" | "n_groups" | "conv_kernel" => {
-                    dims.mamba_layers > 0
+                "num_attention_heads" | "num_key_value_heads" | "head_dim" => {
+                    dims.attention_layers > 0
                 }
+                "mamba_num_heads" | "mamba_head_dim" | "ssm_state_size" | "n_groups"
+                | "conv_kernel" => dims.mamba_layers > 0,
                 _ => true,
             };
             if needed && value == 0 {
-                return Err(SnapshotError::BadCost { field, value: "0".into() });
+                return Err(SnapshotError::BadCost {
+                    field,
+                    value: "0".into(),
+                });
             }
         }
         let d = dims.hidden_size as f64;
@@ -205,8 +221,8 @@ impl CostModel {
         let inner = dims.mamba_num_heads * dims.mamba_head_dim;
         let per_layer_state = inner * dims.ssm_state_size
             + dims.conv_kernel * (inner + 2 * dims.n_groups * dims.ssm_state_size);
-        let checkpoint_bytes =
-            u64::from(dims.mamba_layers).saturating_mul(per_layer_state.saturating_mul(dims.elem_bytes));
+        let checkpoint_bytes = u64::from(dims.mamba_layers)
+            .saturating_mul(per_layer_state.saturating_mul(dims.elem_bytes));
         Self::new(CostCoefficients {
             name: dims.name.clone(),
             attention_layers: dims.attention_layers,
@@ -214,7 +230,10 @@ impl CostModel {
             mlp_layers: dims.mlp_layers,
             attention_linear_flops_per_token: 2.0 * d * (2.0 * q + 2.0 * kv),
             attention_quadratic_flops: 4.0 * q,
-            mamba_flops_per_token: 2.0 * d * (2.0 * e + 2.0 * g * n + h) + 2.0 * e * d + 8.0 * e * n + 5.0 * e,
+            mamba_flops_per_token: 2.0 * d * (2.0 * e + 2.0 * g * n + h)
+                + 2.0 * e * d
+                + 8.0 * e * n
+                + 5.0 * e,
             mlp_flops_per_token: 2.0 * dims.mlp_matrices as f64 * d * dims.mlp_intermediate as f64,
             kv_bytes_per_token,
             checkpoint_bytes,
@@ -269,7 +288,10 @@ mod tests {
     #[test]
     fn unknown_model_is_named() {
         let err = CostModel::by_name("gpt-9").unwrap_err();
-        assert_eq!(err.to_string(), "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b)");
+        assert_eq!(
+            err.to_string(),
+            "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b)"
+        );
     }
 
     fn tiny_dims() -> HybridDims {
@@ -301,7 +323,11 @@ mod tests {
         // Per layer: 128·32 SSM + 4·(128 + 64) conv values, 2 bytes, 2 layers.
         assert_eq!(m.checkpoint_bytes(), 2 * 2 * (128 * 32 + 4 * 192));
         let attention = 2.0 * 64.0 * (2.0 * 64.0 + 2.0 * 32.0) * 10.0 + 4.0 * 64.0 * 100.0;
-        let mamba = (2.0 * 64.0 * (256.0 + 64.0 + 8.0) + 2.0 * 128.0 * 64.0 + 8.0 * 128.0 * 32.0 + 5.0 * 128.0) * 10.0;
+        let mamba = (2.0 * 64.0 * (256.0 + 64.0 + 8.0)
+            + 2.0 * 128.0 * 64.0
+            + 8.0 * 128.0 * 32.0
+            + 5.0 * 128.0)
+            * 10.0;
         let mlp = 2.0 * 2.0 * 64.0 * 256.0 * 10.0;
         assert_eq!(m.prefix_flops(10), attention + 2.0 * mamba + 3.0 * mlp);
     }
@@ -337,6 +363,12 @@ mod tests {
         let err = CostModel::new(c.clone()).unwrap_err();
         assert_eq!(err.to_string(), "bad cost model: `mlp_flops_per_token` is -1 (FLOPs must be finite and non-negative, byte sizes positive)");
         c.mlp_flops_per_token = f64::NAN;
-        assert!(matches!(CostModel::new(c), Err(SnapshotError::BadCost { field: "mlp_flops_per_token", .. })));
+        assert!(matches!(
+            CostModel::new(c),
+            Err(SnapshotError::BadCost {
+                field: "mlp_flops_per_token",
+                ..
+            })
+        ));
     }
 }

@@ -63,7 +63,9 @@ pub enum SnapshotError {
         limit: usize,
     },
     /// Fewer KV block ids than the sequence's full blocks.
-    #[error("{got} KV block ids given for {tokens} tokens; block size {block_size} needs {needed}")]
+    #[error(
+        "{got} KV block ids given for {tokens} tokens; block size {block_size} needs {needed}"
+    )]
     TooFewBlocks {
         /// Block ids given.
         got: usize,

@@ -24,7 +24,7 @@ pub use cost::{CostCoefficients, CostModel, HybridDims};
 pub use error::SnapshotError;
 pub use slots::{SlotId, SlotPool, SlotState};
 pub use store::{
-    Admission, BranchOutcome, BudgetScope, CachedCheckpoint, FinishReport, FlopBasis, Hit, Namespace, Pin,
-    SnapshotStore, StoreConfig, StoreDelta, StoreStats,
+    Admission, BranchOutcome, BudgetScope, CachedCheckpoint, FinishReport, FlopBasis, Hit,
+    Namespace, Pin, SnapshotStore, StoreConfig, StoreDelta, StoreStats,
 };
 pub use tuning::{AlphaTuner, TuningMode};

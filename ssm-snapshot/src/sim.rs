@@ -19,7 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::cost::CostModel;
 use crate::error::SnapshotError;
 use crate::slots::SlotId;
-use crate::store::{Admission, BudgetScope, FlopBasis, Namespace, SnapshotStore, StoreConfig, StoreDelta};
+use crate::store::{
+    Admission, BudgetScope, FlopBasis, Namespace, SnapshotStore, StoreConfig, StoreDelta,
+};
 use crate::tuning::{AlphaTuner, RecordedRequest, TuningMode, DEFAULT_GRID};
 
 /// A session id in a trace: the artifact writes numbers or strings.
@@ -59,13 +61,21 @@ pub fn read_trace(
     let mut count = 0;
     for (i, line) in reader.lines().enumerate() {
         let line_no = i + 1;
-        let line = line.map_err(|e| SnapshotError::BadTrace { line: line_no, message: e.to_string() })?;
+        let line = line.map_err(|e| SnapshotError::BadTrace {
+            line: line_no,
+            message: e.to_string(),
+        })?;
         if line.trim().is_empty() {
             continue;
         }
         let record: TraceRecord =
-            serde_json::from_str(&line).map_err(|e| SnapshotError::BadTrace { line: line_no, message: e.to_string() })?;
-        if record.num_input_tokens != record.input_tokens.len() || record.num_output_tokens != record.output_tokens.len() {
+            serde_json::from_str(&line).map_err(|e| SnapshotError::BadTrace {
+                line: line_no,
+                message: e.to_string(),
+            })?;
+        if record.num_input_tokens != record.input_tokens.len()
+            || record.num_output_tokens != record.output_tokens.len()
+        {
             return Err(SnapshotError::BadTrace {
                 line: line_no,
                 message: format!(
@@ -181,7 +191,9 @@ impl Policy {
             "vllm" => Ok(Self::Vllm),
             "lru" => Ok(Self::Lru),
             "marconi" => Ok(Self::Marconi),
-            other => Err(SnapshotError::BadArgument(format!("policy `{other}` (expected vllm, lru or marconi)"))),
+            other => Err(SnapshotError::BadArgument(format!(
+                "policy `{other}` (expected vllm, lru or marconi)"
+            ))),
         }
     }
 
@@ -224,7 +236,10 @@ impl SimConfig {
             block_size,
             cost,
             alpha: None,
-            tuning: TuningMode::Periodic { grid: DEFAULT_GRID.to_vec(), window: 200 },
+            tuning: TuningMode::Periodic {
+                grid: DEFAULT_GRID.to_vec(),
+                window: 200,
+            },
             flop_basis: FlopBasis::Marginal,
         }
     }
@@ -277,11 +292,16 @@ pub struct Simulation {
 impl Simulation {
     /// An empty cache under `config`.
     pub fn new(config: SimConfig) -> Result<Self, SnapshotError> {
-        let slots = (config.capacity_bytes / config.cost.checkpoint_bytes()).min(u64::from(u32::MAX - 1)) as u32;
+        let slots = (config.capacity_bytes / config.cost.checkpoint_bytes())
+            .min(u64::from(u32::MAX - 1)) as u32;
         let (admission, alpha, basis) = match config.policy {
             Policy::Vllm => (Admission::EveryBlock, 0.0, FlopBasis::Prefix),
             Policy::Lru => (Admission::Marconi, 0.0, FlopBasis::Prefix),
-            Policy::Marconi => (Admission::Marconi, config.alpha.unwrap_or(0.0), config.flop_basis),
+            Policy::Marconi => (
+                Admission::Marconi,
+                config.alpha.unwrap_or(0.0),
+                config.flop_basis,
+            ),
         };
         let store = SnapshotStore::new(StoreConfig {
             block_size: config.block_size,
@@ -352,7 +372,11 @@ impl Simulation {
         self.hit_tokens += outcome.hit_tokens as u64;
         self.hit_requests += u64::from(outcome.hit_tokens > 0);
         self.flops_saved += outcome.flops_saved;
-        let request = RecordedRequest { namespace: Namespace::default(), input: record.input_tokens.clone(), full };
+        let request = RecordedRequest {
+            namespace: Namespace::default(),
+            input: record.input_tokens.clone(),
+            full,
+        };
         self.tuner.observe(&mut self.store, request)?;
         Ok(())
     }
@@ -367,7 +391,11 @@ impl Simulation {
                 Some(_) => {
                     self.references.remove(&block);
                 }
-                None => return Err(SnapshotError::Internal(format!("block {block:?} released but never retained"))),
+                None => {
+                    return Err(SnapshotError::Internal(format!(
+                        "block {block:?} released but never retained"
+                    )))
+                }
             }
         }
         Ok(())
@@ -423,7 +451,9 @@ impl TraceKind {
             "chat" => Ok(Self::Chat),
             "sharegpt" => Ok(Self::ShareGpt),
             "agentic" => Ok(Self::Agentic),
-            other => Err(SnapshotError::BadArgument(format!("trace kind `{other}` (expected chat, sharegpt or agentic)"))),
+            other => Err(SnapshotError::BadArgument(format!(
+                "trace kind `{other}` (expected chat, sharegpt or agentic)"
+            ))),
         }
     }
 }
@@ -458,19 +488,32 @@ pub fn generate(kind: TraceKind, sessions: usize, seed: u64) -> Vec<TraceRecord>
     match kind {
         TraceKind::Chat | TraceKind::ShareGpt => {
             let chat = kind == TraceKind::Chat;
-            let openers: Vec<Vec<u32>> = (0..8).map(|_| random_tokens(&mut rng, 200, 800)).collect();
+            let openers: Vec<Vec<u32>> =
+                (0..8).map(|_| random_tokens(&mut rng, 200, 800)).collect();
             for session in 0..sessions {
                 let mut history = if rng.random_bool(if chat { 0.6 } else { 0.2 }) {
                     openers[zipf(&mut rng, openers.len())].clone()
                 } else {
                     random_tokens(&mut rng, 50, 300)
                 };
-                let turns = if chat { rng.random_range(10..=20) } else { rng.random_range(2..=8) };
+                let turns = if chat {
+                    rng.random_range(10..=20)
+                } else {
+                    rng.random_range(2..=8)
+                };
                 let mut ts = rng.random::<f64>() * span;
                 for turn in 0..turns {
-                    let user = if chat { random_tokens(&mut rng, 20, 300) } else { random_tokens(&mut rng, 20, 200) };
+                    let user = if chat {
+                        random_tokens(&mut rng, 20, 300)
+                    } else {
+                        random_tokens(&mut rng, 20, 200)
+                    };
                     history.extend_from_slice(&user);
-                    let reply = if chat { random_tokens(&mut rng, 50, 400) } else { random_tokens(&mut rng, 300, 1200) };
+                    let reply = if chat {
+                        random_tokens(&mut rng, 50, 400)
+                    } else {
+                        random_tokens(&mut rng, 300, 1200)
+                    };
                     records.push(record(session, turn, ts, &history, &reply));
                     history.extend_from_slice(&reply);
                     ts += rng.random_range(10.0..60.0);
@@ -479,12 +522,17 @@ pub fn generate(kind: TraceKind, sessions: usize, seed: u64) -> Vec<TraceRecord>
         }
         TraceKind::Agentic => {
             let system = random_tokens(&mut rng, 3000, 3000);
-            let repos: Vec<Vec<u32>> =
-                (0..(sessions / 4).max(1)).map(|_| random_tokens(&mut rng, 2000, 6000)).collect();
+            let repos: Vec<Vec<u32>> = (0..(sessions / 4).max(1))
+                .map(|_| random_tokens(&mut rng, 2000, 6000))
+                .collect();
             for session in 0..sessions {
                 let repo = &repos[zipf(&mut rng, repos.len())];
                 // The history as messages; the first two are the shared system prompt and repo.
-                let mut messages: Vec<Vec<u32>> = vec![system.clone(), repo.clone(), random_tokens(&mut rng, 50, 300)];
+                let mut messages: Vec<Vec<u32>> = vec![
+                    system.clone(),
+                    repo.clone(),
+                    random_tokens(&mut rng, 50, 300),
+                ];
                 let turns = rng.random_range(15..=30);
                 let mut ts = rng.random::<f64>() * span;
                 for turn in 0..turns {

@@ -90,7 +90,10 @@ impl SlotPool {
         self.states
             .get(slot.index())
             .copied()
-            .ok_or(SnapshotError::SlotOutOfRange { slot, slots: self.len() })
+            .ok_or(SnapshotError::SlotOutOfRange {
+                slot,
+                slots: self.len(),
+            })
     }
 
     /// Takes a free slot and marks it reserved.
@@ -105,7 +108,10 @@ impl SlotPool {
     pub(crate) fn check_reserved(&self, slot: SlotId) -> Result<(), SnapshotError> {
         match self.state(slot)? {
             SlotState::Reserved => Ok(()),
-            other => Err(SnapshotError::SlotNotReserved { slot, state: other.name() }),
+            other => Err(SnapshotError::SlotNotReserved {
+                slot,
+                state: other.name(),
+            }),
         }
     }
 
@@ -144,15 +150,38 @@ mod tests {
         assert_eq!((a, b), (SlotId(0), SlotId(1)));
         assert_eq!(pool.reserve(), None);
         pool.cache(a);
-        assert_eq!((pool.free_count(), pool.reserved_count(), pool.cached_count()), (0, 1, 1));
+        assert_eq!(
+            (
+                pool.free_count(),
+                pool.reserved_count(),
+                pool.cached_count()
+            ),
+            (0, 1, 1)
+        );
         assert_eq!(
             pool.check_reserved(a).unwrap_err(),
-            SnapshotError::SlotNotReserved { slot: a, state: "cached" }
+            SnapshotError::SlotNotReserved {
+                slot: a,
+                state: "cached"
+            }
         );
-        assert_eq!(pool.check_reserved(SlotId(7)).unwrap_err(), SnapshotError::SlotOutOfRange { slot: SlotId(7), slots: 2 });
+        assert_eq!(
+            pool.check_reserved(SlotId(7)).unwrap_err(),
+            SnapshotError::SlotOutOfRange {
+                slot: SlotId(7),
+                slots: 2
+            }
+        );
         pool.free(a);
         pool.free(b);
-        assert_eq!((pool.free_count(), pool.reserved_count(), pool.cached_count()), (2, 0, 0));
+        assert_eq!(
+            (
+                pool.free_count(),
+                pool.reserved_count(),
+                pool.cached_count()
+            ),
+            (2, 0, 0)
+        );
         assert_eq!(pool.state(b).unwrap(), SlotState::Free);
     }
 }

@@ -157,7 +157,9 @@ impl StoreDelta {
 
     /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
-        self.retain_blocks.is_empty() && self.release_blocks.is_empty() && self.freed_slots.is_empty()
+        self.retain_blocks.is_empty()
+            && self.release_blocks.is_empty()
+            && self.freed_slots.is_empty()
     }
 }
 
@@ -281,7 +283,11 @@ enum Stop {
     Leave,
     /// `matched` tokens (a whole number of blocks, less than the edge) of `child`'s edge match;
     /// the tokens then differ (`diverged`) or end.
-    InEdge { child: u32, matched: usize, diverged: bool },
+    InEdge {
+        child: u32,
+        matched: usize,
+        diverged: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -330,7 +336,11 @@ impl SnapshotStore {
     /// A store with an empty tree and all slots free.
     pub fn new(config: StoreConfig) -> Result<Self, SnapshotError> {
         if config.block_size == 0 {
-            return Err(SnapshotError::BadConfig { field: "block_size", value: "0".into(), limit: "at least 1" });
+            return Err(SnapshotError::BadConfig {
+                field: "block_size",
+                value: "0".into(),
+                limit: "at least 1",
+            });
         }
         check_alpha(config.alpha)?;
         let slots = SlotPool::new(config.checkpoint_slots);
@@ -421,7 +431,12 @@ impl SnapshotStore {
     /// `blocks_out`, which is cleared first), the checkpoint at the hit and the branch point.
     /// Pins the hit path and marks it used. Only whole blocks of `tokens` are matched; a router
     /// passes the prompt without its last token so at least one token is computed.
-    pub fn lookup(&mut self, namespace: Namespace, tokens: &[u32], blocks_out: &mut Vec<BlockId>) -> Hit {
+    pub fn lookup(
+        &mut self,
+        namespace: Namespace,
+        tokens: &[u32],
+        blocks_out: &mut Vec<BlockId>,
+    ) -> Hit {
         blocks_out.clear();
         let now = self.tick();
         let root = self.root_for(namespace, now);
@@ -431,15 +446,33 @@ impl SnapshotStore {
         while hit != root && self.nodes[hit as usize].checkpoint.is_none() {
             hit = self.nodes[hit as usize].parent;
         }
-        let hit_tokens = if hit == root { 0 } else { self.nodes[hit as usize].end() };
+        let hit_tokens = if hit == root {
+            0
+        } else {
+            self.nodes[hit as usize].end()
+        };
         let marconi = self.config.admission == Admission::Marconi;
         let (branch_at, matched_tokens) = match walk.stop {
-            Stop::InEdge { matched, diverged, .. } => {
-                (if marconi && diverged { Some(walk.depth + matched) } else { None }, walk.depth + matched)
-            }
+            Stop::InEdge {
+                matched, diverged, ..
+            } => (
+                if marconi && diverged {
+                    Some(walk.depth + matched)
+                } else {
+                    None
+                },
+                walk.depth + matched,
+            ),
             Stop::Leave => {
                 let bare = walk.node != root && self.nodes[walk.node as usize].checkpoint.is_none();
-                (if marconi && bare { Some(walk.depth) } else { None }, walk.depth)
+                (
+                    if marconi && bare {
+                        Some(walk.depth)
+                    } else {
+                        None
+                    },
+                    walk.depth,
+                )
             }
             Stop::End => (None, walk.depth),
         };
@@ -463,8 +496,18 @@ impl SnapshotStore {
             self.stats.hits += 1;
             self.stats.hit_tokens += hit_tokens as u64;
         }
-        let checkpoint = if hit == root { None } else { self.nodes[hit as usize].checkpoint };
-        Hit { pin, hit_tokens, checkpoint, branch_at, matched_tokens }
+        let checkpoint = if hit == root {
+            None
+        } else {
+            self.nodes[hit as usize].checkpoint
+        };
+        Hit {
+            pin,
+            hit_tokens,
+            checkpoint,
+            branch_at,
+            matched_tokens,
+        }
     }
 
     /// Reserves a checkpoint slot for the router to copy a sequence's SSM state into, evicting as
@@ -474,7 +517,8 @@ impl SnapshotStore {
     /// [`finish`](Self::finish) or [`cancel_checkpoint`](Self::cancel_checkpoint).
     pub fn reserve_checkpoint(&mut self, delta: &mut StoreDelta) -> Option<SlotId> {
         let checkpoint_bytes = self.config.cost.checkpoint_bytes();
-        let least_checkpoints = self.pinned_checkpoints + u64::from(self.slots.reserved_count()) + 1;
+        let least_checkpoints =
+            self.pinned_checkpoints + u64::from(self.slots.reserved_count()) + 1;
         if least_checkpoints > u64::from(self.slots.len()) {
             return None;
         }
@@ -485,7 +529,9 @@ impl SnapshotStore {
         if least_bytes > self.config.budget_bytes {
             return None;
         }
-        while self.slots.free_count() == 0 || self.bytes() + checkpoint_bytes > self.config.budget_bytes {
+        while self.slots.free_count() == 0
+            || self.bytes() + checkpoint_bytes > self.config.budget_bytes
+        {
             let victim = self.pick_victim(false)?;
             self.evict(victim, delta);
         }
@@ -513,13 +559,21 @@ impl SnapshotStore {
         self.slots.check_reserved(slot)?;
         let limit = self.full_len(tokens.len());
         if pos == 0 || pos % self.block != 0 || pos > limit {
-            return Err(SnapshotError::BadCheckpointPosition { pos, block_size: self.config.block_size, limit });
+            return Err(SnapshotError::BadCheckpointPosition {
+                pos,
+                block_size: self.config.block_size,
+                limit,
+            });
         }
         let now = self.tick();
         let walk = self.walk(record.root, &tokens[..pos]);
         let target = match walk.stop {
             Stop::End => Some(walk.node),
-            Stop::InEdge { child, matched, diverged: false } => Some(self.split(child, matched)),
+            Stop::InEdge {
+                child,
+                matched,
+                diverged: false,
+            } => Some(self.split(child, matched)),
             Stop::InEdge { .. } | Stop::Leave => None,
         };
         let outcome = match target {
@@ -542,7 +596,11 @@ impl SnapshotStore {
     /// Where a finishing sequence should have checkpoints under the admission policy, given its
     /// hit length and its full token count (input + output): the end of its full blocks
     /// (Marconi), or every block boundary after the hit (every-block admission).
-    pub fn finish_positions(&self, hit_tokens: usize, total_tokens: usize) -> std::ops::RangeInclusive<usize> {
+    pub fn finish_positions(
+        &self,
+        hit_tokens: usize,
+        total_tokens: usize,
+    ) -> std::ops::RangeInclusive<usize> {
         let n = self.full_len(total_tokens) / self.block;
         match self.config.admission {
             Admission::Marconi => n.max(1)..=n,
@@ -577,7 +635,11 @@ impl SnapshotStore {
         let mut previous = 0;
         for &(pos, slot) in checkpoints {
             if pos <= previous || pos % self.block != 0 || pos > n {
-                return Err(SnapshotError::BadCheckpointPosition { pos, block_size: self.config.block_size, limit: n });
+                return Err(SnapshotError::BadCheckpointPosition {
+                    pos,
+                    block_size: self.config.block_size,
+                    limit: n,
+                });
             }
             self.slots.check_reserved(slot)?;
             previous = pos;
@@ -589,7 +651,10 @@ impl SnapshotStore {
         let duplicate = sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]);
         self.scratch_slots = sorted;
         if let Some(slot) = duplicate {
-            return Err(SnapshotError::SlotNotReserved { slot, state: "listed twice" });
+            return Err(SnapshotError::SlotNotReserved {
+                slot,
+                state: "listed twice",
+            });
         }
 
         self.unpin(record.node);
@@ -597,7 +662,16 @@ impl SnapshotStore {
         let now = self.tick();
         let mut report = FinishReport::default();
         if let Some(&(last, _)) = checkpoints.last() {
-            let end = self.insert(record.root, tokens, blocks, checkpoints, last, now, &mut report, delta);
+            let end = self.insert(
+                record.root,
+                tokens,
+                blocks,
+                checkpoints,
+                last,
+                now,
+                &mut report,
+                delta,
+            );
             let mut at = end;
             while at != NONE {
                 self.nodes[at as usize].last_access = now;
@@ -628,7 +702,9 @@ impl SnapshotStore {
     pub fn evict_for_kv(&mut self, blocks: usize, delta: &mut StoreDelta) -> usize {
         let mut released = 0;
         while released < blocks {
-            let Some(victim) = self.pick_victim(true) else { break };
+            let Some(victim) = self.pick_victim(true) else {
+                break;
+            };
             released += self.nodes[victim as usize].blocks.len();
             self.evict(victim, delta);
         }
@@ -648,7 +724,11 @@ impl SnapshotStore {
         let mut out = Vec::new();
         for (id, node) in self.nodes.iter().enumerate() {
             if let (true, Some(slot)) = (node.live, node.checkpoint) {
-                out.push(CachedCheckpoint { namespace: node.namespace, tokens: self.prefix_of(id as u32), slot });
+                out.push(CachedCheckpoint {
+                    namespace: node.namespace,
+                    tokens: self.prefix_of(id as u32),
+                    slot,
+                });
             }
         }
         out.sort();
@@ -680,7 +760,10 @@ impl SnapshotStore {
             path.push(at);
             at = self.nodes[at as usize].parent;
         }
-        path.iter().rev().flat_map(|&p| self.nodes[p as usize].tokens.iter().copied()).collect()
+        path.iter()
+            .rev()
+            .flat_map(|&p| self.nodes[p as usize].tokens.iter().copied())
+            .collect()
     }
 
     /// Checks every invariant of the module docs; the error says which one broke.
@@ -701,7 +784,11 @@ impl SnapshotStore {
             }
             held += node.blocks.len() as u64;
             if node.tokens.len() != node.blocks.len() * self.block {
-                return Err(format!("node {id}: {} tokens but {} blocks", node.tokens.len(), node.blocks.len()));
+                return Err(format!(
+                    "node {id}: {} tokens but {} blocks",
+                    node.tokens.len(),
+                    node.blocks.len()
+                ));
             }
             if let Some(slot) = node.checkpoint {
                 cached += 1;
@@ -709,28 +796,47 @@ impl SnapshotStore {
                     return Err(format!("slot {slot:?} in two nodes"));
                 }
                 if self.slots.state(slot) != Ok(crate::slots::SlotState::Cached) {
-                    return Err(format!("node {id} holds slot {slot:?} that the pool does not mark cached"));
+                    return Err(format!(
+                        "node {id} holds slot {slot:?} that the pool does not mark cached"
+                    ));
                 }
             }
             if node.pins > 0 {
                 pinned_checkpoints += u64::from(node.checkpoint.is_some());
                 pinned_blocks += node.blocks.len() as u64;
             }
-            let child_pins: u32 = node.children.iter().map(|&c| self.nodes[c as usize].pins).sum();
+            let child_pins: u32 = node
+                .children
+                .iter()
+                .map(|&c| self.nodes[c as usize].pins)
+                .sum();
             if node.pins < child_pins {
-                return Err(format!("node {id} has {} pins, fewer than its children's {child_pins}", node.pins));
+                return Err(format!(
+                    "node {id} has {} pins, fewer than its children's {child_pins}",
+                    node.pins
+                ));
             }
             for &c in &node.children {
                 let child = &self.nodes[c as usize];
                 if !child.live || child.parent != id || child.start != node.end() {
-                    return Err(format!("node {id}: child {c} is not attached at depth {}", node.end()));
+                    return Err(format!(
+                        "node {id}: child {c} is not attached at depth {}",
+                        node.end()
+                    ));
                 }
-                if self.children.get(&(id, child.key)) != Some(&c) || child.key != block_key(&child.tokens[..self.block]) {
-                    return Err(format!("node {id}: child {c} is not indexed by its first block"));
+                if self.children.get(&(id, child.key)) != Some(&c)
+                    || child.key != block_key(&child.tokens[..self.block])
+                {
+                    return Err(format!(
+                        "node {id}: child {c} is not indexed by its first block"
+                    ));
                 }
             }
             if node.parent == NONE {
-                if self.roots.get(&node.namespace) != Some(&id) || node.checkpoint.is_some() || !node.tokens.is_empty() {
+                if self.roots.get(&node.namespace) != Some(&id)
+                    || node.checkpoint.is_some()
+                    || !node.tokens.is_empty()
+                {
                     return Err(format!("root {id} is not registered or holds data"));
                 }
             } else {
@@ -738,16 +844,27 @@ impl SnapshotStore {
                     return Err(format!("node {id} has an empty edge"));
                 }
                 if node.checkpoint.is_none() && node.children.len() < 2 {
-                    return Err(format!("bare node {id} has {} children", node.children.len()));
+                    return Err(format!(
+                        "bare node {id} has {} children",
+                        node.children.len()
+                    ));
                 }
             }
-            let eligible = node.parent != NONE && node.pins == 0 && node.children.len() <= 1 && node.checkpoint.is_some();
+            let eligible = node.parent != NONE
+                && node.pins == 0
+                && node.children.len() <= 1
+                && node.checkpoint.is_some();
             if eligible != node.candidate.is_some() {
-                return Err(format!("node {id}: candidate flag {} but eligible {eligible}", node.candidate.is_some()));
+                return Err(format!(
+                    "node {id}: candidate flag {} but eligible {eligible}",
+                    node.candidate.is_some()
+                ));
             }
             if let Some(key) = node.candidate {
                 candidates += 1;
-                if key != (node.last_access, usize::MAX - node.end(), id) || !self.candidates.contains(&key) {
+                if key != (node.last_access, usize::MAX - node.end(), id)
+                    || !self.candidates.contains(&key)
+                {
                     return Err(format!("node {id}: stale candidate key"));
                 }
             }
@@ -761,7 +878,10 @@ impl SnapshotStore {
             ));
         }
         if candidates != self.candidates.len() {
-            return Err(format!("{} candidates indexed, {candidates} flagged", self.candidates.len()));
+            return Err(format!(
+                "{} candidates indexed, {candidates} flagged",
+                self.candidates.len()
+            ));
         }
         if held != self.held_blocks || cached != self.slots.cached_count() {
             return Err(format!(
@@ -781,7 +901,11 @@ impl SnapshotStore {
             return Err("pin records and free list disagree".into());
         }
         if self.bytes() > self.config.budget_bytes {
-            return Err(format!("{} bytes over the budget of {}", self.bytes(), self.config.budget_bytes));
+            return Err(format!(
+                "{} bytes over the budget of {}",
+                self.bytes(),
+                self.config.budget_bytes
+            ));
         }
         Ok(())
     }
@@ -845,17 +969,32 @@ impl SnapshotStore {
             let record = &mut self.pins[index as usize];
             record.node = node;
             record.root = root;
-            Pin { index, generation: record.generation }
+            Pin {
+                index,
+                generation: record.generation,
+            }
         } else {
-            self.pins.push(PinRecord { generation: 0, node, root });
-            Pin { index: (self.pins.len() - 1) as u32, generation: 0 }
+            self.pins.push(PinRecord {
+                generation: 0,
+                node,
+                root,
+            });
+            Pin {
+                index: (self.pins.len() - 1) as u32,
+                generation: 0,
+            }
         }
     }
 
     fn pin_record(&self, pin: &Pin) -> Result<&PinRecord, SnapshotError> {
         match self.pins.get(pin.index as usize) {
-            Some(record) if record.generation == pin.generation && record.node != NONE => Ok(record),
-            _ => Err(SnapshotError::StalePin { index: pin.index, generation: pin.generation }),
+            Some(record) if record.generation == pin.generation && record.node != NONE => {
+                Ok(record)
+            }
+            _ => Err(SnapshotError::StalePin {
+                index: pin.index,
+                generation: pin.generation,
+            }),
         }
     }
 
@@ -917,25 +1056,45 @@ impl SnapshotStore {
         let mut depth = 0;
         loop {
             if depth == tokens.len() {
-                return Walk { node, depth, stop: Stop::End };
+                return Walk {
+                    node,
+                    depth,
+                    stop: Stop::End,
+                };
             }
             let key = block_key(&tokens[depth..depth + self.block]);
             let Some(&child) = self.children.get(&(node, key)) else {
-                return Walk { node, depth, stop: Stop::Leave };
+                return Walk {
+                    node,
+                    depth,
+                    stop: Stop::Leave,
+                };
             };
             let edge = &self.nodes[child as usize].tokens;
             let rest = &tokens[depth..];
             let matched = common_prefix(edge, rest) / self.block * self.block;
             if matched == 0 {
                 // A hash collision: a different first block under the same key.
-                return Walk { node, depth, stop: Stop::Leave };
+                return Walk {
+                    node,
+                    depth,
+                    stop: Stop::Leave,
+                };
             }
             if matched == edge.len() {
                 node = child;
                 depth += matched;
                 continue;
             }
-            return Walk { node, depth, stop: Stop::InEdge { child, matched, diverged: matched < rest.len() } };
+            return Walk {
+                node,
+                depth,
+                stop: Stop::InEdge {
+                    child,
+                    matched,
+                    diverged: matched < rest.len(),
+                },
+            };
         }
     }
 
@@ -967,7 +1126,11 @@ impl SnapshotStore {
             live: true,
         });
         self.nodes[child as usize].parent = upper;
-        if let Some(slot) = self.nodes[parent as usize].children.iter_mut().find(|c| **c == child) {
+        if let Some(slot) = self.nodes[parent as usize]
+            .children
+            .iter_mut()
+            .find(|c| **c == child)
+        {
             *slot = upper;
         }
         self.children.insert((parent, key), upper);
@@ -1065,8 +1228,11 @@ impl SnapshotStore {
             };
             let edge_len = self.nodes[child as usize].tokens.len();
             let limit = (last - depth).min(edge_len);
-            let matched =
-                common_prefix(&self.nodes[child as usize].tokens[..limit], &tokens[depth..depth + limit]) / block * block;
+            let matched = common_prefix(
+                &self.nodes[child as usize].tokens[..limit],
+                &tokens[depth..depth + limit],
+            ) / block
+                * block;
             if matched == 0 {
                 // Hash collision: leave the rest uncached.
                 for &(_, slot) in &checkpoints[next..] {
@@ -1089,7 +1255,11 @@ impl SnapshotStore {
     fn enforce_budget(&mut self, delta: &mut StoreDelta) {
         while self.bytes() > self.config.budget_bytes {
             let Some(victim) = self.pick_victim(false) else {
-                tracing::warn!(bytes = self.bytes(), budget = self.config.budget_bytes, "pinned data exceeds the budget");
+                tracing::warn!(
+                    bytes = self.bytes(),
+                    budget = self.config.budget_bytes,
+                    "pinned data exceeds the budget"
+                );
                 break;
             };
             self.evict(victim, delta);
@@ -1107,7 +1277,10 @@ impl SnapshotStore {
                 at = self.nodes[at as usize].parent;
             }
             if at != NONE && self.nodes[at as usize].parent != NONE {
-                saved -= self.config.cost.prefix_flops(self.nodes[at as usize].end() as u64);
+                saved -= self
+                    .config
+                    .cost
+                    .prefix_flops(self.nodes[at as usize].end() as u64);
             }
         }
         let bytes = node.blocks.len() as u64 * self.kv_bytes_per_block()
@@ -1145,8 +1318,16 @@ impl SnapshotStore {
         let alpha = self.config.alpha;
         let mut best: Option<(f64, u32)> = None;
         for &(id, t, e) in &scores {
-            let recency = if t_span > 0.0 { (t - t_min) as f64 / t_span } else { 0.0 };
-            let efficiency = if e_span > 0.0 { (e - e_min) / e_span } else { 0.0 };
+            let recency = if t_span > 0.0 {
+                (t - t_min) as f64 / t_span
+            } else {
+                0.0
+            };
+            let efficiency = if e_span > 0.0 {
+                (e - e_min) / e_span
+            } else {
+                0.0
+            };
             let score = recency + alpha * efficiency;
             if best.is_none_or(|(s, _)| score < s) {
                 best = Some((score, id));
@@ -1216,7 +1397,11 @@ impl SnapshotStore {
         c.key = key;
         self.children.remove(&(id, child_key));
         self.children.insert((parent, key), child);
-        if let Some(slot) = self.nodes[parent as usize].children.iter_mut().find(|c| **c == id) {
+        if let Some(slot) = self.nodes[parent as usize]
+            .children
+            .iter_mut()
+            .find(|c| **c == id)
+        {
             *slot = child;
         }
         self.free_node(id);
@@ -1228,6 +1413,506 @@ fn check_alpha(alpha: f64) -> Result<(), SnapshotError> {
     if alpha.is_finite() && alpha >= 0.0 {
         Ok(())
     } else {
-        Err(SnapshotError::BadConfig { field: "alpha", value: alpha.to_string(), limit: "finite and non-negative" })
+        Err(SnapshotError::BadConfig {
+            field: "alpha",
+            value: alpha.to_string(),
+            limit: "finite and non-negative",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::CostCoefficients;
+
+    /// 1 KV byte per token, 10 bytes per checkpoint, 1 FLOP per token of prefix.
+    fn cost() -> CostModel {
+        CostModel::new(CostCoefficients {
+            name: "unit".into(),
+            attention_layers: 0,
+            mamba_layers: 0,
+            mlp_layers: 1,
+            attention_linear_flops_per_token: 0.0,
+            attention_quadratic_flops: 0.0,
+            mamba_flops_per_token: 0.0,
+            mlp_flops_per_token: 1.0,
+            kv_bytes_per_token: 1,
+            checkpoint_bytes: 10,
+        })
+        .unwrap()
+    }
+
+    fn store(block_size: u32, budget: u64, scope: BudgetScope, alpha: f64) -> SnapshotStore {
+        SnapshotStore::new(StoreConfig {
+            block_size,
+            checkpoint_slots: 16,
+            budget_bytes: budget,
+            budget_scope: scope,
+            admission: Admission::Marconi,
+            alpha,
+            flop_basis: FlopBasis::Prefix,
+            cost: cost(),
+        })
+        .unwrap()
+    }
+
+    const NS: Namespace = Namespace {
+        adapter: 0,
+        salt: 0,
+    };
+
+    /// Block ids are `first token of the block · 100 + block index`, so tests can name them.
+    fn table(tokens: &[u32], block: usize) -> Vec<BlockId> {
+        tokens
+            .chunks_exact(block)
+            .enumerate()
+            .map(|(i, c)| BlockId(c[0] * 100 + i as u32))
+            .collect()
+    }
+
+    /// Looks `input` up, takes the branch checkpoint, finishes `full` with an end checkpoint.
+    fn serve(
+        s: &mut SnapshotStore,
+        ns: Namespace,
+        input: &[u32],
+        full: &[u32],
+        delta: &mut StoreDelta,
+    ) -> Hit {
+        let mut blocks = Vec::new();
+        let hit = s.lookup(ns, input, &mut blocks);
+        if let Some(pos) = hit.branch_at {
+            let slot = s.reserve_checkpoint(delta).unwrap();
+            s.commit_branch(&hit.pin, input, pos, slot, delta).unwrap();
+        }
+        let b = s.config().block_size as usize;
+        let n = full.len() / b * b;
+        let slot = s.reserve_checkpoint(delta).unwrap();
+        let Hit {
+            pin,
+            hit_tokens,
+            checkpoint,
+            branch_at,
+            matched_tokens,
+        } = hit;
+        s.finish(pin, full, &table(full, b), &[(n, slot)], delta)
+            .unwrap();
+        s.check_invariants().unwrap();
+        let pin = Pin {
+            index: u32::MAX,
+            generation: 0,
+        };
+        Hit {
+            pin,
+            hit_tokens,
+            checkpoint,
+            branch_at,
+            matched_tokens,
+        }
+    }
+
+    fn peek(
+        s: &mut SnapshotStore,
+        ns: Namespace,
+        tokens: &[u32],
+    ) -> (usize, Option<usize>, Vec<BlockId>) {
+        let mut blocks = Vec::new();
+        let hit = s.lookup(ns, tokens, &mut blocks);
+        let out = (hit.hit_tokens, hit.branch_at, blocks);
+        s.release(hit.pin).unwrap();
+        s.check_invariants().unwrap();
+        out
+    }
+
+    fn prefixes(s: &SnapshotStore) -> Vec<Vec<u32>> {
+        s.cached_checkpoints()
+            .into_iter()
+            .map(|c| c.tokens)
+            .collect()
+    }
+
+    #[test]
+    fn a_finished_sequence_is_hit_at_its_end_only() {
+        let mut s = store(1, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        let first = serve(&mut s, NS, &[1, 2, 3], &[1, 2, 3, 4, 5], &mut d);
+        assert_eq!(
+            (first.hit_tokens, first.branch_at, first.matched_tokens),
+            (0, None, 0)
+        );
+        assert_eq!(d.retain_blocks, table(&[1, 2, 3, 4, 5], 1));
+        // The next turn extends input + output: a hit at 5 with its blocks.
+        assert_eq!(
+            peek(&mut s, NS, &[1, 2, 3, 4, 5, 6]),
+            (5, None, table(&[1, 2, 3, 4, 5], 1))
+        );
+        // A prefix ending inside the edge gives nothing: there is no state there.
+        assert_eq!(peek(&mut s, NS, &[1, 2, 3, 4]), (0, None, vec![]));
+        // Another namespace shares nothing.
+        assert_eq!(
+            peek(
+                &mut s,
+                Namespace {
+                    adapter: 1,
+                    salt: 0
+                },
+                &[1, 2, 3, 4, 5, 6]
+            ),
+            (0, None, vec![])
+        );
+        assert_eq!(s.bytes(), 5 + 10);
+    }
+
+    #[test]
+    fn divergence_inside_an_edge_is_a_branch_point() {
+        let mut s = store(1, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1, 2, 3, 4], &[1, 2, 3, 4, 5, 6], &mut d);
+        let second = serve(&mut s, NS, &[1, 2, 3, 9, 9], &[1, 2, 3, 9, 9, 7], &mut d);
+        assert_eq!(
+            (second.hit_tokens, second.branch_at, second.matched_tokens),
+            (0, Some(3), 3)
+        );
+        assert_eq!(
+            prefixes(&s),
+            vec![
+                vec![1, 2, 3],
+                vec![1, 2, 3, 4, 5, 6],
+                vec![1, 2, 3, 9, 9, 7]
+            ]
+        );
+        // A third request branching at the same point hits the branch checkpoint.
+        assert_eq!(
+            peek(&mut s, NS, &[1, 2, 3, 8]),
+            (3, None, table(&[1, 2, 3], 1))
+        );
+        // Leaving the tree at a node without a checkpoint also asks for one there: split the
+        // edge after a finish whose output diverges, then branch at that bare node.
+        serve(&mut s, NS, &[5, 6], &[5, 6, 7, 8], &mut d);
+        serve(&mut s, NS, &[5, 6, 7], &[5, 6, 7, 1], &mut d);
+        assert_eq!(peek(&mut s, NS, &[5, 6, 7, 3, 3]), (0, Some(3), vec![]));
+    }
+
+    #[test]
+    fn block_granularity_rounds_down_and_ignores_partial_blocks() {
+        let mut s = store(4, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        let tokens: Vec<u32> = (1..=10).collect();
+        serve(&mut s, NS, &tokens[..6], &tokens, &mut d);
+        // Only the two full blocks were inserted, with a checkpoint at 8.
+        assert_eq!(prefixes(&s), vec![tokens[..8].to_vec()]);
+        assert_eq!(s.held_block_count(), 2);
+        // Diverging at token 6 (inside the second block) branches at 4, the block boundary.
+        let other = [1, 2, 3, 4, 5, 6, 0, 0, 0];
+        assert_eq!(peek(&mut s, NS, &other), (0, Some(4), vec![]));
+        assert_eq!(
+            peek(&mut s, NS, &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            (8, None, table(&tokens[..8], 4))
+        );
+    }
+
+    #[test]
+    fn leaf_eviction_frees_kv_and_merge_frees_only_the_checkpoint() {
+        // Budget 2 checkpoints + 10 KV bytes. With α > 0 the single-child node (lower FLOP
+        // efficiency) goes first; under pure LRU a parent is never older than its child, so LRU
+        // only ever evicts leaves.
+        let mut s = store(1, 30, BudgetScope::CheckpointsAndKv, 1.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1, 2], &[1, 2, 3, 4], &mut d); // 14 bytes
+        serve(&mut s, NS, &[1, 2, 3, 4, 5], &[1, 2, 3, 4, 5, 6], &mut d); // +12: 26 bytes
+        assert_eq!(prefixes(&s), vec![vec![1, 2, 3, 4], vec![1, 2, 3, 4, 5, 6]]);
+        assert!(d.release_blocks.is_empty());
+        // A third sequence needs room: [1,2,3,4] (4 FLOPs over 14 bytes) has one child: it
+        // merges, freeing its checkpoint but no KV.
+        d.clear();
+        serve(&mut s, NS, &[7], &[7, 8], &mut d);
+        assert_eq!(prefixes(&s), vec![vec![1, 2, 3, 4, 5, 6], vec![7, 8]]);
+        assert_eq!(d.freed_slots, vec![SlotId(0)]);
+        assert!(d.release_blocks.is_empty());
+        assert_eq!(s.bytes(), 6 + 2 + 20);
+        // Another: the leaf [1..6] (oldest; its efficiency is the best, a tie on score) goes,
+        // with all its KV.
+        d.clear();
+        serve(&mut s, NS, &[9], &[9, 9, 9], &mut d);
+        assert_eq!(prefixes(&s), vec![vec![7, 8], vec![9, 9, 9]]);
+        assert_eq!(d.release_blocks, table(&[1, 2, 3, 4, 5, 6], 1));
+        assert_eq!(s.stats().evicted_leaves, 1);
+        assert_eq!(s.stats().evicted_checkpoints_only, 1);
+    }
+
+    #[test]
+    fn pinned_paths_survive_and_reservations_fail_cleanly() {
+        let mut s = store(1, 25, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1], &[1, 2, 3], &mut d); // 13 bytes
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &[1, 2, 3, 4], &mut blocks);
+        assert_eq!(hit.hit_tokens, 3);
+        // Pinned: 13 bytes stay; one more checkpoint (23) fits, a second would not.
+        let slot = s.reserve_checkpoint(&mut d).unwrap();
+        assert_eq!(s.reserve_checkpoint(&mut d), None);
+        assert_eq!(prefixes(&s), vec![vec![1, 2, 3]]);
+        // Finishing adds KV for [4,5]: 3 + 2 KV + 20 = 25 fits exactly.
+        s.finish(
+            hit.pin,
+            &[1, 2, 3, 4, 5],
+            &table(&[1, 2, 3, 4, 5], 1),
+            &[(5, slot)],
+            &mut d,
+        )
+        .unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(prefixes(&s), vec![vec![1, 2, 3], vec![1, 2, 3, 4, 5]]);
+        assert_eq!(s.bytes(), 25);
+    }
+
+    #[test]
+    fn the_budget_holds_when_a_sequence_does_not_fit() {
+        let mut s = store(1, 15, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        // 10 bytes of checkpoint + 8 of KV > 15: admitted, then evicted at once.
+        serve(&mut s, NS, &[1], &(1..=8).collect::<Vec<_>>(), &mut d);
+        assert_eq!(s.bytes(), 0);
+        assert_eq!(d.retain_blocks, d.release_blocks);
+        assert_eq!(s.node_count(), 0);
+    }
+
+    #[test]
+    fn checkpoint_only_budget_ignores_kv_and_evict_for_kv_takes_leaves() {
+        let mut s = store(2, 20, BudgetScope::Checkpoints, 0.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1, 1], &[1, 1, 2, 2], &mut d);
+        serve(
+            &mut s,
+            NS,
+            &[1, 1, 2, 2, 3, 3],
+            &[1, 1, 2, 2, 3, 3, 4, 4],
+            &mut d,
+        );
+        assert_eq!(s.bytes(), 20);
+        assert_eq!(s.kv_bytes(), 8);
+        d.clear();
+        // Only the leaf frees KV; the single-child node [1,1,2,2] is not touched.
+        assert_eq!(s.evict_for_kv(1, &mut d), 2);
+        assert_eq!(d.release_blocks, vec![BlockId(302), BlockId(403)]);
+        assert_eq!(prefixes(&s), vec![vec![1, 1, 2, 2]]);
+        assert_eq!(s.evict_for_kv(5, &mut d), 2);
+        assert_eq!(s.evict_for_kv(5, &mut d), 0);
+        assert_eq!(s.node_count(), 0);
+    }
+
+    #[test]
+    fn alpha_keeps_flop_efficient_nodes_over_recent_ones() {
+        // Two leaves: a long old one (40 FLOPs over 50 bytes, 0.8 per byte) and a short recent
+        // one (2 FLOPs over 12 bytes, 0.17). LRU drops the old one; with a large α the short
+        // one goes.
+        for (alpha, survivor) in [(0.0, vec![2u32, 2]), (5.0, (1..=40).collect::<Vec<u32>>())] {
+            let mut s = store(1, 70, BudgetScope::CheckpointsAndKv, alpha);
+            let mut d = StoreDelta::default();
+            let long: Vec<u32> = (1..=40).collect();
+            serve(&mut s, NS, &long[..1], &long, &mut d);
+            serve(&mut s, NS, &[2], &[2, 2], &mut d);
+            serve(&mut s, NS, &[3], &[3], &mut d); // 62 bytes held: a checkpoint more is over 70
+            let kept = prefixes(&s);
+            assert!(kept.contains(&survivor), "alpha {alpha}: {kept:?}");
+            assert_eq!(kept.len(), 2, "alpha {alpha}: {kept:?}");
+        }
+    }
+
+    #[test]
+    fn rejected_calls_change_nothing() {
+        let mut s = store(2, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1, 1], &[1, 1, 2, 2], &mut d);
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &[1, 1, 2, 2, 5, 5], &mut blocks);
+        let slot = s.reserve_checkpoint(&mut d).unwrap();
+        let before = (s.cached_checkpoints(), s.cached_blocks(), s.bytes());
+        let t = [1, 1, 2, 2, 5, 5];
+        let cases: Vec<(Result<FinishReport, SnapshotError>, SnapshotError)> = vec![
+            (
+                s.finish(
+                    Pin {
+                        index: hit.pin.index,
+                        generation: 9,
+                    },
+                    &t,
+                    &table(&t, 2),
+                    &[(6, slot)],
+                    &mut d,
+                ),
+                SnapshotError::StalePin {
+                    index: hit.pin.index,
+                    generation: 9,
+                },
+            ),
+            (
+                s.finish(
+                    Pin { ..hit.pin },
+                    &t,
+                    &table(&t, 2)[..2],
+                    &[(6, slot)],
+                    &mut d,
+                ),
+                SnapshotError::TooFewBlocks {
+                    got: 2,
+                    tokens: 6,
+                    block_size: 2,
+                    needed: 3,
+                },
+            ),
+            (
+                s.finish(Pin { ..hit.pin }, &t, &table(&t, 2), &[(5, slot)], &mut d),
+                SnapshotError::BadCheckpointPosition {
+                    pos: 5,
+                    block_size: 2,
+                    limit: 6,
+                },
+            ),
+            (
+                s.finish(
+                    Pin { ..hit.pin },
+                    &t,
+                    &table(&t, 2),
+                    &[(4, slot), (2, slot)],
+                    &mut d,
+                ),
+                SnapshotError::BadCheckpointPosition {
+                    pos: 2,
+                    block_size: 2,
+                    limit: 6,
+                },
+            ),
+            (
+                s.finish(
+                    Pin { ..hit.pin },
+                    &t,
+                    &table(&t, 2),
+                    &[(2, slot), (4, slot)],
+                    &mut d,
+                ),
+                SnapshotError::SlotNotReserved {
+                    slot,
+                    state: "listed twice",
+                },
+            ),
+            (
+                s.finish(
+                    Pin { ..hit.pin },
+                    &t,
+                    &table(&t, 2),
+                    &[(6, SlotId(0))],
+                    &mut d,
+                ),
+                SnapshotError::SlotNotReserved {
+                    slot: SlotId(0),
+                    state: "cached",
+                },
+            ),
+            (
+                s.finish(
+                    Pin { ..hit.pin },
+                    &t,
+                    &table(&t, 2),
+                    &[(6, SlotId(99))],
+                    &mut d,
+                ),
+                SnapshotError::SlotOutOfRange {
+                    slot: SlotId(99),
+                    slots: 16,
+                },
+            ),
+        ];
+        for (got, want) in cases {
+            assert_eq!(got.unwrap_err(), want);
+        }
+        assert_eq!(
+            s.commit_branch(&hit.pin, &t, 3, slot, &mut d).unwrap_err(),
+            SnapshotError::BadCheckpointPosition {
+                pos: 3,
+                block_size: 2,
+                limit: 6
+            }
+        );
+        assert_eq!(
+            (s.cached_checkpoints(), s.cached_blocks(), s.bytes()),
+            before
+        );
+        s.check_invariants().unwrap();
+        // The pin is still valid and the slot still reserved after all those refusals.
+        s.finish(hit.pin, &t, &table(&t, 2), &[(6, slot)], &mut d)
+            .unwrap();
+        assert_eq!(prefixes(&s), vec![vec![1, 1, 2, 2], vec![1, 1, 2, 2, 5, 5]]);
+        assert!(s.set_alpha(f64::NAN).is_err());
+        assert_eq!(
+            SnapshotStore::new(StoreConfig {
+                block_size: 0,
+                ..s.config().clone()
+            })
+            .unwrap_err(),
+            SnapshotError::BadConfig {
+                field: "block_size",
+                value: "0".into(),
+                limit: "at least 1"
+            }
+        );
+    }
+
+    #[test]
+    fn a_used_pin_is_refused() {
+        let mut s = store(1, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &[1], &mut blocks);
+        let copy = Pin { ..hit.pin };
+        s.release(hit.pin).unwrap();
+        assert_eq!(
+            s.release(copy).unwrap_err(),
+            SnapshotError::StalePin {
+                index: 0,
+                generation: 0
+            }
+        );
+        assert_eq!(s.node_count(), 0);
+    }
+
+    #[test]
+    fn branch_commit_reports_duplicates_and_vanished_paths() {
+        let mut s = store(1, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        serve(&mut s, NS, &[1, 2], &[1, 2, 3, 4], &mut d);
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &[1, 2, 9], &mut blocks);
+        assert_eq!(hit.branch_at, Some(2));
+        let a = s.reserve_checkpoint(&mut d).unwrap();
+        assert_eq!(
+            s.commit_branch(&hit.pin, &[1, 2, 9], 2, a, &mut d).unwrap(),
+            BranchOutcome::Admitted
+        );
+        let b = s.reserve_checkpoint(&mut d).unwrap();
+        d.clear();
+        assert_eq!(
+            s.commit_branch(&hit.pin, &[1, 2, 9], 2, b, &mut d).unwrap(),
+            BranchOutcome::Duplicate
+        );
+        assert_eq!(d.freed_slots, vec![b]);
+        let c = s.reserve_checkpoint(&mut d).unwrap();
+        assert_eq!(
+            s.commit_branch(&hit.pin, &[1, 2, 9], 3, c, &mut d).unwrap(),
+            BranchOutcome::PathGone
+        );
+        s.release(hit.pin).unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(s.slots().reserved_count(), 0);
+    }
+
+    #[test]
+    fn every_block_admission_checkpoints_each_new_block() {
+        let mut s = store(2, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        s.config.admission = Admission::EveryBlock;
+        assert_eq!(s.finish_positions(2, 7), 2..=3);
+        assert_eq!(s.finish_positions(0, 1).count(), 0);
+        s.config.admission = Admission::Marconi;
+        assert_eq!(s.finish_positions(2, 7), 3..=3);
+        assert_eq!(s.finish_positions(0, 1).count(), 0);
     }
 }

@@ -68,7 +68,10 @@ impl AlphaTuner {
     pub fn new(mode: TuningMode, store: &SnapshotStore) -> Result<Self, SnapshotError> {
         match &mode {
             TuningMode::Fixed => {}
-            TuningMode::Bootstrap { grid, window_factor } => {
+            TuningMode::Bootstrap {
+                grid,
+                window_factor,
+            } => {
                 check_grid(grid)?;
                 if *window_factor == 0 {
                     return Err(SnapshotError::BadConfig {
@@ -81,12 +84,24 @@ impl AlphaTuner {
             TuningMode::Periodic { grid, window } => {
                 check_grid(grid)?;
                 if *window == 0 {
-                    return Err(SnapshotError::BadConfig { field: "window", value: "0".into(), limit: "at least 1" });
+                    return Err(SnapshotError::BadConfig {
+                        field: "window",
+                        value: "0".into(),
+                        limit: "at least 1",
+                    });
                 }
             }
         }
         let snapshot = (mode != TuningMode::Fixed).then(|| store.clone());
-        Ok(Self { mode, snapshot, window: Vec::new(), seen: 0, first_eviction_at: None, done: false, history: Vec::new() })
+        Ok(Self {
+            mode,
+            snapshot,
+            window: Vec::new(),
+            seen: 0,
+            first_eviction_at: None,
+            done: false,
+            history: Vec::new(),
+        })
     }
 
     /// `(request count, α)` for every tuning so far.
@@ -96,21 +111,32 @@ impl AlphaTuner {
 
     /// Records a request `store` just served; when a window is complete, replays it under every
     /// α of the grid, sets the best on `store` and returns it.
-    pub fn observe(&mut self, store: &mut SnapshotStore, request: RecordedRequest) -> Result<Option<f64>, SnapshotError> {
+    pub fn observe(
+        &mut self,
+        store: &mut SnapshotStore,
+        request: RecordedRequest,
+    ) -> Result<Option<f64>, SnapshotError> {
         self.seen += 1;
         if self.done || self.mode == TuningMode::Fixed {
             return Ok(None);
         }
         let stats = store.stats();
-        if self.first_eviction_at.is_none() && stats.evicted_leaves + stats.evicted_checkpoints_only > 0 {
+        if self.first_eviction_at.is_none()
+            && stats.evicted_leaves + stats.evicted_checkpoints_only > 0
+        {
             self.first_eviction_at = Some(self.seen);
         }
         self.window.push(request);
         let (grid, due) = match &self.mode {
             TuningMode::Fixed => return Ok(None),
-            TuningMode::Bootstrap { grid, window_factor } => {
-                (grid.clone(), self.first_eviction_at.is_some_and(|k| self.window.len() >= k * window_factor))
-            }
+            TuningMode::Bootstrap {
+                grid,
+                window_factor,
+            } => (
+                grid.clone(),
+                self.first_eviction_at
+                    .is_some_and(|k| self.window.len() >= k * window_factor),
+            ),
             TuningMode::Periodic { grid, window } => (grid.clone(), self.window.len() >= *window),
         };
         if !due {
@@ -140,7 +166,11 @@ impl AlphaTuner {
 
 fn check_grid(grid: &[f64]) -> Result<(), SnapshotError> {
     if grid.is_empty() {
-        return Err(SnapshotError::BadConfig { field: "grid", value: "[]".into(), limit: "at least one α" });
+        return Err(SnapshotError::BadConfig {
+            field: "grid",
+            value: "[]".into(),
+            limit: "at least one α",
+        });
     }
     for &alpha in grid {
         if !alpha.is_finite() || alpha < 0.0 {
@@ -171,13 +201,21 @@ pub fn best_alpha(
         let mut saved = 0.0;
         for request in requests {
             delta.clear();
-            let outcome = serve_request(&mut store, request.namespace, &request.input, &request.full, &mut blocks, &mut delta)?;
+            let outcome = serve_request(
+                &mut store,
+                request.namespace,
+                &request.input,
+                &request.full,
+                &mut blocks,
+                &mut delta,
+            )?;
             saved += outcome.flops_saved;
         }
         let better = match best {
             None => true,
             Some((best_saved, best_alpha)) => {
-                saved > best_saved || (saved == best_saved && alpha == current && best_alpha != current)
+                saved > best_saved
+                    || (saved == best_saved && alpha == current && best_alpha != current)
             }
         };
         if better {

@@ -1,0 +1,214 @@
+//! Trace-driven simulator of the checkpoint store: replays a Marconi-format JSONL trace under a
+//! policy and prints one JSON object of figures as its last line, or generates a synthetic trace.
+//!
+//! ```text
+//! simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi}
+//!          [--block-size B] [--model nvidia-hybrid-7b] [--alpha A]
+//!          [--tuning {periodic,bootstrap}] [--window N] [--flop-basis {marginal,prefix}]
+//! simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE
+//! ```
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, BufWriter};
+use std::process::ExitCode;
+
+use ssm_snapshot::sim::{
+    generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
+};
+use ssm_snapshot::tuning::DEFAULT_GRID;
+use ssm_snapshot::{CostModel, FlopBasis, SnapshotError, TuningMode};
+
+const USAGE: &str = "usage:
+  simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [--block-size B] \
+[--model nvidia-hybrid-7b] [--alpha A] [--tuning {periodic,bootstrap}] [--window N] \
+[--flop-basis {marginal,prefix}]
+  simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE";
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}\n{USAGE}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--flag value` pairs; every flag takes exactly one value.
+fn parse_flags() -> Result<HashMap<String, String>, SnapshotError> {
+    let mut flags = HashMap::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let Some(name) = flag.strip_prefix("--") else {
+            return Err(SnapshotError::BadArgument(format!(
+                "`{flag}` is not a --flag"
+            )));
+        };
+        let value = args
+            .next()
+            .ok_or_else(|| SnapshotError::BadArgument(format!("{flag} needs a value")))?;
+        if flags.insert(name.to_owned(), value).is_some() {
+            return Err(SnapshotError::BadArgument(format!("{flag} given twice")));
+        }
+    }
+    Ok(flags)
+}
+
+fn number<T: std::str::FromStr>(
+    flags: &HashMap<String, String>,
+    name: &str,
+) -> Result<Option<T>, SnapshotError> {
+    flags
+        .get(name)
+        .map(|text| {
+            text.parse::<T>().map_err(|_| {
+                SnapshotError::BadArgument(format!("--{name} `{text}` is not a valid number"))
+            })
+        })
+        .transpose()
+}
+
+fn required<'a>(flags: &'a HashMap<String, String>, name: &str) -> Result<&'a str, SnapshotError> {
+    flags
+        .get(name)
+        .map(String::as_str)
+        .ok_or_else(|| SnapshotError::BadArgument(format!("--{name} is required")))
+}
+
+fn io_error(path: &str) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
+    move |e| SnapshotError::Io {
+        path: path.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+fn run() -> Result<(), SnapshotError> {
+    let flags = parse_flags()?;
+    if let Some(kind) = flags.get("generate") {
+        let known = ["generate", "sessions", "seed", "out"];
+        if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(SnapshotError::BadArgument(format!(
+                "--{extra} does not apply to --generate"
+            )));
+        }
+        let kind = TraceKind::parse(kind)?;
+        let sessions: usize = number(&flags, "sessions")?.unwrap_or(100);
+        let seed: u64 = number(&flags, "seed")?.unwrap_or(0);
+        let out = required(&flags, "out")?;
+        let records = generate(kind, sessions, seed);
+        let file = File::create(out).map_err(io_error(out))?;
+        write_trace(BufWriter::new(file), &records).map_err(io_error(out))?;
+        let tokens: usize = records.iter().map(|r| r.num_input_tokens).sum();
+        println!(
+            "wrote {} requests ({tokens} input tokens) to {out}",
+            records.len()
+        );
+        return Ok(());
+    }
+
+    let known = [
+        "trace",
+        "capacity-bytes",
+        "policy",
+        "block-size",
+        "model",
+        "alpha",
+        "tuning",
+        "window",
+        "flop-basis",
+    ];
+    if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(SnapshotError::BadArgument(format!(
+            "unknown flag --{extra}"
+        )));
+    }
+    let trace = required(&flags, "trace")?;
+    let capacity = required(&flags, "capacity-bytes")?;
+    // Accept plain integers and exact scientific notation (`2e10`).
+    let capacity_bytes = capacity
+        .parse::<u64>()
+        .ok()
+        .or_else(|| {
+            capacity
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.fract() == 0.0 && *v >= 0.0 && *v < 1.8e19)
+                .map(|v| v as u64)
+        })
+        .ok_or_else(|| {
+            SnapshotError::BadArgument(format!("--capacity-bytes `{capacity}` is not a byte count"))
+        })?;
+    let policy = Policy::parse(required(&flags, "policy")?)?;
+    let block_size: u32 = number(&flags, "block-size")?.unwrap_or(1);
+    if block_size == 0 {
+        return Err(SnapshotError::BadArgument(
+            "--block-size 0 (must be at least 1)".into(),
+        ));
+    }
+    let cost = CostModel::by_name(
+        flags
+            .get("model")
+            .map_or("nvidia-hybrid-7b", String::as_str),
+    )?;
+    let mut config = SimConfig::new(policy, capacity_bytes, block_size, cost);
+    config.alpha = number(&flags, "alpha")?;
+    if let Some(alpha) = config.alpha {
+        if policy != Policy::Marconi {
+            return Err(SnapshotError::BadArgument(format!(
+                "--alpha {alpha} applies only to --policy marconi"
+            )));
+        }
+    }
+    let window: usize = number(&flags, "window")?.unwrap_or(200);
+    config.tuning = match flags.get("tuning").map(String::as_str) {
+        None | Some("periodic") => TuningMode::Periodic {
+            grid: DEFAULT_GRID.to_vec(),
+            window,
+        },
+        Some("bootstrap") => TuningMode::Bootstrap {
+            grid: DEFAULT_GRID.to_vec(),
+            window_factor: 3,
+        },
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--tuning `{other}` (expected periodic or bootstrap)"
+            )))
+        }
+    };
+    config.flop_basis = match flags.get("flop-basis").map(String::as_str) {
+        None | Some("marginal") => FlopBasis::Marginal,
+        Some("prefix") => FlopBasis::Prefix,
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--flop-basis `{other}` (expected marginal or prefix)"
+            )))
+        }
+    };
+
+    let mut sim = Simulation::new(config)?;
+    let file = File::open(trace).map_err(io_error(trace))?;
+    read_trace(BufReader::new(file), |record| sim.step(&record))?;
+    let history = sim.tuner().history().to_vec();
+    if !history.is_empty() {
+        let text: Vec<String> = history
+            .iter()
+            .map(|(at, alpha)| format!("{at}:{alpha}"))
+            .collect();
+        println!("alpha tuning (request:alpha): {}", text.join(" "));
+    }
+    let stats = sim.store().stats();
+    println!(
+        "evicted leaves {}, checkpoint-only evictions {}, checkpoints admitted {}, dropped {}",
+        stats.evicted_leaves,
+        stats.evicted_checkpoints_only,
+        stats.admitted_checkpoints,
+        stats.dropped_checkpoints
+    );
+    let report = sim.finish()?;
+    let line =
+        serde_json::to_string(&report).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+    println!("{line}");
+    Ok(())
+}
