@@ -408,6 +408,9 @@ impl DeviceIo for CpuRouter {
 }
 
 #[cfg(test)]
+mod tests;
+
+#[cfg(test)]
 mod send_sync {
     fn assert_send<T: Send>() {}
     fn assert_sync<T: Sync>() {}

@@ -1,0 +1,235 @@
+//! Unit tests that look inside the router: the snapshot ring's state copies, when a Marconi
+//! checkpoint is due, the byte-budget rule, config validation, and `facts()` while sequences run.
+
+use device_io::{DeviceIo, Effect, EffectOutcome, Readback, SeqSpec, Sequence, StepPlan};
+use model::{Config, KvPool, MambaStates, Model};
+
+use crate::{CheckpointBudget, CpuRouter, CpuRouterConfig, CpuSeq, RouterError};
+
+fn hybrid() -> Model {
+    Model::random(Config::tiny_demo(), 11).unwrap()
+}
+
+fn router(prefix_cache: bool) -> CpuRouter {
+    let mut config = CpuRouterConfig::new(32, 3);
+    config.checkpoints = CheckpointBudget::Slots(6);
+    config.prefix_cache = prefix_cache;
+    CpuRouter::new(hybrid(), config).unwrap()
+}
+
+fn seq(id: u64, len: u32) -> CpuSeq {
+    let prompt: Vec<u32> = (0..len).map(|i| (i * 13 + 5) % 256).collect();
+    CpuSeq::create(SeqSpec {
+        id,
+        prompt: &prompt,
+        adapter: None,
+        cache_salt: None,
+    })
+}
+
+fn run(router: &CpuRouter, plan: StepPlan<'_>, s: &mut CpuSeq) {
+    let ticket = router.launch(plan, &mut [s]).unwrap();
+    router.await_result(ticket).unwrap();
+}
+
+fn prefill(router: &CpuRouter, s: &mut CpuSeq) {
+    let budgets = [s.prompt_len()];
+    run(
+        router,
+        StepPlan::Prefill {
+            budgets: &budgets,
+            readback: Readback::Argmax,
+        },
+        s,
+    );
+}
+
+fn decode(router: &CpuRouter, s: &mut CpuSeq, token: u32) {
+    run(
+        router,
+        StepPlan::Decode {
+            tokens: &[token],
+            readback: Readback::Argmax,
+        },
+        s,
+    );
+}
+
+fn live_state(router: &CpuRouter, s: &CpuSeq) -> Vec<f32> {
+    let inner = router.inner.lock().unwrap();
+    inner.states.slot(s.slot.unwrap()).unwrap().to_vec()
+}
+
+#[test]
+fn the_snapshot_ring_saves_and_restores_the_live_state() {
+    let r = router(false);
+    let mut s = seq(1, 20);
+    prefill(&r, &mut s);
+    r.apply(Effect::SsmSnapshotSave { seq: &s, slot: 2 })
+        .unwrap();
+    let saved = live_state(&r, &s);
+    decode(&r, &mut s, 9);
+    decode(&r, &mut s, 10);
+    assert_ne!(live_state(&r, &s), saved);
+    assert_eq!(
+        r.apply(Effect::SsmSnapshotRestore { seq: &s, slot: 2 })
+            .unwrap(),
+        EffectOutcome::Unit
+    );
+    assert_eq!(live_state(&r, &s), saved);
+    r.apply(Effect::ReleaseSeq {
+        seq: &mut s,
+        cache: false,
+        what: "finish",
+    })
+    .unwrap();
+    assert!(r.inner.lock().unwrap().ring.iter().all(Option::is_none));
+}
+
+#[test]
+fn a_marconi_checkpoint_is_due_exactly_at_a_block_boundary_a_decode_reaches() {
+    let r = router(true);
+    let mut s = seq(1, 14);
+    prefill(&r, &mut s);
+    // No end-of-input checkpoint: the prompt has no full block.
+    assert_eq!(s.checkpoints_held(), (None, None));
+    decode(&r, &mut s, 1);
+    assert!(!s.checkpoint_due());
+    decode(&r, &mut s, 2);
+    assert_eq!(s.computed_len(), 16);
+    assert!(s.checkpoint_due());
+    r.apply(Effect::MarconiCheckpoint { seq: &mut s }).unwrap();
+    assert!(!s.checkpoint_due());
+    assert_eq!(s.checkpoints_held(), (None, Some(16)));
+    assert_eq!(r.facts().checkpoint_slots_used, 1);
+    // The checkpoint holds exactly the live state at 16.
+    {
+        let inner = r.inner.lock().unwrap();
+        let (_, slot) = s.output_checkpoint.unwrap();
+        let row = r.shape.checkpoint_row(slot.index());
+        assert_eq!(
+            inner.states.slot(row).unwrap(),
+            inner.states.slot(s.slot.unwrap()).unwrap()
+        );
+    }
+    // A boundary passed without the effect is gone: the effect then takes nothing.
+    for t in 0..16 {
+        decode(&r, &mut s, t);
+    }
+    assert_eq!(s.computed_len(), 32);
+    assert!(s.checkpoint_due());
+    decode(&r, &mut s, 3);
+    assert!(!s.checkpoint_due());
+    r.apply(Effect::MarconiCheckpoint { seq: &mut s }).unwrap();
+    assert_eq!(s.checkpoints_held(), (None, Some(16)));
+    r.apply(Effect::ReleaseSeq {
+        seq: &mut s,
+        cache: false,
+        what: "cancel",
+    })
+    .unwrap();
+    assert_eq!(r.facts().checkpoint_slots_used, 0);
+}
+
+#[test]
+fn facts_follow_running_sequences() {
+    let r = router(true);
+    let initial = r.facts();
+    assert_eq!(
+        (
+            initial.block_size,
+            initial.vocab_size,
+            initial.max_context,
+            initial.kv_blocks_total,
+            initial.kv_blocks_free,
+            initial.live_slots_total,
+            initial.checkpoint_slots_total
+        ),
+        (16, 256, 512, 32, 32, 3, 6)
+    );
+    let mut s = seq(1, 40);
+    prefill(&r, &mut s);
+    let facts = r.facts();
+    assert_eq!(facts.kv_blocks_free, 29);
+    assert_eq!(facts.live_slots_used, 1);
+    // The end-of-input checkpoint at 32, held by the sequence until its release.
+    assert_eq!(s.checkpoints_held(), (Some(32), None));
+    assert_eq!(facts.checkpoint_slots_used, 1);
+    r.apply(Effect::ReleaseSeq {
+        seq: &mut s,
+        cache: true,
+        what: "finish",
+    })
+    .unwrap();
+    let facts = r.facts();
+    // The tree keeps the two full blocks up to the checkpoint; the partial third is free.
+    assert_eq!(
+        (
+            facts.kv_blocks_cached,
+            facts.kv_blocks_free,
+            facts.live_slots_used
+        ),
+        (2, 30, 0)
+    );
+    assert_eq!(facts.checkpoint_slots_used, 1);
+    r.clear_prefix_cache().unwrap();
+    assert_eq!(r.facts(), initial);
+}
+
+#[test]
+fn a_byte_budget_is_split_by_the_documented_rule() {
+    let config = Config::tiny_demo();
+    let state = 4 * MambaStates::new(&config, 0).unwrap().floats_per_slot() as u64;
+    let block = 4 * KvPool::new(&config, 1, 16).unwrap().floats_per_block() as u64;
+    let budget = 4 << 20;
+    let split = CpuRouterConfig::from_byte_budget(&config, budget, 8, 1024).unwrap();
+    let rest = budget - state * (8 + 4);
+    assert_eq!(split.checkpoints, CheckpointBudget::Bytes(rest / 4));
+    assert_eq!(split.num_blocks as u64, (rest - rest / 4) / block);
+    assert_eq!(split.checkpoint_slots(state), (rest / 4 / state) as usize);
+    assert_eq!((split.max_seqs, split.max_context), (8, 1024));
+    CpuRouter::new(Model::random(config.clone(), 1).unwrap(), split).unwrap();
+
+    let err = CpuRouterConfig::from_byte_budget(&config, state, 8, 1024).unwrap_err();
+    assert!(matches!(
+        err,
+        RouterError::BudgetTooSmall {
+            what: "the live slots and the snapshot ring",
+            ..
+        }
+    ));
+    let err = CpuRouterConfig::from_byte_budget(&config, state * 12 + 100, 8, 1024).unwrap_err();
+    assert!(matches!(
+        err,
+        RouterError::BudgetTooSmall {
+            what: "one sequence of max_context tokens",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    let check = |edit: fn(&mut CpuRouterConfig), field: &str| {
+        let mut config = CpuRouterConfig::new(8, 2);
+        edit(&mut config);
+        match CpuRouter::new(hybrid(), config) {
+            Err(RouterError::BadConfig { field: got, .. }) => assert_eq!(got, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    };
+    check(|c| c.block_size = 0, "block_size");
+    check(|c| c.max_seqs = 0, "max_seqs");
+    check(|c| c.max_context = 0, "max_context");
+    check(|c| c.max_context = 8 * 16 + 1, "num_blocks");
+    let err = CpuRouter::new(hybrid(), {
+        let mut c = CpuRouterConfig::new(8, 2);
+        c.max_context = 200;
+        c
+    })
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid router config: num_blocks = 8 (must hold one sequence of max_context 200 tokens: at least 13)"
+    );
+}
