@@ -26,16 +26,19 @@
 //!
 //! # The hash, and why
 //!
-//! Block keys are xxh3 ([`hash`]): about 10 ns for a 16-token block, so a 32k-token lookup costs
-//! microseconds, not the tens of microseconds SHA-256 would. Each cache instance draws its own
-//! seed, so keys cannot be precomputed from outside; 64-bit keys by default, 128-bit
-//! ([`HashKind::Xxh3x128`]) for pools shared by tenants that do not trust each other. The key
-//! includes the LoRA adapter and a per-tenant cache salt ([`ExtraKey`]): two tenants share a block
-//! only if they share a salt. xxh3 is not a cryptographic hash, which is why the cache does not
-//! trust it: every hit is verified against the block's stored tokens, parent key and extra key,
-//! so a collision (accidental or crafted) degrades to a miss and can never hand one prefix's K/V
-//! to another. vLLM moved to SHA-256 because its lookups trusted the hash; verifying is cheaper
-//! than a cryptographic hash and exact.
+//! Block keys are xxh3 ([`hash`]), one of the fastest well-tested non-cryptographic hashes: the
+//! whole lookup of a 32k-token prompt, hashing, index probe and verification included, measures
+//! under 2 ns per token (see the benches), where a cryptographic hash alone would cost several
+//! times that. Each cache instance draws its own seed, so keys cannot be precomputed from
+//! outside; keys are 64-bit by default, 128-bit ([`HashKind::Xxh3x128`]) for pools shared by
+//! tenants that do not trust each other. The key includes the LoRA adapter and a per-tenant cache
+//! salt ([`ExtraKey`]): two tenants share a block only if they share a salt.
+//!
+//! xxh3 is not a cryptographic hash, which is why the cache does not trust it: every hit is
+//! verified against the block's stored tokens, parent key and extra key (4 bytes per token slot
+//! of the pool, kept once the first block is cached), so a collision, accidental or crafted,
+//! degrades to a miss and can never hand one prefix's K/V, or one tenant's, to another. vLLM moved
+//! to SHA-256 because its lookups trusted the hash; verifying is cheaper and exact.
 #![forbid(unsafe_code)]
 
 pub mod error;

@@ -58,8 +58,9 @@ impl KvCacheConfig {
 
 /// The result of [`KvCache::match_prefix`]: the longest run of cached blocks at the start of
 /// the query, with one reference taken on each for the caller (hand it to
-/// [`BlockTable::from_prefix`](crate::BlockTable::from_prefix), or release the blocks).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// [`BlockTable::from_prefix`](crate::BlockTable::from_prefix), or release the blocks). Not
+/// `Clone`, for the same reason as a table.
+#[derive(Debug, PartialEq, Eq, Default)]
 pub struct PrefixMatch {
     /// The matched blocks, in order.
     pub blocks: Vec<BlockId>,
@@ -172,6 +173,28 @@ impl KvCache {
         counters.hit_blocks += out.len() as u64;
         counters.hit_tokens += matched as u64;
         matched
+    }
+
+    /// How many tokens `match_prefix` would return now, without taking references, touching the
+    /// LRU order or counting a lookup: an estimate for admission and for a hybrid model's hit
+    /// length (KV coverage is one bound, the Marconi checkpoints the other). Any allocation
+    /// between this call and the match may evict some of those blocks.
+    pub fn cached_prefix_len(&mut self, tokens: &[u32], extra: ExtraKey) -> usize {
+        let block_size = self.pool.block_size();
+        let mut parent = None;
+        let mut blocks = 0;
+        for chunk in tokens.chunks_exact(block_size) {
+            let hash = self
+                .hasher
+                .hash_block(parent, extra, chunk, &mut self.scratch);
+            match self.pool.lookup(hash) {
+                Some(id) if self.pool.key_matches(id, parent, extra, chunk) => {}
+                _ => break,
+            }
+            blocks += 1;
+            parent = Some(hash);
+        }
+        blocks * block_size
     }
 
     /// The keys of the full blocks of `tokens`, in order (what `insert` would register and what
@@ -365,6 +388,21 @@ mod tests {
         let c = kv.pool().counters();
         assert_eq!((c.lookups, c.hit_blocks, c.hit_tokens), (2, 3, 12));
         kv.pool().check_consistency().unwrap();
+    }
+
+    #[test]
+    fn cached_prefix_len_peeks_without_side_effects() {
+        let mut kv = kv(4);
+        let prompt = tokens(9, 0);
+        finish(&mut kv, &prompt, ExtraKey::NONE);
+        let before = kv.pool().stats();
+        assert_eq!(kv.cached_prefix_len(&prompt, ExtraKey::NONE), 8);
+        assert_eq!(kv.cached_prefix_len(&prompt[..7], ExtraKey::NONE), 4);
+        assert_eq!(
+            kv.cached_prefix_len(&prompt, ExtraKey::NONE.with_salt(1)),
+            0
+        );
+        assert_eq!(kv.pool().stats(), before);
     }
 
     #[test]

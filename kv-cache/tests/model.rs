@@ -584,7 +584,10 @@ impl Harness {
                     )
                 };
                 let before = snapshot(&self.kv);
-                let table = self.seqs[s].table.clone();
+                let table = (
+                    self.seqs[s].table.len(),
+                    self.seqs[s].table.blocks().to_vec(),
+                );
                 let real = self.seqs[s].table.reserve_next(self.kv.pool_mut());
                 assert_eq!(real, self.model_reserve(s));
                 if real.is_err() {
@@ -596,10 +599,12 @@ impl Harness {
                 let real = self.seqs[s].table.rollback(self.kv.pool_mut());
                 assert_eq!(real, self.model_rollback(s));
                 let after = snapshot(&self.kv);
-                assert_eq!(
-                    self.seqs[s].table, table,
-                    "reserve + rollback changed the table"
+                let now = (
+                    self.seqs[s].table.len(),
+                    self.seqs[s].table.blocks().to_vec(),
                 );
+                assert_eq!(now, table, "reserve + rollback changed the table");
+                assert_eq!(self.seqs[s].table.reservation(), None);
                 assert_eq!(
                     after.0, before.0,
                     "reserve + rollback changed reference counts"
