@@ -24,6 +24,36 @@
 //! - Counters ([`CacheCounters`], [`KvStats`]) and cache events ([`CacheEvent`], subscribed to with
 //!   [`BlockPool::subscribe`], see [`events`]).
 //!
+//! # A router's flow
+//!
+//! ```
+//! use kv_cache::{BlockTable, ExtraKey, KvCache, KvCacheConfig};
+//!
+//! let mut kv = KvCache::new(KvCacheConfig::new(64, 16))?;
+//! let prompt: Vec<u32> = (0..40).collect();
+//! let extra = ExtraKey::NONE.with_salt(7);
+//!
+//! // Admission: attach the longest cached prefix (all but the last token, which must be
+//! // computed for its logits), then make room for the rest of the prompt.
+//! let hit = kv.match_prefix(&prompt[..prompt.len() - 1], extra);
+//! let mut table = BlockTable::from_prefix(hit);
+//! table.append(kv.pool_mut(), prompt.len() - table.len())?;
+//!
+//! // Decoding at pipeline depth 2: reserve the next position before launching, and roll the
+//! // over-run back when the sequence turns out to have finished.
+//! let added = table.reserve_next(kv.pool_mut())?;
+//! assert_eq!(added, 0); // position 40 is inside the third block
+//! table.append(kv.pool_mut(), 1)?;
+//! table.rollback(kv.pool_mut())?;
+//!
+//! // Finish: offer the full blocks to the prefix cache, then release (tail first).
+//! assert_eq!(kv.insert(&prompt, table.blocks(), extra)?, 2);
+//! table.release_all(kv.pool_mut());
+//! assert_eq!(kv.pool().cached_blocks(), 2);
+//! assert_eq!(kv.cached_prefix_len(&prompt, extra), 32);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # The hash, and why
 //!
 //! Block keys are xxh3 ([`hash`]), one of the fastest well-tested non-cryptographic hashes: the
