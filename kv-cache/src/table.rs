@@ -38,6 +38,10 @@ use crate::{BlockId, BlockPool, Exhausted, KvError, PrefixMatch};
 
 /// Copy the first `rows` rows (token positions) of block `src` into block `dst` before writing
 /// into `dst`: the router's half of a copy-on-write.
+///
+/// Perform it before the next pool operation: after an `append` the table no longer holds `src`
+/// (its contents stay intact until `src` is allocated again, which takes another allocation);
+/// after a `reserve_next` the ledger holds `src` until the reservation is committed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockCopy {
     /// The shared block.
