@@ -106,6 +106,8 @@ fn release(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq, cache: bool, what
     seq.tokens.truncate(seq.prompt_len);
     seq.branch_point = None;
     seq.checkpoint_due = false;
+    // The state that may have been corrupt is gone; the sequence starts afresh if prefilled again.
+    seq.failed = false;
 }
 
 fn owned_slot(inner: &Inner, seq: &CpuSeq, what: &'static str) -> Result<usize> {

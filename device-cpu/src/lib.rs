@@ -126,6 +126,8 @@ pub(crate) struct Inner {
     pub logits_rows: usize,
     pub logits_step: Option<u64>,
     pub row_logits: Vec<f32>,
+    /// Blocks a plan reserved and has not handed to its rows yet (empty between calls).
+    pub fresh: Vec<u32>,
 }
 
 /// Fixed facts about the router, outside the mutex.
@@ -254,6 +256,7 @@ impl CpuRouter {
             logits_rows: 0,
             logits_step: None,
             row_logits: Vec::new(),
+            fresh: Vec::new(),
         };
         tracing::debug!(?shape, "host router ready");
         Ok(CpuRouter {

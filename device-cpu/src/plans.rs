@@ -60,7 +60,7 @@ fn forward_failed(rows: &mut [&mut CpuSeq], err: model::ModelError) -> DeviceErr
 fn finish_step(
     inner: &mut Inner,
     ticket: Ticket,
-    token_rows: &[Option<usize>],
+    token_rows: impl ExactSizeIterator<Item = Option<usize>>,
     reports: Option<Vec<PrefillReport>>,
     sink: Sink<'_>,
     vocab: usize,
@@ -70,12 +70,12 @@ fn finish_step(
     inner.logits_step = Some(ticket.0);
     let mut outputs = Vec::with_capacity(token_rows.len());
     let host = matches!(sink, Sink::Host(_));
-    for (i, row) in token_rows.iter().enumerate() {
+    for (i, row) in token_rows.enumerate() {
         let mut out = RowOutput {
             prefill: reports.as_ref().map(|r| r[i]),
             ..RowOutput::default()
         };
-        if let Some(row) = *row {
+        if let Some(row) = row {
             if host {
                 out.logits_row = Some(row);
             } else {
@@ -95,16 +95,16 @@ fn finish_step(
     }
 }
 
-/// Takes `count` blocks, evicting cached ones if the free list runs dry; on failure gives back what
-/// it took and answers the typed error.
-fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<Vec<u32>> {
+/// Takes `count` blocks into `inner.fresh` (cleared first), evicting cached ones if the free
+/// list runs dry; on failure gives back what it took and answers the typed error.
+fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<()> {
     let available = inner.cache.free_blocks() + inner.cache.evictable_blocks();
-    let mut taken = Vec::with_capacity(count);
+    inner.fresh.clear();
     for _ in 0..count {
         match inner.cache.allocate() {
-            Some(block) => taken.push(block),
+            Some(block) => inner.fresh.push(block),
             None => {
-                for block in taken {
+                for block in inner.fresh.drain(..) {
                     inner.cache.release(block);
                 }
                 return Err(DeviceError::KvExhausted {
@@ -114,7 +114,7 @@ fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<Vec<u32>> {
             }
         }
     }
-    Ok(taken)
+    Ok(())
 }
 
 /// The first chunk of a new row: where it starts (after the cached prefix) and what it attached.
@@ -228,8 +228,8 @@ pub(crate) fn prefill(
         new_rows.push(new_row);
     }
     let total_needed: usize = needs.iter().sum();
-    let fresh = match reserve_blocks(inner, total_needed) {
-        Ok(blocks) => blocks,
+    match reserve_blocks(inner, total_needed) {
+        Ok(()) => {}
         Err(err) => {
             for new_row in new_rows.into_iter().flatten() {
                 inner.cache.undo_attach(new_row.attach);
@@ -239,16 +239,12 @@ pub(crate) fn prefill(
     };
 
     // Phase 3: commit and compute.
-    let reserved = Reserved {
-        new_rows,
-        fresh,
-        needs,
-    };
+    let reserved = Reserved { new_rows, needs };
     match commit_prefill(model, shape, inner, budgets, rows, reserved) {
         Ok((token_rows, reports)) => Ok(finish_step(
             inner,
             ticket,
-            &token_rows,
+            token_rows.into_iter(),
             Some(reports),
             sink,
             shape.vocab_size,
@@ -257,10 +253,9 @@ pub(crate) fn prefill(
     }
 }
 
-/// What phase 2 of a prefill reserved.
+/// What phase 2 of a prefill reserved (besides the blocks in `inner.fresh`).
 struct Reserved {
     new_rows: Vec<Option<NewRow>>,
-    fresh: Vec<u32>,
     needs: Vec<usize>,
 }
 
@@ -275,12 +270,7 @@ fn commit_prefill(
     reserved: Reserved,
 ) -> std::result::Result<PrefillOutputs, model::ModelError> {
     let vocab = shape.vocab_size;
-    let Reserved {
-        new_rows,
-        fresh,
-        needs,
-    } = reserved;
-    let mut fresh = fresh.into_iter();
+    let Reserved { new_rows, needs } = reserved;
     inner.logits.clear();
     let mut token_rows = Vec::with_capacity(rows.len());
     let mut reports = Vec::with_capacity(rows.len());
@@ -306,7 +296,8 @@ fn commit_prefill(
                     .copy_slot(shape.checkpoint_row(checkpoint.index()), slot)?;
             }
         }
-        seq.blocks.extend(fresh.by_ref().take(needs[i]));
+        let from = inner.fresh.len() - needs[i];
+        seq.blocks.extend(inner.fresh.drain(from..));
         let slot = seq.slot.expect("validated or assigned above");
         let start = seq.computed_len;
         let end = (start + budgets[i]).min(seq.prompt_len);
@@ -472,17 +463,14 @@ pub(crate) fn decode(
     }
 
     // Phase 2: reserve the block each row's new position needs.
-    let needs: Vec<bool> = rows
-        .iter()
-        .map(|seq| seq.blocks.len() * shape.block_size <= seq.computed_len)
-        .collect();
-    let total_needed = needs.iter().filter(|&&n| n).count();
-    let mut fresh = reserve_blocks(inner, total_needed)?.into_iter();
+    let needs_block = |seq: &CpuSeq| seq.blocks.len() * shape.block_size <= seq.computed_len;
+    let total_needed = rows.iter().filter(|seq| needs_block(seq)).count();
+    reserve_blocks(inner, total_needed)?;
 
     // Phase 3: commit and compute.
-    for (seq, &need) in rows.iter_mut().zip(&needs) {
-        if need {
-            seq.blocks.push(fresh.next().expect("reserved above"));
+    for seq in rows.iter_mut() {
+        if needs_block(seq) {
+            seq.blocks.push(inner.fresh.pop().expect("reserved above"));
         }
     }
     let batch: Vec<DecodeRow<'_>> = rows
@@ -514,11 +502,10 @@ pub(crate) fn decode(
         // A boundary passed without its checkpoint cannot be taken any more.
         seq.checkpoint_due = wants_checkpoints && seq.computed_len % shape.block_size == 0;
     }
-    let token_rows: Vec<Option<usize>> = (0..rows.len()).map(Some).collect();
     Ok(finish_step(
         inner,
         ticket,
-        &token_rows,
+        (0..rows.len()).map(Some),
         None,
         sink,
         shape.vocab_size,
