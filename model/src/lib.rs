@@ -115,13 +115,15 @@ impl Model {
         let config_path = dir.join("config.json");
         std::fs::write(&config_path, self.config.to_hf_json())
             .map_err(|e| write_err(&config_path, e.to_string()))?;
-        let tensors = self.weights.tensors(&self.config);
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-            .into_iter()
-            .map(|(name, shape, data)| {
-                (name, shape, bytemuck::cast_slice::<f32, u8>(data).to_vec())
-            })
-            .collect();
+        let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        self.weights
+            .visit_tensors(&self.config, &mut |name, shape, data| {
+                bytes.push((
+                    name.to_string(),
+                    shape.to_vec(),
+                    bytemuck::cast_slice::<f32, u8>(data).to_vec(),
+                ));
+            });
         let views = bytes
             .iter()
             .map(|(name, shape, data)| {
@@ -149,15 +151,14 @@ impl Model {
     fn compute_fingerprint(&self) -> u64 {
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         hasher.update(&serde_json::to_vec(&self.config).unwrap_or_default());
-        for (name, shape, data) in self.weights.tensors(&self.config) {
-            hasher.update(name.as_bytes());
-            for dim in shape {
-                hasher.update(&(dim as u64).to_le_bytes());
-            }
-            for value in data {
-                hasher.update(&value.to_bits().to_le_bytes());
-            }
-        }
+        self.weights
+            .visit_tensors(&self.config, &mut |name, shape, data| {
+                hasher.update(name.as_bytes());
+                for &dim in shape {
+                    hasher.update(&(dim as u64).to_le_bytes());
+                }
+                hasher.update(bytemuck::cast_slice::<f32, u8>(data));
+            });
         hasher.digest()
     }
 

@@ -13,7 +13,7 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 
 use crate::weights::Linear;
 
-/// `out[m, lin.out_dim] = x[m, lin.in_dim] · lin.weightᵀ (+ bias)`.
+/// `out[m, lin.out_dim] = x[m, lin.in_dim] · W[out, in]ᵀ (+ bias)`, with `W` stored transposed.
 pub(crate) fn matmul(x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
     let (k, n) = (lin.in_dim, lin.out_dim);
     let out = &mut out[..rows * n];
@@ -22,9 +22,7 @@ pub(crate) fn matmul(x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
     }
     // The shapes below are guaranteed by the caller's buffer sizing and `Weights::build`.
     let a = ArrayView2::from_shape((rows, k), &x[..rows * k]).expect("activation shape");
-    let b = ArrayView2::from_shape((n, k), &lin.weight[..])
-        .expect("weight shape")
-        .reversed_axes();
+    let b = ArrayView2::from_shape((k, n), &lin.weight_t[..]).expect("weight shape");
     let mut c = ArrayViewMut2::from_shape((rows, n), &mut *out).expect("output shape");
     general_mat_mul(1.0, &a, &b, 0.0, &mut c);
     if let Some(bias) = &lin.bias {
@@ -125,12 +123,8 @@ mod tests {
     fn matmul_row_bits_do_not_depend_on_batch() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         for &(k, n) in &[(64, 196), (300, 70), (17, 9)] {
-            let lin = Linear {
-                weight: random(n * k, &mut rng),
-                bias: Some(random(n, &mut rng)),
-                out_dim: n,
-                in_dim: k,
-            };
+            let weight = random(n * k, &mut rng);
+            let lin = Linear::from_rows(&weight, Some(random(n, &mut rng)), n, k);
             let batch = 70;
             let x = random(batch * k, &mut rng);
             let mut all = vec![0.0; batch * n];
@@ -156,7 +150,7 @@ mod tests {
             for r in [0, batch - 1] {
                 for o in [0, n - 1] {
                     let exact: f64 = (0..k)
-                        .map(|i| f64::from(x[r * k + i]) * f64::from(lin.weight[o * k + i]))
+                        .map(|i| f64::from(x[r * k + i]) * f64::from(weight[o * k + i]))
                         .sum::<f64>()
                         + f64::from(lin.bias.as_ref().unwrap()[o]);
                     assert!((f64::from(all[r * n + o]) - exact).abs() < 1e-4);

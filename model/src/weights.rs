@@ -15,11 +15,15 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::{Config, LayerKind, ModelError};
 
-/// A dense `[out, in]` linear map with an optional bias.
+/// A dense linear map with an optional bias, stored **transposed**.
+///
+/// `weight_t` is `[in, out]` row-major (the checkpoint's `[out, in]` transposed at load), so the
+/// matrix product's packing of the right-hand operand reads contiguous rows. The transposition
+/// changes no bits of any product: sgemm packs the same values into the same panels either way.
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
-    /// `out * in` floats, row `o` holds the weights of output `o`.
-    pub weight: Vec<f32>,
+    /// `in * out` floats; row `i` holds input feature `i`'s weight for every output.
+    pub weight_t: Vec<f32>,
     /// `out` floats when present.
     pub bias: Option<Vec<f32>>,
     /// Output features.
@@ -97,6 +101,9 @@ pub(crate) struct Weights {
     pub lm_head: Linear,
 }
 
+/// Receives (checkpoint name, shape, values) from [`Weights::visit_tensors`].
+pub(crate) type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
+
 /// Where [`Weights::build`] gets each tensor from.
 pub(crate) trait TensorSource {
     /// The tensor called `name`, which must have exactly `shape`.
@@ -116,12 +123,42 @@ fn linear(
     } else {
         None
     };
-    Ok(Linear {
-        weight,
-        bias,
-        out_dim,
-        in_dim,
-    })
+    Ok(Linear::from_rows(&weight, bias, out_dim, in_dim))
+}
+
+/// `[rows, cols]` row-major -> `[cols, rows]` row-major, into `out`.
+fn transpose_into(src: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(rows * cols, 0.0);
+    for (r, row) in src.chunks_exact(cols).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+}
+
+impl Linear {
+    /// From a checkpoint-layout `[out, in]` matrix.
+    pub(crate) fn from_rows(
+        weight: &[f32],
+        bias: Option<Vec<f32>>,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Self {
+        let mut weight_t = Vec::new();
+        transpose_into(weight, out_dim, in_dim, &mut weight_t);
+        Self {
+            weight_t,
+            bias,
+            out_dim,
+            in_dim,
+        }
+    }
+
+    /// The checkpoint-layout `[out, in]` matrix, into `out`.
+    pub(crate) fn rows_into(&self, out: &mut Vec<f32>) {
+        transpose_into(&self.weight_t, self.in_dim, self.out_dim, out);
+    }
 }
 
 fn mlp(
@@ -165,12 +202,7 @@ impl Weights {
                     weight.extend_from_slice(&k);
                     weight.extend_from_slice(&vv);
                     Mixer::Attention(AttentionWeights {
-                        qkv: Linear {
-                            weight,
-                            bias: None,
-                            out_dim: (nh + 2 * nkv) * hd,
-                            in_dim: d,
-                        },
+                        qkv: Linear::from_rows(&weight, None, (nh + 2 * nkv) * hd, d),
                         o_proj: linear(source, &format!("{m}.o_proj"), d, nh * hd, false)?,
                     })
                 }
@@ -295,63 +327,49 @@ impl Weights {
         })
     }
 
-    /// Every tensor with its checkpoint name and shape, in checkpoint (build) order.
-    pub(crate) fn tensors(&self, config: &Config) -> Vec<(String, Vec<usize>, &[f32])> {
-        let mut out: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
-        let (v, d) = (config.vocab_size, config.hidden_size);
-        fn push_linear<'w>(
-            out: &mut Vec<(String, Vec<usize>, &'w [f32])>,
-            prefix: &str,
-            lin: &'w Linear,
-        ) {
-            out.push((
-                format!("{prefix}.weight"),
-                vec![lin.out_dim, lin.in_dim],
-                &lin.weight,
-            ));
+    /// Calls `f` with every tensor's checkpoint name, shape and values (checkpoint layout), in
+    /// checkpoint (build) order. Matrices are transposed back one at a time into a reused buffer.
+    pub(crate) fn visit_tensors(&self, config: &Config, f: &mut TensorVisitor<'_>) {
+        let mut buf = Vec::new();
+        let mut linear = |f: &mut TensorVisitor<'_>, prefix: &str, lin: &Linear| {
+            lin.rows_into(&mut buf);
+            f(
+                &format!("{prefix}.weight"),
+                &[lin.out_dim, lin.in_dim],
+                &buf,
+            );
             if let Some(bias) = &lin.bias {
-                out.push((format!("{prefix}.bias"), vec![lin.out_dim], bias));
+                f(&format!("{prefix}.bias"), &[lin.out_dim], bias);
             }
-        }
-        fn push_mlp<'w>(
-            out: &mut Vec<(String, Vec<usize>, &'w [f32])>,
-            prefix: &str,
-            w: &'w MlpWeights,
-        ) {
-            push_linear(out, &format!("{prefix}.up_proj"), &w.up);
-            push_linear(out, &format!("{prefix}.down_proj"), &w.down);
-        }
-        out.push((
-            "backbone.embeddings.weight".into(),
-            vec![v, d],
-            &self.embeddings,
-        ));
+        };
+        let (v, d) = (config.vocab_size, config.hidden_size);
+        f("backbone.embeddings.weight", &[v, d], &self.embeddings);
         for (i, layer) in self.layers.iter().enumerate() {
             let prefix = format!("backbone.layers.{i}");
-            out.push((format!("{prefix}.norm.weight"), vec![d], &layer.norm));
+            f(&format!("{prefix}.norm.weight"), &[d], &layer.norm);
             let m = format!("{prefix}.mixer");
             match &layer.mixer {
                 Mixer::Mamba(w) => {
                     let conv_dim = config.mamba_conv_dim();
-                    push_linear(&mut out, &format!("{m}.in_proj"), &w.in_proj);
-                    out.push((
-                        format!("{m}.conv1d.weight"),
-                        vec![conv_dim, 1, config.conv_kernel],
-                        &w.conv_weight,
-                    ));
-                    if let Some(b) = &w.conv_bias {
-                        out.push((format!("{m}.conv1d.bias"), vec![conv_dim], b));
-                    }
                     let h = config.mamba_num_heads;
-                    out.push((format!("{m}.dt_bias"), vec![h], &w.dt_bias));
-                    out.push((format!("{m}.A_log"), vec![h], &w.a_log));
-                    out.push((format!("{m}.D"), vec![h], &w.d));
-                    out.push((
-                        format!("{m}.norm.weight"),
-                        vec![config.mamba_inner()],
+                    linear(f, &format!("{m}.in_proj"), &w.in_proj);
+                    f(
+                        &format!("{m}.conv1d.weight"),
+                        &[conv_dim, 1, config.conv_kernel],
+                        &w.conv_weight,
+                    );
+                    if let Some(b) = &w.conv_bias {
+                        f(&format!("{m}.conv1d.bias"), &[conv_dim], b);
+                    }
+                    f(&format!("{m}.dt_bias"), &[h], &w.dt_bias);
+                    f(&format!("{m}.A_log"), &[h], &w.a_log);
+                    f(&format!("{m}.D"), &[h], &w.d);
+                    f(
+                        &format!("{m}.norm.weight"),
+                        &[config.mamba_inner()],
                         &w.norm,
-                    ));
-                    push_linear(&mut out, &format!("{m}.out_proj"), &w.out_proj);
+                    );
+                    linear(f, &format!("{m}.out_proj"), &w.out_proj);
                 }
                 Mixer::Attention(w) => {
                     let (nh, nkv, hd) = (
@@ -359,35 +377,41 @@ impl Weights {
                         config.num_key_value_heads,
                         config.head_dim,
                     );
-                    let (q, rest) = w.qkv.weight.split_at(nh * hd * d);
+                    let mut rows = Vec::new();
+                    w.qkv.rows_into(&mut rows);
+                    let (q, rest) = rows.split_at(nh * hd * d);
                     let (k, vv) = rest.split_at(nkv * hd * d);
-                    out.push((format!("{m}.q_proj.weight"), vec![nh * hd, d], q));
-                    out.push((format!("{m}.k_proj.weight"), vec![nkv * hd, d], k));
-                    out.push((format!("{m}.v_proj.weight"), vec![nkv * hd, d], vv));
-                    push_linear(&mut out, &format!("{m}.o_proj"), &w.o_proj);
+                    f(&format!("{m}.q_proj.weight"), &[nh * hd, d], q);
+                    f(&format!("{m}.k_proj.weight"), &[nkv * hd, d], k);
+                    f(&format!("{m}.v_proj.weight"), &[nkv * hd, d], vv);
+                    linear(f, &format!("{m}.o_proj"), &w.o_proj);
                 }
-                Mixer::Mlp(w) => push_mlp(&mut out, &m, w),
+                Mixer::Mlp(w) => {
+                    linear(f, &format!("{m}.up_proj"), &w.up);
+                    linear(f, &format!("{m}.down_proj"), &w.down);
+                }
                 Mixer::Moe(w) => {
-                    push_linear(&mut out, &format!("{m}.gate"), &w.gate);
-                    out.push((
-                        format!("{m}.gate.e_score_correction_bias"),
-                        vec![w.correction_bias.len()],
+                    linear(f, &format!("{m}.gate"), &w.gate);
+                    f(
+                        &format!("{m}.gate.e_score_correction_bias"),
+                        &[w.correction_bias.len()],
                         &w.correction_bias,
-                    ));
+                    );
                     for (j, expert) in w.experts.iter().enumerate() {
-                        push_mlp(&mut out, &format!("{m}.experts.{j}"), expert);
+                        linear(f, &format!("{m}.experts.{j}.up_proj"), &expert.up);
+                        linear(f, &format!("{m}.experts.{j}.down_proj"), &expert.down);
                     }
-                    push_mlp(&mut out, &format!("{m}.shared_experts"), &w.shared);
+                    linear(f, &format!("{m}.shared_experts.up_proj"), &w.shared.up);
+                    linear(f, &format!("{m}.shared_experts.down_proj"), &w.shared.down);
                     if let Some((fc1, fc2)) = &w.latent {
-                        push_linear(&mut out, &format!("{m}.fc1_latent_proj"), fc1);
-                        push_linear(&mut out, &format!("{m}.fc2_latent_proj"), fc2);
+                        linear(f, &format!("{m}.fc1_latent_proj"), fc1);
+                        linear(f, &format!("{m}.fc2_latent_proj"), fc2);
                     }
                 }
             }
         }
-        out.push(("backbone.norm_f.weight".into(), vec![d], &self.norm_f));
-        push_linear(&mut out, "lm_head", &self.lm_head);
-        out
+        f("backbone.norm_f.weight", &[d], &self.norm_f);
+        linear(f, "lm_head", &self.lm_head);
     }
 }
 
