@@ -17,7 +17,11 @@
 
 use kv_cache::{BlockId, ExtraKey, KvCache, KvCacheConfig};
 use model::{Config, LayerKind, Model};
-use ssm_snapshot::{CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta};
+use ssm_snapshot::tuning::RecordedRequest;
+use ssm_snapshot::{
+    AlphaTuner, CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta,
+    TuningMode,
+};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::{CpuRouterConfig, Namespace, RouterError, Shape};
@@ -43,7 +47,7 @@ pub(crate) struct Attach {
 }
 
 /// Prefix-cache counters for reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct CacheStats {
     /// Lookups made by first prefill chunks.
     pub lookups: u64,
@@ -51,6 +55,8 @@ pub struct CacheStats {
     pub hit_tokens: u64,
     /// Checkpoints the Marconi tree holds now.
     pub checkpoints: u64,
+    /// The Marconi eviction weight α now in use (`None` without a Marconi store).
+    pub alpha: Option<f64>,
 }
 
 enum Index {
@@ -58,8 +64,8 @@ enum Index {
     Off,
     /// The hash-chain prefix cache inside `kv` (attention-only models).
     HashChain,
-    /// The Marconi store (hybrid models).
-    Marconi(Box<SnapshotStore>),
+    /// The Marconi store (hybrid models), with its α tuner when `marconi: true`.
+    Marconi(Box<SnapshotStore>, Option<Box<AlphaTuner>>),
 }
 
 /// The pool and the prefix index.
@@ -124,9 +130,14 @@ pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
     CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()))
 }
 
-/// The weight of FLOP efficiency against recency in the Marconi eviction score when
-/// `marconi: true`; recency and efficiency are each min-max normalised, so 1 weighs them equally.
-pub(crate) const MARCONI_ALPHA: f64 = 1.0;
+/// With `marconi: true`, α (the weight of FLOP efficiency against recency in eviction scores) is
+/// retuned every this many finished requests by replaying them under [`ALPHA_GRID`]: the store's
+/// best measured scheme (periodic retuning follows a drifting workload, where Marconi's one-off
+/// bootstrap tuning does not).
+pub(crate) const ALPHA_WINDOW: usize = 200;
+/// The α values the tuner tries (recency and FLOP efficiency are each min-max normalised, so
+/// α = 1 weighs them equally).
+pub(crate) const ALPHA_GRID: [f64; 10] = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0];
 
 impl Caches {
     pub fn new(
@@ -157,10 +168,20 @@ impl Caches {
                 u64::from(slots) * cost.checkpoint_bytes(),
             );
             store_config.checkpoint_slots = slots;
-            store_config.alpha = if config.marconi { MARCONI_ALPHA } else { 0.0 };
-            let store = SnapshotStore::new(store_config)
-                .map_err(|err| RouterError::Cache(err.to_string()))?;
-            Index::Marconi(Box::new(store))
+            // α starts at 0 (LRU); `marconi: false` keeps it there (SGLang's policy).
+            store_config.alpha = 0.0;
+            let cache_err = |err: ssm_snapshot::SnapshotError| RouterError::Cache(err.to_string());
+            let store = SnapshotStore::new(store_config).map_err(cache_err)?;
+            let tuner = if config.marconi {
+                let mode = TuningMode::Periodic {
+                    grid: ALPHA_GRID.to_vec(),
+                    window: ALPHA_WINDOW,
+                };
+                Some(Box::new(AlphaTuner::new(mode, &store).map_err(cache_err)?))
+            } else {
+                None
+            };
+            Index::Marconi(Box::new(store), tuner)
         };
         Ok(Caches {
             kv,
@@ -174,7 +195,7 @@ impl Caches {
 
     /// Whether sequences keep a checkpoint at their latest block boundary for the Marconi tree.
     pub fn wants_end_checkpoints(&self) -> bool {
-        matches!(self.index, Index::Marconi(_))
+        matches!(self.index, Index::Marconi(..))
     }
 
     pub fn free_blocks(&self) -> usize {
@@ -191,13 +212,13 @@ impl Caches {
         match &self.index {
             Index::Off => 0,
             Index::HashChain => self.kv.pool().registered_blocks(),
-            Index::Marconi(store) => store.held_block_count() as usize,
+            Index::Marconi(store, _) => store.held_block_count() as usize,
         }
     }
 
     pub fn checkpoint_slots_used(&self) -> usize {
         match &self.index {
-            Index::Marconi(store) => {
+            Index::Marconi(store, _) => {
                 (store.slots().cached_count() + store.slots().reserved_count()) as usize
             }
             _ => 0,
@@ -209,8 +230,12 @@ impl Caches {
             lookups: self.lookups,
             hit_tokens: self.hit_tokens,
             checkpoints: match &self.index {
-                Index::Marconi(store) => u64::from(store.slots().cached_count()),
+                Index::Marconi(store, _) => u64::from(store.slots().cached_count()),
                 _ => 0,
+            },
+            alpha: match &self.index {
+                Index::Marconi(store, _) => Some(store.config().alpha),
+                _ => None,
             },
         }
     }
@@ -237,7 +262,7 @@ impl Caches {
             if let Ok(block) = self.kv.pool_mut().allocate() {
                 return Some(block.0);
             }
-            let Index::Marconi(store) = &mut self.index else {
+            let Index::Marconi(store, _) = &mut self.index else {
                 return None;
             };
             let released = store.evict_for_kv(1, &mut self.delta);
@@ -273,7 +298,7 @@ impl Caches {
                 attach.len = found.tokens;
                 attach.blocks = found.blocks.iter().map(|b| b.0).collect();
             }
-            Index::Marconi(store) => {
+            Index::Marconi(store, _) => {
                 let hit = store.lookup(store_namespace(ns), tokens, &mut self.scratch_blocks);
                 for &block in &self.scratch_blocks {
                     // The tree holds each listed block, so a retain cannot find it free.
@@ -306,7 +331,7 @@ impl Caches {
     }
 
     pub fn unpin(&mut self, pin: Pin) {
-        if let Index::Marconi(store) = &mut self.index {
+        if let Index::Marconi(store, _) = &mut self.index {
             if let Err(err) = store.release(pin) {
                 tracing::error!(%err, "released a Marconi pin twice");
             }
@@ -316,7 +341,7 @@ impl Caches {
     /// A checkpoint slot to copy a state into (evicting cached checkpoints if the region is
     /// full); `None` when the region is held entirely by running sequences.
     pub fn take_checkpoint_slot(&mut self) -> Option<SlotId> {
-        let Index::Marconi(store) = &mut self.index else {
+        let Index::Marconi(store, _) = &mut self.index else {
             return None;
         };
         let slot = store.reserve_checkpoint(&mut self.delta);
@@ -326,7 +351,7 @@ impl Caches {
 
     /// Gives back a checkpoint slot that will not be offered to the tree.
     pub fn free_checkpoint_slot(&mut self, slot: SlotId) {
-        if let Index::Marconi(store) = &mut self.index {
+        if let Index::Marconi(store, _) = &mut self.index {
             if let Err(err) = store.cancel_checkpoint(slot) {
                 tracing::error!(%err, "cancelled a checkpoint slot that was not reserved");
             }
@@ -335,7 +360,7 @@ impl Caches {
 
     /// Registers the checkpoint a sequence took at its branch point (`tokens.len()`).
     pub fn register_branch(&mut self, pin: &Pin, tokens: &[u32], slot: SlotId) {
-        let Index::Marconi(store) = &mut self.index else {
+        let Index::Marconi(store, _) = &mut self.index else {
             return;
         };
         match store.commit_branch(pin, tokens, tokens.len(), slot, &mut self.delta) {
@@ -355,6 +380,7 @@ impl Caches {
         &mut self,
         ns: Namespace,
         pin: Option<Pin>,
+        looked_up: &[u32],
         tokens: &[u32],
         blocks: &[u32],
         checkpoints: &[(usize, SlotId)],
@@ -369,7 +395,7 @@ impl Caches {
                     tracing::error!(%err, "the prefix cache refused a finished sequence");
                 }
             }
-            Index::Marconi(store) => {
+            Index::Marconi(store, tuner) => {
                 // A restored sequence never looked the tree up; an empty lookup pins the root.
                 let pin = match pin {
                     Some(pin) => pin,
@@ -395,6 +421,18 @@ impl Caches {
                     }
                 }
                 Self::apply_delta(&mut self.kv, &mut self.delta);
+                if let Some(tuner) = tuner {
+                    let request = RecordedRequest {
+                        namespace: store_namespace(ns),
+                        input: looked_up.to_vec(),
+                        full: tokens.to_vec(),
+                    };
+                    match tuner.observe(store, request) {
+                        Ok(Some(alpha)) => tracing::debug!(alpha, "Marconi alpha retuned"),
+                        Ok(None) => {}
+                        Err(err) => tracing::error!(%err, "alpha tuning failed; alpha unchanged"),
+                    }
+                }
             }
         }
     }
@@ -404,7 +442,7 @@ impl Caches {
         match &mut self.index {
             Index::Off => {}
             Index::HashChain => self.kv.clear(),
-            Index::Marconi(store) => {
+            Index::Marconi(store, _) => {
                 store.clear_unpinned(&mut self.delta);
                 Self::apply_delta(&mut self.kv, &mut self.delta);
             }

@@ -73,9 +73,11 @@ fn release(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq, cache: bool, what
         // Register while the block ids are still valid (this sequence holds them). The
         // checkpoints sit at block boundaries at or below `computed_len`, inside the full blocks.
         let full = full_blocks * shape.block_size;
+        let looked_up = &seq.tokens[..seq.prompt_len.saturating_sub(1)];
         inner.cache.insert_finished(
             seq.namespace,
             seq.pin.take(),
+            looked_up,
             &seq.tokens[..full],
             &seq.blocks[..full_blocks],
             &checkpoints,

@@ -49,6 +49,7 @@ use device_io::{
 };
 use model::{KvPool, MambaStates, Model, Scratch};
 
+pub use cache::CacheStats;
 pub use config::{CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_SNAPSHOT_SLOTS};
 pub use seq::{CpuSeq, LogitsHandle, Namespace};
 
@@ -285,8 +286,8 @@ impl CpuRouter {
         Ok(())
     }
 
-    /// Prefix-cache counters, for reports: (lookups, tokens served from the cache).
-    pub fn cache_stats(&self) -> Result<cache::CacheStats> {
+    /// Prefix-cache counters, for reports.
+    pub fn cache_stats(&self) -> Result<CacheStats> {
         Ok(self.lock()?.cache.stats())
     }
 }
