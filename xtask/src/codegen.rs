@@ -10,9 +10,11 @@
 //!
 //! A generated output's first line contains [`GENERATED_MARK`] (in the comment syntax of its
 //! format). For a generator that rewrites every output on each run, changed or not, an output
-//! carrying the mark whose modification time did not move is an orphan: no test or generator
-//! produces it any more. `codegen` deletes it and `--check` reports it as stale. A plain
-//! `cargo test` cannot notice an orphan, since no test reads it.
+//! carrying the mark whose modification time did not move, and whose name (file stem) no Rust
+//! source of its package mentions any more, is an orphan: no test or generator produces it.
+//! `codegen` deletes it and `--check` reports it as stale. A plain `cargo test` cannot notice an
+//! orphan, since no test reads it. (The name condition keeps the golden of a test that exists but
+//! did not run, such as one ignored on a machine without a GPU.)
 //!
 //! Generators:
 //! - `golden`: the golden files of tests that follow the bless protocol. A golden test compares
@@ -191,11 +193,19 @@ fn changes(before: &BTreeMap<String, Vec<u8>>, after: &BTreeMap<String, Vec<u8>>
         .collect()
 }
 
-/// Marked outputs present before and after a run whose modification time did not move.
-fn orphans(before: &Snapshot, after: &Snapshot) -> Vec<String> {
+/// Marked outputs present before and after a run whose modification time did not move, and
+/// whose name (file stem) no Rust source in `sources` mentions. The last condition keeps the
+/// golden of a test that exists but did not run (`#[ignore = "needs a GPU"]`).
+fn orphans(before: &Snapshot, after: &Snapshot, sources: &[tidy::SourceFile]) -> Vec<String> {
     after
         .contents
         .iter()
+        .filter(|(path, _)| {
+            let stem = Path::new(path.as_str())
+                .file_stem()
+                .map(|s| s.to_string_lossy());
+            !stem.is_some_and(|stem| sources.iter().any(|f| f.text.contains(stem.as_ref())))
+        })
         .filter(|(path, bytes)| {
             let first_line = bytes.split(|b| *b == b'\n').next().unwrap_or_default();
             let marked = String::from_utf8_lossy(first_line).contains(GENERATED_MARK);
@@ -270,7 +280,15 @@ pub fn run(root: &Path, mode: Mode, only: Option<&str>) -> Result<(), Error> {
         let generated = (generator.generate)(root, &outputs);
         let mut after = snapshot(root, &outputs)?;
         if generated.is_ok() && generator.rewrites_every_output {
-            for orphan in orphans(&before, &after) {
+            let sources: Vec<tidy::SourceFile> = tidy::source_files(root)?
+                .into_iter()
+                .filter(|f| {
+                    outputs
+                        .iter()
+                        .any(|dir| Path::new(&f.path).starts_with(dir))
+                })
+                .collect();
+            for orphan in orphans(&before, &after, &sources) {
                 let path = root.join(&orphan);
                 std::fs::remove_file(&path).map_err(|source| Error::Io { path, source })?;
                 after.contents.remove(&orphan);
@@ -386,7 +404,20 @@ mod tests {
         };
         let mut after = before.clone();
         after.modified.insert("g/rewritten.trace".to_owned(), at(2));
-        assert_eq!(orphans(&before, &after), vec!["g/orphan.trace".to_owned()]);
+        let source = |text: &str| tidy::SourceFile {
+            path: "g/tests/t.rs".to_owned(),
+            text: text.to_owned(),
+        };
+        let renamed = [source("//! Tests.\ncheck(\"rewritten\", &trace);\n")];
+        assert_eq!(
+            orphans(&before, &after, &renamed),
+            vec!["g/orphan.trace".to_owned()]
+        );
+        // A test that still names the golden but did not run (ignored here) keeps it.
+        let ignored = [source(
+            "//! Tests.\n#[ignore = \"needs a GPU\"]\nfn t() { check(\"orphan\", &trace) }\n",
+        )];
+        assert_eq!(orphans(&before, &after, &ignored), Vec::<String>::new());
     }
 
     #[test]
