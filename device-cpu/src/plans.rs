@@ -302,10 +302,12 @@ fn commit_prefill(
         let start = seq.computed_len;
         let end = (start + budgets[i]).min(seq.prompt_len);
         // Where the computation stops to take a checkpoint: the tree's branch point, and the
-        // prompt's last block boundary (the end-of-input checkpoint a longer request reuses).
+        // end-of-input checkpoint: the last block boundary before the prompt's last token, which
+        // is the longest hit both a repeat of this prompt and a longer request can use (a hit
+        // must leave the last prompt token to compute).
         let input_boundary = (inner.cache.wants_end_checkpoints()
             && seq.input_checkpoint.is_none())
-        .then_some(seq.prompt_len / shape.block_size * shape.block_size)
+        .then_some((seq.prompt_len - 1) / shape.block_size * shape.block_size)
         .filter(|&b| b > 0);
         let mut pos = start;
         while pos < end {

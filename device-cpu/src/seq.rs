@@ -14,11 +14,11 @@
 //!   slot's owner.
 //! - `input_checkpoint` and `output_checkpoint`, when `Some((pos, slot))`, are reserved checkpoint
 //!   slots holding the live state as it was at position `pos` (a positive multiple of `block_size`,
-//!   `<= computed_len`): the input one at the prompt's last block boundary (taken during prefill),
-//!   the output one at the latest block boundary a decode step reached (taken by
-//!   `MarconiCheckpoint`), so `input.pos < output.pos` when both exist. Marconi admits exactly
-//!   these (the end of a request's input, the end of its output); they are offered to the tree on
-//!   a cached release and freed otherwise.
+//!   `<= computed_len`): the input one at the last block boundary before the prompt's last token
+//!   (taken during prefill), the output one at the latest block boundary a decode step reached
+//!   (taken by `MarconiCheckpoint`), so `input.pos < output.pos` when both exist. Marconi admits
+//!   exactly these (the end of a request's input, the end of its output); they are offered to the
+//!   tree on a cached release and freed otherwise.
 //! - `failed` is set when a forward step over this row failed; such a sequence is never cached.
 
 use device_io::{SeqSpec, Sequence};
