@@ -300,10 +300,7 @@ fn mamba(
                 let channel = head * p + pp;
                 let xv = x[channel];
                 let s = &mut ssm[channel * n..(channel + 1) * n];
-                for (sv, &db) in s.iter_mut().zip(dt_b.iter()) {
-                    *sv = *sv * decay + db * xv;
-                }
-                y[channel] = dot(s, c) + w.d[head] * xv;
+                y[channel] = ssm_step(s, decay, dt_b, xv, c) + w.d[head] * xv;
             }
         }
         // Gate first, then RMSNorm per group (norm_before_gate = False).
@@ -322,6 +319,34 @@ fn mamba(
     }
     let out = take(&mut scratch.out, m * config.hidden_size);
     matmul(&scratch.mixed[..m * inner], m, &w.out_proj, out);
+}
+
+/// One channel's SSM step, fused so the state is read and written once:
+/// `s = s * decay + (dt * B) * x`, returning `s · C` (the same lanes and fold order as `dot`).
+#[inline]
+fn ssm_step(s: &mut [f32], decay: f32, dt_b: &[f32], x: f32, c: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut acc = [0.0f32; LANES];
+    let mut s_chunks = s.chunks_exact_mut(LANES);
+    let mut b_chunks = dt_b.chunks_exact(LANES);
+    let mut c_chunks = c.chunks_exact(LANES);
+    for ((sv, bv), cv) in (&mut s_chunks).zip(&mut b_chunks).zip(&mut c_chunks) {
+        for l in 0..LANES {
+            sv[l] = sv[l] * decay + bv[l] * x;
+            acc[l] += sv[l] * cv[l];
+        }
+    }
+    let mut tail = 0.0f32;
+    let rest = s_chunks.into_remainder();
+    for ((sv, &bv), &cv) in rest
+        .iter_mut()
+        .zip(b_chunks.remainder())
+        .zip(c_chunks.remainder())
+    {
+        *sv = *sv * decay + bv * x;
+        tail += *sv * cv;
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
 /// Causal GQA attention without positional encoding (ARCH.md §4) over the paged pool.
