@@ -233,3 +233,50 @@ fn batch_invariance_holds_for_other_shapes() {
     check_batch_invariance(&Model::random(config.clone(), 3).unwrap());
     check_chunk_invariance(&Model::random(config, 4).unwrap(), 40, &[1, 7]);
 }
+
+#[test]
+fn variants_without_a_fixture_run_and_stay_invariant() {
+    // Latent MoE, every optional bias, no conv bias, a 2-tap conv, one router group, MHA, and a
+    // pattern string; then a model with no attention at all and one with no Mamba layer.
+    let text = Config::tiny_demo()
+        .to_hf_json()
+        .replace("\"moe_latent_size\": null", "\"moe_latent_size\": 24")
+        .replace("\"use_bias\": false", "\"use_bias\": true")
+        .replace("\"mlp_bias\": false", "\"mlp_bias\": true")
+        .replace("\"use_conv_bias\": true", "\"use_conv_bias\": false")
+        .replace("\"conv_kernel\": 4", "\"conv_kernel\": 2")
+        .replace("\"n_group\": 2", "\"n_group\": 1")
+        .replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4")
+        .replace("\"norm_topk_prob\": true", "\"norm_topk_prob\": false");
+    let variant = Config::from_json_str(&text).unwrap();
+    assert_eq!(variant.moe_latent_size, Some(24));
+    assert!(variant.use_bias && variant.mlp_bias && !variant.use_conv_bias);
+    let model = Model::random(variant, 9).unwrap();
+    check_batch_invariance(&model);
+    check_chunk_invariance(&model, 40, &[1, 13]);
+
+    let dir = std::env::temp_dir().join(format!("model-variant-{}", std::process::id()));
+    model.save(&dir).unwrap();
+    assert_eq!(
+        Model::load(&dir).unwrap().fingerprint(),
+        model.fingerprint()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let kinds = |pattern: &str| {
+        pattern
+            .chars()
+            .map(|c| model::LayerKind::from_letter(c).unwrap())
+            .collect::<Vec<_>>()
+    };
+    for pattern in ["ME-M", "*E-*"] {
+        let config = Config {
+            layer_kinds: kinds(pattern),
+            num_hidden_layers: pattern.len(),
+            ..Config::tiny_demo()
+        };
+        let model = Model::random(config, 2).unwrap();
+        check_batch_invariance(&model);
+        check_chunk_invariance(&model, 40, &[1, 13]);
+    }
+}
