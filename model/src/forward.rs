@@ -576,3 +576,55 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
         *o += s;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::Linear;
+
+    fn moe_with_bias(bias: Vec<f32>) -> MoeWeights {
+        let empty = |o, i| Linear::from_rows(&vec![0.0; o * i], None, o, i);
+        MoeWeights {
+            gate: empty(8, 1),
+            correction_bias: bias,
+            experts: Vec::new(),
+            shared: MlpWeights {
+                up: empty(1, 1),
+                down: empty(1, 1),
+            },
+            latent: None,
+        }
+    }
+
+    fn check_route(logits: [f32; 8], bias: [f32; 8], expected: &[(usize, f32)]) {
+        let config = Config::tiny_demo(); // 8 experts, 2 groups of 4, keep 1 group, top 2, x2.5
+        let w = moe_with_bias(bias.to_vec());
+        let mut scores = logits.to_vec();
+        let mut kept = Vec::new();
+        let mut choices = [(0, 0.0); 2];
+        route(&config, &w, &mut scores, &mut kept, &mut choices);
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        for (&(expert, weight), &(want_expert, logit)) in choices.iter().zip(expected) {
+            let total: f32 = expected.iter().map(|&(_, l)| s(l)).sum();
+            assert_eq!(expert, want_expert);
+            assert!((weight - s(logit) / total * 2.5).abs() < 1e-6, "{weight}");
+        }
+    }
+
+    #[test]
+    fn router_groups_topk_and_weights() {
+        // Group 0 (experts 0-3) scores 2+1.9 > group 1's 3+(-5): the single best expert (4) is
+        // in the losing group and is not chosen.
+        check_route(
+            [2.0, 1.9, 0.0, 0.0, 3.0, -5.0, -5.0, -5.0],
+            [0.0; 8],
+            &[(0, 2.0), (1, 1.9)],
+        );
+        // The correction bias picks the experts (3 over 1) but the weights use plain sigmoids.
+        check_route(
+            [2.0, 1.9, 0.0, 0.0, -5.0, -5.0, -5.0, -5.0],
+            [0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0],
+            &[(3, 0.0), (0, 2.0)],
+        );
+    }
+}

@@ -137,6 +137,14 @@ impl Model {
             .map_err(|e| write_err(&path, e.to_string()))
     }
 
+    /// The same model with another dt clamp convention ([`DtClamp`]); the fingerprint changes
+    /// with it, since logits may.
+    pub fn with_dt_clamp(mut self, dt_clamp: DtClamp) -> Model {
+        self.config.dt_clamp = dt_clamp;
+        self.fingerprint = self.compute_fingerprint();
+        self
+    }
+
     /// The validated config.
     pub fn config(&self) -> &Config {
         &self.config
@@ -349,5 +357,66 @@ impl Model {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Public handles can move to and be shared with router worker threads.
+    #[test]
+    fn handles_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Model>();
+        check::<Config>();
+        check::<KvPool>();
+        check::<MambaStates>();
+        check::<Scratch>();
+        check::<ModelError>();
+    }
+
+    fn last_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+        let config = model.config();
+        let mut kv = KvPool::new(config, 2, 16).unwrap();
+        let mut states = MambaStates::new(config, 1).unwrap();
+        let mut logits = Vec::new();
+        let row = PrefillRow {
+            tokens,
+            start_pos: 0,
+            blocks: &[0, 1],
+            slot: 0,
+        };
+        model
+            .prefill(
+                &mut Scratch::default(),
+                &mut kv,
+                &mut states,
+                row,
+                false,
+                &mut logits,
+            )
+            .unwrap();
+        logits
+    }
+
+    /// The dt clamp is applied exactly when the convention asks for it and dt is below the floor.
+    #[test]
+    fn dt_clamp_convention_is_wired() {
+        let tokens = [3, 1, 4, 1, 5, 9, 2, 6];
+        let model = Model::random(Config::tiny_demo(), 5).unwrap();
+        // Random weights keep softplus(dt) >= 0.01: the clamp is inactive, conventions agree.
+        let off = model.clone().with_dt_clamp(DtClamp::Off);
+        assert_ne!(off.fingerprint(), model.fingerprint());
+        assert_eq!(last_logits(&model, &tokens), last_logits(&off, &tokens));
+        // dt_bias = -9 makes softplus(dt) ~ 1e-4 < time_step_min = 1e-3: now they differ.
+        let mut low = model.clone();
+        for layer in &mut low.weights.layers {
+            if let weights::Mixer::Mamba(w) = &mut layer.mixer {
+                w.dt_bias.fill(-9.0);
+            }
+        }
+        let low_off = low.clone().with_dt_clamp(DtClamp::Off);
+        assert_ne!(last_logits(&low, &tokens), last_logits(&low_off, &tokens));
     }
 }
