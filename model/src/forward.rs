@@ -70,7 +70,6 @@ impl Scratch {
             config.intermediate_size,
             config.moe_intermediate_size,
             config.moe_shared_expert_intermediate_size,
-            config.vocab_size,
             d,
         ]
         .into_iter()
