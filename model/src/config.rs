@@ -592,6 +592,52 @@ impl Config {
         if self.has(LayerKind::Moe) {
             self.validate_moe()?;
         }
+        self.check_sizes()
+    }
+
+    /// Every product the model forms fits `usize` (absurd sizes are an error, not an overflow).
+    fn check_sizes(&self) -> Result<(), ModelError> {
+        let product = |what: &'static str, factors: &[usize]| {
+            factors
+                .iter()
+                .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+                .ok_or(ModelError::SizeOverflow(what))
+        };
+        let d = self.hidden_size;
+        product("embedding size", &[self.vocab_size, d])?;
+        let groups = product("Mamba B/C width", &[2, self.n_groups, self.ssm_state_size])?;
+        let inner = product(
+            "Mamba inner width",
+            &[self.mamba_num_heads, self.mamba_head_dim],
+        )?;
+        let in_proj = inner
+            .checked_mul(2)
+            .and_then(|x| x.checked_add(groups))
+            .and_then(|x| x.checked_add(self.mamba_num_heads))
+            .ok_or(ModelError::SizeOverflow("Mamba in_proj width"))?;
+        product("Mamba in_proj size", &[in_proj, d])?;
+        product("Mamba conv size", &[inner + groups, self.conv_kernel])?;
+        product("Mamba SSM state", &[inner, self.ssm_state_size])?;
+        let heads = self
+            .num_key_value_heads
+            .checked_mul(2)
+            .and_then(|x| x.checked_add(self.num_attention_heads))
+            .ok_or(ModelError::SizeOverflow("attention heads"))?;
+        product("attention projection size", &[heads, self.head_dim, d])?;
+        product("MLP size", &[self.intermediate_size, d])?;
+        let expert_dim = self.moe_latent_size.unwrap_or(d);
+        product(
+            "expert sizes",
+            &[
+                self.n_routed_experts,
+                self.moe_intermediate_size,
+                expert_dim,
+            ],
+        )?;
+        product(
+            "shared expert size",
+            &[self.moe_shared_expert_intermediate_size, d],
+        )?;
         Ok(())
     }
 
@@ -1012,6 +1058,18 @@ mod tests {
         assert!(matches!(
             parse_with(&[("vocab_size", Some(json!("many")))]),
             Err(ModelError::ConfigJson(_))
+        ));
+    }
+
+    #[test]
+    fn absurd_sizes_are_errors() {
+        let config = Config {
+            hidden_size: usize::MAX / 2,
+            ..Config::tiny_demo()
+        };
+        assert!(matches!(
+            config.validate(),
+            Err(ModelError::SizeOverflow("embedding size"))
         ));
     }
 

@@ -16,6 +16,15 @@
 
 use crate::{Config, LayerKind, ModelError};
 
+/// `len` zeros, or an error (instead of an abort) when the allocation cannot be made.
+fn zeroed(len: usize, what: &'static str) -> Result<Vec<f32>, ModelError> {
+    let mut data = Vec::new();
+    data.try_reserve_exact(len)
+        .map_err(|_| ModelError::SizeOverflow(what))?;
+    data.resize(len, 0.0);
+    Ok(data)
+}
+
 /// K/V for every attention layer of a model, in fixed-size blocks addressed by block id.
 #[derive(Debug, Clone)]
 pub struct KvPool {
@@ -31,6 +40,7 @@ pub struct KvPool {
 impl KvPool {
     /// A zeroed pool of `num_blocks` blocks of `block_size` tokens for `config`'s attention layers.
     pub fn new(config: &Config, num_blocks: usize, block_size: usize) -> Result<Self, ModelError> {
+        config.validate()?;
         if block_size == 0 {
             return Err(ModelError::InvalidConfig {
                 field: "block_size",
@@ -60,7 +70,7 @@ impl KvPool {
             .checked_mul(num_blocks)
             .ok_or(ModelError::SizeOverflow("KV pool size"))?;
         Ok(Self {
-            data: vec![0.0; total],
+            data: zeroed(total, "KV pool")?,
             num_blocks,
             block_size,
             attention_layers,
@@ -197,7 +207,7 @@ pub struct MambaLayout {
 }
 
 impl MambaLayout {
-    /// The layout `config` needs.
+    /// The layout `config` (validated) needs.
     pub fn of(config: &Config) -> Result<Self, ModelError> {
         let mamba_layers = config.count(LayerKind::Mamba);
         if mamba_layers == 0 {
@@ -207,7 +217,9 @@ impl MambaLayout {
                 ssm_floats: 0,
             });
         }
-        let conv_floats = (config.conv_kernel - 1)
+        let conv_floats = config
+            .conv_kernel
+            .saturating_sub(1)
             .checked_mul(config.mamba_conv_dim())
             .ok_or(ModelError::SizeOverflow("Mamba conv state"))?;
         let ssm_floats = config
@@ -248,13 +260,14 @@ pub struct MambaStates {
 impl MambaStates {
     /// `num_slots` zeroed slots for `config`.
     pub fn new(config: &Config, num_slots: usize) -> Result<Self, ModelError> {
+        config.validate()?;
         let layout = MambaLayout::of(config)?;
         let total = layout
             .floats_per_slot()
             .checked_mul(num_slots)
             .ok_or(ModelError::SizeOverflow("Mamba state store"))?;
         Ok(Self {
-            data: vec![0.0; total],
+            data: zeroed(total, "Mamba state store")?,
             num_slots,
             layout,
         })
@@ -383,6 +396,18 @@ mod tests {
         ));
         assert!(pool.block(0).unwrap().iter().all(|&x| x == 0.0));
         assert!(KvPool::new(&config, 3, 0).is_err());
+        // An impossible pool is an error, not an abort.
+        assert!(matches!(
+            KvPool::new(&config, u32::MAX as usize, 1 << 20),
+            Err(ModelError::SizeOverflow("KV pool"))
+        ));
+        assert!(matches!(
+            KvPool::new(&config, u32::MAX as usize + 2, 16),
+            Err(ModelError::InvalidConfig {
+                field: "num_blocks",
+                ..
+            })
+        ));
     }
 
     #[test]
