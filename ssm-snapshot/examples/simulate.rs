@@ -4,9 +4,14 @@
 //! ```text
 //! simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi}
 //!          [--block-size B] [--model nvidia-hybrid-7b] [--alpha A]
-//!          [--tuning {periodic,bootstrap}] [--window N] [--flop-basis {marginal,prefix}]
 //! simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE
 //! ```
+//!
+//! Tuning options for `marconi` (defaults in brackets; `--alpha` fixes α and disables tuning):
+//! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {recency,full,paper,basis}`
+//! [recency], `--window N` (shadow half-life or periodic window) [100], `--cooldown N` [300],
+//! `--margin F` [0.02], `--objective {flops,tokens}` [flops], `--recency {path,own}` (initial)
+//! [path], `--flop-basis {marginal,prefix}` (initial) [marginal].
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -17,13 +22,14 @@ use std::process::ExitCode;
 use ssm_snapshot::sim::{
     generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
 };
-use ssm_snapshot::tuning::DEFAULT_GRID;
-use ssm_snapshot::{CostModel, FlopBasis, SnapshotError, TuningMode};
+use ssm_snapshot::tuning::{default_grid, grid};
+use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, SnapshotError, TuningMode};
 
 const USAGE: &str = "usage:
   simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [--block-size B] \
-[--model nvidia-hybrid-7b] [--alpha A] [--tuning {periodic,bootstrap}] [--window N] \
-[--flop-basis {marginal,prefix}]
+[--model nvidia-hybrid-7b] [--alpha A] [--tuning {shadow,periodic,bootstrap}] \
+[--grid {recency,full,paper,basis}] [--window N] [--cooldown N] [--margin F] \
+[--objective {flops,tokens}] [--recency {path,own}] [--flop-basis {marginal,prefix}]
   simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE";
 
 fn main() -> ExitCode {
@@ -109,6 +115,11 @@ fn run() -> Result<(), SnapshotError> {
     }
 
     let known = [
+        "recency",
+        "objective",
+        "grid",
+        "margin",
+        "cooldown",
         "trace",
         "capacity-bytes",
         "policy",
@@ -161,19 +172,36 @@ fn run() -> Result<(), SnapshotError> {
             )));
         }
     }
-    let window: usize = number(&flags, "window")?.unwrap_or(200);
+    let grid = match flags.get("grid").map(String::as_str) {
+        None | Some("recency") => default_grid(),
+        Some("full") => grid(
+            &[Recency::Path, Recency::Own],
+            &[FlopBasis::Prefix, FlopBasis::Marginal],
+        ),
+        Some("paper") => grid(&[Recency::Path], &[FlopBasis::Prefix]),
+        Some("basis") => grid(&[Recency::Path], &[FlopBasis::Prefix, FlopBasis::Marginal]),
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--grid `{other}` (expected recency, full, paper or basis)"
+            )))
+        }
+    };
+    let window: usize = number(&flags, "window")?.unwrap_or(100);
     config.tuning = match flags.get("tuning").map(String::as_str) {
-        None | Some("periodic") => TuningMode::Periodic {
-            grid: DEFAULT_GRID.to_vec(),
-            window,
+        None | Some("shadow") => TuningMode::Shadow {
+            grid,
+            half_life: window,
+            margin: number(&flags, "margin")?.unwrap_or(0.02),
+            cooldown: number(&flags, "cooldown")?.unwrap_or(3 * window),
         },
+        Some("periodic") => TuningMode::Periodic { grid, window },
         Some("bootstrap") => TuningMode::Bootstrap {
-            grid: DEFAULT_GRID.to_vec(),
+            grid,
             window_factor: 3,
         },
         Some(other) => {
             return Err(SnapshotError::BadArgument(format!(
-                "--tuning `{other}` (expected periodic or bootstrap)"
+                "--tuning `{other}` (expected shadow, periodic or bootstrap)"
             )))
         }
     };
@@ -187,6 +215,25 @@ fn run() -> Result<(), SnapshotError> {
         }
     };
 
+    config.recency = match flags.get("recency").map(String::as_str) {
+        None | Some("path") => Recency::Path,
+        Some("own") => Recency::Own,
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--recency `{other}` (expected own or path)"
+            )))
+        }
+    };
+    config.objective = match flags.get("objective").map(String::as_str) {
+        None | Some("flops") => Objective::Flops,
+        Some("tokens") => Objective::HitTokens,
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--objective `{other}` (expected flops or tokens)"
+            )))
+        }
+    };
+
     let mut sim = Simulation::new(config)?;
     let file = File::open(trace).map_err(io_error(trace))?;
     read_trace(BufReader::new(file), |record| sim.step(&record))?;
@@ -194,9 +241,20 @@ fn run() -> Result<(), SnapshotError> {
     if !history.is_empty() {
         let text: Vec<String> = history
             .iter()
-            .map(|(at, alpha)| format!("{at}:{alpha}"))
+            .map(|(at, s)| format!("{at}:{}/{:?}/{:?}", s.alpha, s.recency, s.flop_basis))
             .collect();
-        println!("alpha tuning (request:alpha): {}", text.join(" "));
+        println!("tuning (request:alpha/recency): {}", text.join(" "));
+    }
+    let shadows = sim.tuner().shadow_hit_tokens();
+    if !shadows.is_empty() {
+        let text: Vec<String> = shadows
+            .iter()
+            .map(|(s, hits)| format!("{}/{:?}/{:?}:{hits}", s.alpha, s.recency, s.flop_basis))
+            .collect();
+        println!(
+            "shadow hit tokens (alpha/recency:tokens): {}",
+            text.join(" ")
+        );
     }
     let stats = sim.store().stats();
     println!(

@@ -25,6 +25,6 @@ pub use error::SnapshotError;
 pub use slots::{SlotId, SlotPool, SlotState};
 pub use store::{
     Admission, BranchOutcome, BudgetScope, CachedCheckpoint, FinishReport, FlopBasis, Hit,
-    Namespace, Pin, SnapshotStore, StoreConfig, StoreDelta, StoreStats,
+    Namespace, Pin, Recency, SnapshotStore, StoreConfig, StoreDelta, StoreStats,
 };
-pub use tuning::{AlphaTuner, TuningMode};
+pub use tuning::{AlphaTuner, Objective, TuningMode};

@@ -20,9 +20,9 @@ use crate::cost::CostModel;
 use crate::error::SnapshotError;
 use crate::slots::SlotId;
 use crate::store::{
-    Admission, BudgetScope, FlopBasis, Namespace, SnapshotStore, StoreConfig, StoreDelta,
+    Admission, BudgetScope, FlopBasis, Namespace, Recency, SnapshotStore, StoreConfig, StoreDelta,
 };
-use crate::tuning::{AlphaTuner, RecordedRequest, TuningMode, DEFAULT_GRID};
+use crate::tuning::{default_tuning, AlphaTuner, Objective, RecordedRequest, TuningMode};
 
 /// A session id in a trace: the artifact writes numbers or strings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -224,6 +224,10 @@ pub struct SimConfig {
     pub tuning: TuningMode,
     /// For `marconi`: what FLOPs saved means.
     pub flop_basis: FlopBasis,
+    /// For `marconi`: which time the recency term uses.
+    pub recency: Recency,
+    /// For `marconi` with tuning: what the replays maximise.
+    pub objective: Objective,
 }
 
 impl SimConfig {
@@ -236,11 +240,10 @@ impl SimConfig {
             block_size,
             cost,
             alpha: None,
-            tuning: TuningMode::Periodic {
-                grid: DEFAULT_GRID.to_vec(),
-                window: 200,
-            },
+            tuning: default_tuning(),
             flop_basis: FlopBasis::Marginal,
+            recency: Recency::Path,
+            objective: Objective::Flops,
         }
     }
 }
@@ -294,13 +297,14 @@ impl Simulation {
     pub fn new(config: SimConfig) -> Result<Self, SnapshotError> {
         let slots = (config.capacity_bytes / config.cost.checkpoint_bytes())
             .min(u64::from(u32::MAX - 1)) as u32;
-        let (admission, alpha, basis) = match config.policy {
-            Policy::Vllm => (Admission::EveryBlock, 0.0, FlopBasis::Prefix),
-            Policy::Lru => (Admission::Marconi, 0.0, FlopBasis::Prefix),
+        let (admission, alpha, basis, recency) = match config.policy {
+            Policy::Vllm => (Admission::EveryBlock, 0.0, FlopBasis::Prefix, Recency::Path),
+            Policy::Lru => (Admission::Marconi, 0.0, FlopBasis::Prefix, Recency::Path),
             Policy::Marconi => (
                 Admission::Marconi,
                 config.alpha.unwrap_or(0.0),
                 config.flop_basis,
+                config.recency,
             ),
         };
         let store = SnapshotStore::new(StoreConfig {
@@ -311,13 +315,14 @@ impl Simulation {
             admission,
             alpha,
             flop_basis: basis,
+            recency,
             cost: config.cost.clone(),
         })?;
         let mode = match (config.policy, config.alpha) {
             (Policy::Marconi, None) => config.tuning.clone(),
             _ => TuningMode::Fixed,
         };
-        let tuner = AlphaTuner::new(mode, &store)?;
+        let tuner = AlphaTuner::new(mode, &store)?.with_objective(config.objective);
         Ok(Self {
             config,
             store,

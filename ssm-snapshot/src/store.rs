@@ -86,6 +86,18 @@ pub enum FlopBasis {
     Marginal,
 }
 
+/// Which time a candidate's recency term uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recency {
+    /// The last time any request's path went through the node (SGLang's and Marconi's LRU):
+    /// a node is never older than its descendants.
+    Path,
+    /// The last time the node's own checkpoint was hit or admitted. A checkpoint in the middle
+    /// of a conversation is only useful to a request that diverges exactly there, so the turns
+    /// that go through it to a deeper hit do not refresh it.
+    Own,
+}
+
 /// What the byte budget covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetScope {
@@ -113,6 +125,8 @@ pub struct StoreConfig {
     pub alpha: f64,
     /// How FLOPs saved are counted.
     pub flop_basis: FlopBasis,
+    /// Which time the recency term uses.
+    pub recency: Recency,
     /// Costs of the model served.
     pub cost: CostModel,
 }
@@ -129,7 +143,8 @@ impl StoreConfig {
             budget_scope: BudgetScope::Checkpoints,
             admission: Admission::Marconi,
             alpha: 0.0,
-            flop_basis: FlopBasis::Prefix,
+            flop_basis: FlopBasis::Marginal,
+            recency: Recency::Own,
             cost,
         }
     }
@@ -254,7 +269,10 @@ struct Node {
     children: Vec<u32>,
     checkpoint: Option<SlotId>,
     pins: u32,
+    /// Last time a request's path went through the node (the candidate order).
     last_access: u64,
+    /// Last time the node was a lookup's hit or got its checkpoint.
+    last_hit: u64,
     /// The node's key in `candidates`, present iff it is a candidate.
     candidate: Option<(u64, usize, u32)>,
     live: bool,
@@ -378,6 +396,16 @@ impl SnapshotStore {
         Ok(())
     }
 
+    /// Sets which time the recency term of eviction scores uses.
+    pub fn set_recency(&mut self, recency: Recency) {
+        self.config.recency = recency;
+    }
+
+    /// Sets how the FLOP-efficiency term counts FLOPs saved.
+    pub fn set_flop_basis(&mut self, flop_basis: FlopBasis) {
+        self.config.flop_basis = flop_basis;
+    }
+
     /// Counters since creation.
     pub fn stats(&self) -> StoreStats {
         self.stats
@@ -490,6 +518,7 @@ impl SnapshotStore {
             self.pin_node(id);
         }
         self.scratch_path = path;
+        self.nodes[hit as usize].last_hit = now;
         let pin = self.new_pin(hit, root);
         self.stats.lookups += 1;
         if hit_tokens > 0 {
@@ -927,6 +956,7 @@ impl SnapshotStore {
             checkpoint: None,
             pins: 0,
             last_access: now,
+            last_hit: now,
             candidate: None,
             live: true,
         });
@@ -1122,6 +1152,7 @@ impl SnapshotStore {
             checkpoint: None,
             pins,
             last_access,
+            last_hit: last_access,
             candidate: None,
             live: true,
         });
@@ -1145,6 +1176,7 @@ impl SnapshotStore {
         debug_assert!(node.checkpoint.is_none() && node.parent != NONE);
         node.checkpoint = Some(slot);
         node.last_access = now;
+        node.last_hit = now;
         if node.pins > 0 {
             self.pinned_checkpoints += 1;
         }
@@ -1209,6 +1241,7 @@ impl SnapshotStore {
                         checkpoint: None,
                         pins: 0,
                         last_access: now,
+                        last_hit: now,
                         candidate: None,
                         live: true,
                     });
@@ -1291,7 +1324,8 @@ impl SnapshotStore {
     /// The candidate with the lowest score `recency + α · efficiency` (both min-max normalised
     /// over the candidates considered); ties go to the least recent, then the deepest.
     fn pick_victim(&mut self, leaf_only: bool) -> Option<u32> {
-        if self.config.alpha == 0.0 {
+        let own = self.config.recency == Recency::Own;
+        if self.config.alpha == 0.0 && !own {
             return self
                 .candidates
                 .iter()
@@ -1303,9 +1337,11 @@ impl SnapshotStore {
         let (mut t_min, mut t_max) = (u64::MAX, 0u64);
         let (mut e_min, mut e_max) = (f64::INFINITY, f64::NEG_INFINITY);
         for &(t, _, id) in &self.candidates {
-            if leaf_only && !self.nodes[id as usize].children.is_empty() {
+            let node = &self.nodes[id as usize];
+            if leaf_only && !node.children.is_empty() {
                 continue;
             }
+            let t = if own { node.last_hit } else { t };
             let e = self.flop_efficiency(id);
             t_min = t_min.min(t);
             t_max = t_max.max(t);
@@ -1452,6 +1488,7 @@ mod tests {
             admission: Admission::Marconi,
             alpha,
             flop_basis: FlopBasis::Prefix,
+            recency: Recency::Path,
             cost: cost(),
         })
         .unwrap()

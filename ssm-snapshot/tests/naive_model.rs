@@ -12,7 +12,7 @@ use kv_cache::BlockId;
 use proptest::prelude::*;
 use ssm_snapshot::{
     Admission, BranchOutcome, BudgetScope, CostCoefficients, CostModel, FlopBasis, Hit, Namespace,
-    Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta,
+    Pin, Recency, SlotId, SnapshotStore, StoreConfig, StoreDelta,
 };
 
 #[derive(Debug, Clone)]
@@ -183,6 +183,7 @@ fn unit_cost() -> CostModel {
     .expect("valid cost")
 }
 
+#[allow(clippy::too_many_arguments)] // One call site: the proptest's generated parameters.
 fn run(
     block_size: u32,
     slots: u32,
@@ -190,6 +191,7 @@ fn run(
     alpha: f64,
     every_block: bool,
     marginal: bool,
+    own_recency: bool,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let block = block_size as usize;
@@ -204,6 +206,11 @@ fn run(
             Admission::Marconi
         },
         alpha,
+        recency: if own_recency {
+            Recency::Own
+        } else {
+            Recency::Path
+        },
         flop_basis: if marginal {
             FlopBasis::Marginal
         } else {
@@ -393,8 +400,9 @@ proptest! {
         alpha in prop_oneof![Just(0.0), 0.0f64..4.0],
         every_block in proptest::bool::weighted(0.25),
         marginal in any::<bool>(),
+        own_recency in any::<bool>(),
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        run(block_size, slots, budget, alpha, every_block, marginal, ops)?;
+        run(block_size, slots, budget, alpha, every_block, marginal, own_recency, ops)?;
     }
 }
