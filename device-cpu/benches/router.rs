@@ -26,6 +26,9 @@ fn run(router: &CpuRouter, plan: StepPlan<'_>, rows: &mut [&mut CpuSeq]) {
     router.await_result(ticket).unwrap();
 }
 
+/// Decode positions cycle through this many steps after a 32-token prompt.
+const CYCLE: usize = 256;
+
 /// Decode steps at batch `batch` after a 32-token prompt each, through the router and bare.
 fn decode(c: &mut Criterion, name: &str, model: Model) {
     let vocab = model.config().vocab_size as u32;
@@ -63,8 +66,9 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
         group.bench_function(BenchmarkId::new("router", batch), |b| {
             b.iter(|| {
                 let mut rows: Vec<&mut CpuSeq> = seqs.iter_mut().collect();
-                if rows[0].computed_len() + 1 >= 1024 {
-                    // Start over before the context runs out (rare; a release and a prefill).
+                if rows[0].computed_len() >= 32 + CYCLE {
+                    // Start over so positions stay in 32..32+CYCLE like the bare run's (a release
+                    // and a 32-token prefill every CYCLE steps).
                     for s in rows.iter_mut() {
                         router
                             .apply(Effect::ReleaseSeq {
@@ -103,7 +107,8 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
                 .unwrap();
         }
 
-        // The same step on the bare model: one block table per row, positions cycling in 0..512.
+        // The same step on the bare model: one block table per row, positions cycling in
+        // 32..32+CYCLE.
         let block = 16;
         let mut kv = KvPool::new(model.config(), batch * 32, block).unwrap();
         let mut states = MambaStates::new(model.config(), batch).unwrap();
@@ -112,7 +117,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
             .map(|r| (0..32).map(|b| (r * 32 + b) as u32).collect())
             .collect();
         let mut logits = Vec::new();
-        let mut pos = 0usize;
+        let mut pos = 32usize;
         group.bench_function(BenchmarkId::new("bare-model", batch), |b| {
             b.iter(|| {
                 let rows: Vec<DecodeRow<'_>> = (0..batch)
@@ -126,7 +131,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
                 model
                     .decode(&mut scratch, &mut kv, &mut states, &rows, &mut logits)
                     .unwrap();
-                pos = (pos + 1) % 512;
+                pos = if pos + 1 >= 32 + CYCLE { 32 } else { pos + 1 };
             })
         });
     }

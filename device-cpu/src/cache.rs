@@ -20,7 +20,6 @@ use model::{Config, LayerKind, Model};
 use ssm_snapshot::tuning::RecordedRequest;
 use ssm_snapshot::{
     AlphaTuner, CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta,
-    TuningMode,
 };
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -130,15 +129,6 @@ pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
     CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()))
 }
 
-/// With `marconi: true`, α (the weight of FLOP efficiency against recency in eviction scores) is
-/// retuned every this many finished requests by replaying them under [`ALPHA_GRID`]: the store's
-/// best measured scheme (periodic retuning follows a drifting workload, where Marconi's one-off
-/// bootstrap tuning does not).
-pub(crate) const ALPHA_WINDOW: usize = 200;
-/// The α values the tuner tries (recency and FLOP efficiency are each min-max normalised, so
-/// α = 1 weighs them equally).
-pub(crate) const ALPHA_GRID: [f64; 10] = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0];
-
 impl Caches {
     pub fn new(
         model: &Model,
@@ -172,11 +162,10 @@ impl Caches {
             store_config.alpha = 0.0;
             let cache_err = |err: ssm_snapshot::SnapshotError| RouterError::Cache(err.to_string());
             let store = SnapshotStore::new(store_config).map_err(cache_err)?;
+            // `marconi: true` tunes the eviction score the way `ssm-snapshot` measured best:
+            // shadow stores over a grid of α and recency settings, following the leader.
             let tuner = if config.marconi {
-                let mode = TuningMode::Periodic {
-                    grid: ALPHA_GRID.to_vec(),
-                    window: ALPHA_WINDOW,
-                };
+                let mode = ssm_snapshot::tuning::default_tuning();
                 Some(Box::new(AlphaTuner::new(mode, &store).map_err(cache_err)?))
             } else {
                 None
@@ -428,7 +417,9 @@ impl Caches {
                         full: tokens.to_vec(),
                     };
                     match tuner.observe(store, request) {
-                        Ok(Some(alpha)) => tracing::debug!(alpha, "Marconi alpha retuned"),
+                        Ok(Some(setting)) => {
+                            tracing::debug!(?setting, "Marconi eviction score retuned")
+                        }
                         Ok(None) => {}
                         Err(err) => tracing::error!(%err, "alpha tuning failed; alpha unchanged"),
                     }

@@ -32,7 +32,7 @@ pub(crate) fn apply(
 ) -> Result<EffectOutcome> {
     match effect {
         Effect::ReleaseSeq { seq, cache, what } => {
-            release(shape, inner, seq, cache, what);
+            release(shape, inner, seq, cache, what)?;
             Ok(EffectOutcome::Unit)
         }
         Effect::CompactSlot { seq, target } => compact(shape, inner, seq, target),
@@ -59,10 +59,18 @@ pub(crate) fn apply(
 /// Offers the sequence to the prefix cache (when asked, and when it did not fail), then frees its
 /// blocks, its slot, its pinned path and its pending checkpoint. Releasing a sequence that holds
 /// nothing does nothing.
-fn release(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq, cache: bool, what: &'static str) {
-    let Some(tenure) = seq.tenure.take() else {
-        return;
+fn release(
+    shape: &Shape,
+    inner: &mut Inner,
+    seq: &mut CpuSeq,
+    cache: bool,
+    what: &'static str,
+) -> Result<()> {
+    let Some(tenure) = seq.tenure else {
+        return Ok(());
     };
+    check_tenure(inner, seq, "ReleaseSeq")?;
+    seq.tenure = None;
     tracing::debug!(seq = seq.id, cache, what, "release");
     let full_blocks = seq.computed_len / shape.block_size;
     let checkpoints: Vec<_> = [seq.input_checkpoint.take(), seq.output_checkpoint.take()]
@@ -110,11 +118,27 @@ fn release(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq, cache: bool, what
     seq.checkpoint_due = false;
     // The state that may have been corrupt is gone; the sequence starts afresh if prefilled again.
     seq.failed = false;
+    Ok(())
+}
+
+/// Refuses a sequence whose resources belong to another router.
+pub(crate) fn check_tenure(inner: &Inner, seq: &CpuSeq, what: &'static str) -> Result<()> {
+    match seq.tenure {
+        Some(tenure) if !inner.tenures.contains_key(&tenure) => Err(invalid(
+            what,
+            format!("sequence {} holds resources of another router", seq.id),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn owned_slot(inner: &Inner, seq: &CpuSeq, what: &'static str) -> Result<usize> {
     match (seq.slot, seq.tenure) {
-        (Some(slot), Some(tenure)) if inner.slots[slot] == Some(SlotOwner { tenure }) => Ok(slot),
+        (Some(slot), Some(tenure))
+            if inner.slots.get(slot) == Some(&Some(SlotOwner { tenure })) =>
+        {
+            Ok(slot)
+        }
         _ => Err(invalid(
             what,
             format!("sequence {} holds no live slot", seq.id),
@@ -222,6 +246,7 @@ fn restore(
     seq: &mut CpuSeq,
     reader: &mut dyn std::io::Read,
 ) -> Result<EffectOutcome> {
+    check_tenure(inner, seq, "RestoreSequenceState")?;
     if seq.tenure.is_some() {
         return Err(invalid(
             "RestoreSequenceState",
@@ -281,8 +306,7 @@ fn restore(
         }
         return Err(effect_failed(err));
     }
-    let tenure = inner.next_tenure;
-    inner.next_tenure += 1;
+    let tenure = crate::new_tenure();
     inner.tenures.insert(tenure, Tenure { seq_id: seq.id });
     inner.slots[slot] = Some(SlotOwner { tenure });
     seq.tenure = Some(tenure);

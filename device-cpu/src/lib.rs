@@ -90,6 +90,16 @@ pub(crate) struct SlotOwner {
     pub tenure: u64,
 }
 
+/// Tenure ids are unique in the process, not just per router, so a sequence handed to a router
+/// that does not hold it is recognised (its tenure is not in that router's table) instead of
+/// having its block ids released there.
+static NEXT_TENURE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A fresh tenure id.
+pub(crate) fn new_tenure() -> u64 {
+    NEXT_TENURE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A sequence's tenure: from its first prefill (or restore) to its release.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tenure {
@@ -119,7 +129,6 @@ pub(crate) struct Inner {
     pub cache: cache::Caches,
     pub slots: Vec<Option<SlotOwner>>,
     pub tenures: BTreeMap<u64, Tenure>,
-    pub next_tenure: u64,
     pub ring: Vec<Option<RingEntry>>,
     pub next_step: u64,
     pub pending: Option<StepResult<LogitsHandle>>,
@@ -249,7 +258,6 @@ impl CpuRouter {
             cache,
             slots: vec![None; config.max_seqs],
             tenures: BTreeMap::new(),
-            next_tenure: 1,
             ring: vec![None; snapshot_slots],
             next_step: 1,
             pending: None,

@@ -142,6 +142,7 @@ pub(crate) fn prefill(
     let sink = sink(readback)?;
     for (i, (seq, &budget)) in rows.iter().zip(budgets).enumerate() {
         let id = seq.id;
+        crate::effects::check_tenure(inner, seq, "Prefill")?;
         if seq.failed {
             return Err(invalid(
                 "Prefill",
@@ -278,8 +279,7 @@ fn commit_prefill(
         let seq = &mut *rows[i];
         let mut report = PrefillReport::default();
         if let Some(NewRow { slot, attach }) = new_row {
-            let tenure = inner.next_tenure;
-            inner.next_tenure += 1;
+            let tenure = crate::new_tenure();
             inner.tenures.insert(tenure, Tenure { seq_id: seq.id });
             inner.slots[slot] = Some(SlotOwner { tenure });
             seq.tenure = Some(tenure);
@@ -428,6 +428,7 @@ pub(crate) fn decode(
                 format!("row {i} (sequence {id}) failed in an earlier step; release it"),
             ));
         }
+        crate::effects::check_tenure(inner, seq, "Decode")?;
         if seq.slot.is_none() {
             return Err(invalid(
                 "Decode",

@@ -397,6 +397,59 @@ fn contract_violations_are_invalid_and_change_nothing() {
 }
 
 #[test]
+fn a_sequence_of_another_router_is_refused() {
+    let mine = small(16, 2);
+    let other = small(16, 8);
+    let mut a = seq(1, &tokens(1, 20));
+    prefill(&other, &mut a, 20);
+    for _ in 0..4 {
+        // Moves `a` to slot 7 on `other`, beyond `mine`'s two slots.
+        let mut filler = seq(9, &tokens(9, 3));
+        prefill(&other, &mut filler, 3);
+        std::mem::forget(filler);
+    }
+    other
+        .apply(Effect::CompactSlot {
+            seq: &mut a,
+            target: 7,
+        })
+        .unwrap();
+    let before = mine.facts();
+    let checks = [
+        mine.apply(Effect::ReleaseSeq {
+            seq: &mut a,
+            cache: true,
+            what: "finish",
+        })
+        .unwrap_err(),
+        mine.launch(decode_plan(&ONE), &mut [&mut a]).unwrap_err(),
+        mine.launch(prefill_plan(&[4]), &mut [&mut a]).unwrap_err(),
+        mine.apply(Effect::CompactSlot {
+            seq: &mut a,
+            target: 0,
+        })
+        .unwrap_err(),
+        mine.apply(Effect::ReserveKv { seq: &mut a }).unwrap_err(),
+        mine.apply(Effect::SaveSequenceState {
+            seq: &a,
+            writer: &mut Vec::new(),
+        })
+        .unwrap_err(),
+    ];
+    for err in checks {
+        let (_, detail) = invalid(err);
+        assert!(
+            detail == "sequence 1 holds resources of another router"
+                || detail == "sequence 1 holds no live slot",
+            "{detail}"
+        );
+    }
+    assert_eq!(mine.facts(), before);
+    assert_eq!(a.slot(), Some(7));
+    release(&other, &mut a, false);
+}
+
+#[test]
 fn read_logits_reads_the_latest_step_only() {
     let r = small(16, 2);
     let mut a = seq(1, &tokens(1, 9));
