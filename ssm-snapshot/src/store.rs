@@ -170,6 +170,37 @@ impl StoreDelta {
         self.freed_slots.clear();
     }
 
+    /// Applies the block references to `pool`: every retain, then every release. Apply a
+    /// finish's delta before the finished sequence drops its own references, so that the blocks
+    /// the tree adopts are still held when it retains them. On an error nothing is changed: a
+    /// failed retain undoes the retains before it, and releases are checked (each block held)
+    /// before the first one.
+    pub fn apply_to_pool(&self, pool: &mut kv_cache::BlockPool) -> Result<(), kv_cache::KvError> {
+        for (i, &block) in self.retain_blocks.iter().enumerate() {
+            if let Err(e) = pool.retain(block) {
+                for &done in &self.retain_blocks[..i] {
+                    // Undoing a retain that just succeeded cannot fail.
+                    let _ = pool.release(done);
+                }
+                return Err(e);
+            }
+        }
+        if let Some(&block) = self
+            .release_blocks
+            .iter()
+            .find(|&&b| pool.ref_count(b) == 0)
+        {
+            for &done in &self.retain_blocks {
+                let _ = pool.release(done);
+            }
+            return Err(kv_cache::KvError::NotHeld { block });
+        }
+        for &block in &self.release_blocks {
+            pool.release(block)?;
+        }
+        Ok(())
+    }
+
     /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
         self.retain_blocks.is_empty()

@@ -1,0 +1,304 @@
+//! Simulator and tuning tests: trace generation and parsing, exact figures of the three policies
+//! on a hand-made trace, the byte budget on generated traces, and α tuning that finds the
+//! setting a workload needs.
+#![forbid(unsafe_code)]
+
+use ssm_snapshot::sim::{
+    generate, read_trace, write_trace, Policy, SessionId, SimConfig, SimReport, Simulation,
+    TraceKind, TraceRecord,
+};
+use ssm_snapshot::tuning::{default_grid, TuningMode};
+use ssm_snapshot::{CostCoefficients, CostModel, Recency, SnapshotError};
+
+/// 1 KV byte per token, 10 bytes per checkpoint, 1 FLOP per prefix token.
+fn unit_cost() -> CostModel {
+    CostModel::new(CostCoefficients {
+        name: "unit".into(),
+        attention_layers: 0,
+        mamba_layers: 0,
+        mlp_layers: 1,
+        attention_linear_flops_per_token: 0.0,
+        attention_quadratic_flops: 0.0,
+        mamba_flops_per_token: 0.0,
+        mlp_flops_per_token: 1.0,
+        kv_bytes_per_token: 1,
+        checkpoint_bytes: 10,
+    })
+    .unwrap()
+}
+
+fn rec(session: u64, input: &[u32], output: &[u32]) -> TraceRecord {
+    TraceRecord {
+        session_id: SessionId::Number(session),
+        turn_id: 0,
+        ts: 0.0,
+        num_input_tokens: input.len(),
+        num_output_tokens: output.len(),
+        input_tokens: input.to_vec(),
+        output_tokens: output.to_vec(),
+    }
+}
+
+fn simulate(config: SimConfig, trace: &[TraceRecord]) -> SimReport {
+    let mut sim = Simulation::new(config).unwrap();
+    for r in trace {
+        sim.step(r).unwrap();
+    }
+    sim.finish().unwrap()
+}
+
+#[test]
+fn policies_score_a_hand_made_trace_exactly() {
+    let trace = [
+        rec(0, &[1, 2, 3, 4], &[5, 6]),       // miss
+        rec(0, &[1, 2, 3, 4, 5, 6, 7], &[8]), // hits the end of input + output: 6
+        rec(1, &[1, 2, 9], &[]),              // miss; branch point at 2
+        rec(2, &[1, 2, 10], &[]),             // hits the branch checkpoint: 2
+        rec(3, &[1, 2, 3], &[]),              // vllm has a checkpoint at 3; Marconi does not
+    ];
+    let check = |policy, hit_tokens, hit_requests: f64| {
+        let report = simulate(SimConfig::new(policy, 10_000, 1, unit_cost()), &trace);
+        assert_eq!(
+            (report.requests, report.input_tokens, report.hit_tokens),
+            (5, 20, hit_tokens),
+            "{policy:?}"
+        );
+        assert_eq!(report.request_hit_rate, hit_requests / 5.0, "{policy:?}");
+        assert_eq!(report.flops_saved, hit_tokens as f64, "{policy:?}");
+    };
+    check(Policy::Lru, 6 + 2 + 2, 3.0);
+    check(Policy::Marconi, 6 + 2 + 2, 3.0);
+    check(Policy::Vllm, 6 + 2 + 2 + 3, 4.0);
+}
+
+#[test]
+fn a_small_capacity_forces_evictions_and_holds() {
+    // Room for one checkpoint and 15 KV bytes: the second sequence evicts the first.
+    let trace = [
+        rec(0, &[1, 2, 3], &[4]),
+        rec(1, &[7, 7, 7, 7], &[7]),
+        rec(0, &[1, 2, 3, 4, 5], &[]),
+    ];
+    let report = simulate(SimConfig::new(Policy::Lru, 25, 1, unit_cost()), &trace);
+    assert_eq!(report.hit_tokens, 0);
+    assert!(report.max_bytes <= 25);
+    assert_eq!(report.max_bytes, 10 + 5);
+}
+
+#[test]
+fn generated_traces_are_deterministic_and_conversational() {
+    for kind in [TraceKind::Chat, TraceKind::ShareGpt, TraceKind::Agentic] {
+        let a = generate(kind, 6, 42);
+        assert_eq!(a, generate(kind, 6, 42), "{kind:?}");
+        assert_ne!(a, generate(kind, 6, 43), "{kind:?}");
+        assert!(a.windows(2).all(|w| w[0].ts <= w[1].ts));
+        let turns = |s: u64| {
+            a.iter()
+                .filter(|r| r.session_id == SessionId::Number(s))
+                .count()
+        };
+        let (lo, hi) = match kind {
+            TraceKind::Chat => (10, 20),
+            TraceKind::ShareGpt => (2, 8),
+            TraceKind::Agentic => (15, 30),
+        };
+        assert!((0..6).all(|s| (lo..=hi).contains(&turns(s))), "{kind:?}");
+    }
+    // Chat turns extend the previous turn's input + output.
+    let chat = generate(TraceKind::Chat, 3, 1);
+    for s in 0..3 {
+        let turns: Vec<&TraceRecord> = chat
+            .iter()
+            .filter(|r| r.session_id == SessionId::Number(s))
+            .collect();
+        for w in turns.windows(2) {
+            let mut prefix = w[0].input_tokens.clone();
+            prefix.extend(&w[0].output_tokens);
+            assert_eq!(&w[1].input_tokens[..prefix.len()], &prefix[..]);
+        }
+    }
+    // Agentic sessions all start with the same system prompt.
+    let agentic = generate(TraceKind::Agentic, 4, 1);
+    let system = &agentic[0].input_tokens[..3000];
+    assert!(agentic.iter().all(|r| &r.input_tokens[..3000] == system));
+}
+
+#[test]
+fn traces_round_trip_and_bad_lines_are_named() {
+    let records = generate(TraceKind::ShareGpt, 2, 5);
+    let mut bytes = Vec::new();
+    write_trace(&mut bytes, &records).unwrap();
+    let mut back = Vec::new();
+    let n = read_trace(&bytes[..], |r| {
+        back.push(r);
+        Ok(())
+    })
+    .unwrap();
+    // serde_json parses floats to within an ulp; everything else must be exact.
+    assert_eq!(n, records.len());
+    for (a, b) in back.iter().zip(&records) {
+        assert!((a.ts - b.ts).abs() <= 1e-9 * b.ts.abs());
+        assert!(
+            a == &TraceRecord {
+                ts: a.ts,
+                ..b.clone()
+            }
+        );
+    }
+
+    let text = concat!(
+        "{\"session_id\":\"a\",\"turn_id\":0,\"ts\":0.5,\"num_input_tokens\":2,\"num_output_tokens\":0,",
+        "\"input_tokens\":[1,2],\"output_tokens\":[]}\n",
+        "\n",
+        "{\"session_id\":1,\"turn_id\":1,\"ts\":1.0,\"num_input_tokens\":3,\"num_output_tokens\":0,",
+        "\"input_tokens\":[1,2],\"output_tokens\":[]}\n"
+    );
+    let err = read_trace(text.as_bytes(), |_| Ok(())).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "trace line 3: num_input_tokens 3 / num_output_tokens 0 disagree with the token lists (2 / 0)"
+    );
+    let err = read_trace("{\"session_id\":1}".as_bytes(), |_| Ok(())).unwrap_err();
+    assert!(
+        matches!(err, SnapshotError::BadTrace { line: 1, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_byte_budget_holds_on_generated_traces() {
+    let cost = CostModel::nvidia_hybrid_7b();
+    let trace = generate(TraceKind::Chat, 3, 9);
+    for policy in [Policy::Vllm, Policy::Lru, Policy::Marconi] {
+        for block_size in [1, 16] {
+            let capacity = 500_000_000;
+            let report = simulate(
+                SimConfig::new(policy, capacity, block_size, cost.clone()),
+                &trace,
+            );
+            assert!(
+                report.max_bytes <= capacity,
+                "{policy:?} B={block_size}: {}",
+                report.max_bytes
+            );
+            assert!(report.hit_tokens > 0, "{policy:?} B={block_size}");
+        }
+    }
+}
+
+#[test]
+fn marconi_at_alpha_zero_with_path_recency_is_lru() {
+    let trace = generate(TraceKind::Chat, 8, 3);
+    let cost = CostModel::nvidia_hybrid_7b();
+    let capacity = 3_000_000_000;
+    let lru = simulate(
+        SimConfig::new(Policy::Lru, capacity, 1, cost.clone()),
+        &trace,
+    );
+    let mut config = SimConfig::new(Policy::Marconi, capacity, 1, cost);
+    config.alpha = Some(0.0);
+    config.recency = Recency::Path;
+    let marconi = simulate(config, &trace);
+    assert_eq!(
+        (marconi.hit_tokens, marconi.max_bytes),
+        (lru.hit_tokens, lru.max_bytes)
+    );
+}
+
+/// A long shared document re-read now and then, between bursts of short one-off requests: LRU
+/// lets the bursts push the document out; FLOP-aware eviction keeps it.
+fn document_trace() -> Vec<TraceRecord> {
+    let doc: Vec<u32> = (1000..1200).collect();
+    let mut trace = Vec::new();
+    let mut next = 10_000u32;
+    for round in 0..40u64 {
+        let mut input = doc.clone();
+        input.push(round as u32);
+        trace.push(rec(round, &input, &[]));
+        for k in 0..6u64 {
+            let short: Vec<u32> = (next..next + 20).collect();
+            next += 20;
+            trace.push(rec(1000 + round * 10 + k, &short, &[]));
+        }
+    }
+    trace
+}
+
+#[test]
+fn tuning_finds_the_alpha_a_workload_needs() {
+    let trace = document_trace();
+    // Room for the document (200 KV + a checkpoint) and four short requests, not five.
+    let capacity = 210 + 4 * 30 + 15;
+    let lru = simulate(
+        SimConfig::new(Policy::Lru, capacity, 1, unit_cost()),
+        &trace,
+    );
+    assert_eq!(lru.hit_tokens, 0);
+    for tuning in [
+        TuningMode::Shadow {
+            grid: default_grid(),
+            half_life: 10,
+            margin: 0.0,
+            cooldown: 10,
+        },
+        TuningMode::Periodic {
+            grid: default_grid(),
+            window: 21,
+        },
+        TuningMode::Bootstrap {
+            grid: default_grid(),
+            window_factor: 3,
+        },
+    ] {
+        let mut config = SimConfig::new(Policy::Marconi, capacity, 1, unit_cost());
+        config.tuning = tuning.clone();
+        let mut sim = Simulation::new(config).unwrap();
+        for r in &trace {
+            sim.step(r).unwrap();
+        }
+        let history = sim.tuner().history().to_vec();
+        let report = sim.finish().unwrap();
+        assert!(report.alpha > 0.0, "{tuning:?}: {history:?}");
+        assert!(
+            report.hit_tokens >= 30 * 200,
+            "{tuning:?}: {} hit tokens",
+            report.hit_tokens
+        );
+    }
+}
+
+#[test]
+fn bad_tuning_settings_are_refused() {
+    let config = |tuning| {
+        let mut c = SimConfig::new(Policy::Marconi, 1000, 1, unit_cost());
+        c.tuning = tuning;
+        Simulation::new(c).unwrap_err().to_string()
+    };
+    assert_eq!(
+        config(TuningMode::Periodic {
+            grid: vec![],
+            window: 5
+        }),
+        "bad store config: `grid` is [] (at least one setting)"
+    );
+    assert_eq!(
+        config(TuningMode::Periodic {
+            grid: default_grid(),
+            window: 0
+        }),
+        "bad store config: `window` is 0 (at least 1)"
+    );
+    assert_eq!(
+        config(TuningMode::Shadow {
+            grid: default_grid(),
+            half_life: 5,
+            margin: -1.0,
+            cooldown: 1
+        }),
+        "bad store config: `margin` is -1 (finite and non-negative)"
+    );
+    assert_eq!(
+        Policy::parse("lfu").unwrap_err().to_string(),
+        "bad argument: policy `lfu` (expected vllm, lru or marconi)"
+    );
+}
