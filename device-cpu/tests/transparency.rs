@@ -245,3 +245,78 @@ fn compaction_mid_generation_equals_no_compaction() {
     assert_eq!(bits(&run(&compacting, true)), bits(&run(&plain, false)));
     assert_back_to_initial(&compacting, initial);
 }
+
+#[test]
+fn batched_chunked_prefill_equals_one_row_at_a_time() {
+    let model = hybrid_model();
+    let batched = router(model.clone(), 16, false);
+    let single = router(model, 16, false);
+    let prompts = [tokens(31, 37), tokens(32, 5), tokens(33, 50)];
+    let mut want = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut s = seq(i as u64, p);
+        let (logits, _) = prefill(&single, &mut s, 64);
+        want.push(generate(&single, &mut s, logits, 3));
+        release(&single, &mut s, false);
+    }
+
+    // All three rows in each step with a budget of 12: row 1 completes in the first step, row 0 in
+    // the fourth, row 2 in the fifth; host logits hold only the rows that completed, in row order.
+    let mut seqs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| seq(i as u64, p))
+        .collect();
+    let mut last = vec![Vec::new(); 3];
+    let mut host = Vec::new();
+    let mut step = 0;
+    while seqs.iter().any(|s| !s.prefill_done()) {
+        step += 1;
+        let pending: Vec<usize> = (0..3).filter(|&i| !seqs[i].prefill_done()).collect();
+        let budgets = vec![12; pending.len()];
+        let mut rows: Vec<&mut device_cpu::CpuSeq> =
+            seqs.iter_mut().filter(|s| !s.prefill_done()).collect();
+        let ticket = batched
+            .launch(
+                device_io::StepPlan::Prefill {
+                    budgets: &budgets,
+                    readback: device_io::Readback::HostLogits { into: &mut host },
+                },
+                &mut rows,
+            )
+            .unwrap();
+        let result = batched.await_result(ticket).unwrap();
+        let done: Vec<usize> = result
+            .rows
+            .iter()
+            .zip(&pending)
+            .filter(|(r, _)| r.prefill.unwrap().done)
+            .map(|(_, &i)| i)
+            .collect();
+        assert_eq!(host.len(), done.len() * 256, "step {step}");
+        assert_eq!(result.logits.is_some(), !done.is_empty());
+        for (k, (out, &i)) in result.rows.iter().zip(&pending).enumerate() {
+            let report = out.prefill.unwrap();
+            assert_eq!(report.cached, 0);
+            assert_eq!(out.token, None);
+            if report.done {
+                let row = out.logits_row.unwrap();
+                last[i] = host[row * 256..(row + 1) * 256].to_vec();
+            } else {
+                assert_eq!((out.logits_row, report.computed), (None, 12), "row {k}");
+            }
+        }
+        match step {
+            1 => assert_eq!(done, vec![1]),
+            4 => assert_eq!(done, vec![0]),
+            5 => assert_eq!(done, vec![2]),
+            _ => assert!(done.is_empty()),
+        }
+    }
+    assert_eq!(step, 5);
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let got = generate(&batched, s, last[i].clone(), 3);
+        assert_eq!(bits(&got), bits(&want[i]), "sequence {i}");
+        release(&batched, s, false);
+    }
+}
