@@ -9,6 +9,10 @@
 //! token, held in a checkpoint slot. A node's depth (`end`) is the number of tokens from the root
 //! to the end of its edge. Children are keyed by the hash of their first block.
 //!
+//! Each node also keeps two times: `last_access` (the last time a request's path went through
+//! it; the candidate order, so plain LRU pops the first candidate) and `last_hit` (the last time
+//! it was a hit or got its checkpoint; used when the recency basis is [`Recency::Own`]).
+//!
 //! Invariants (checked by [`SnapshotStore::check_invariants`]):
 //! - every non-root node has a checkpoint or at least two children (a bare node with one child is
 //!   merged into the child at once, a bare leaf never exists), so every leaf holds a checkpoint;
@@ -28,6 +32,28 @@
 //! a checkpoint; the hit length is that node's depth. There is no state inside an edge, so a
 //! partially matched edge gives nothing. Every node holds the KV of its edge, so the KV of the
 //! whole path `0..hit` is always present.
+//!
+//! # Admission
+//!
+//! [`Admission::Marconi`] checkpoints (a) the branch point a lookup reveals: the block-aligned
+//! position where the request leaves the tree strictly inside an edge (the position becomes a
+//! node with two children), or at an existing node that has no checkpoint (one whose branch
+//! checkpoint was never taken); and (b) the end of each finished sequence's full blocks (the next
+//! turn of a conversation extends input + output). Nothing else. [`Admission::EveryBlock`]
+//! checkpoints every block boundary after the hit, as vLLM's align mode does; it floods memory
+//! with states that are never hit and is there for comparison.
+//!
+//! # Eviction
+//!
+//! Candidates (see the invariants) get the score `recency + α · efficiency`, both min-max
+//! normalised across the candidates, efficiency being the FLOPs a hit on the node saves (the
+//! whole prefix, or since the nearest checkpointed ancestor: [`FlopBasis`]) over the bytes it
+//! holds (its checkpoint plus the KV of its edge). The lowest score goes: a leaf frees its
+//! checkpoint and KV; a node with one child frees its checkpoint and merges into the child. With
+//! α = 0 and [`Recency::Path`] this is SGLang's LRU, served from the ordered candidate set in
+//! O(log n); otherwise one pass over the candidates. Eviction runs when a checkpoint slot is
+//! reserved and the budget (or the slot pool) is full, after a finish adds KV under a budget
+//! that covers KV, and on [`SnapshotStore::evict_for_kv`] (leaves only: only they free KV).
 //!
 //! # Router flow
 //!
@@ -133,7 +159,8 @@ pub struct StoreConfig {
 
 impl StoreConfig {
     /// An engine configuration: Marconi admission, a checkpoint-only budget of `budget_bytes`, as
-    /// many slots as the budget holds, α = 0 until tuned.
+    /// many slots as the budget holds, plain LRU (α = 0, path recency) until an
+    /// [`AlphaTuner`](crate::AlphaTuner) changes the setting.
     pub fn engine(cost: CostModel, block_size: u32, budget_bytes: u64) -> Self {
         let slots = (budget_bytes / cost.checkpoint_bytes()).min(u64::from(u32::MAX - 1)) as u32;
         Self {
@@ -144,7 +171,7 @@ impl StoreConfig {
             admission: Admission::Marconi,
             alpha: 0.0,
             flop_basis: FlopBasis::Marginal,
-            recency: Recency::Own,
+            recency: Recency::Path,
             cost,
         }
     }
