@@ -156,14 +156,19 @@ fn prefill(c: &mut Criterion, name: &str, model: Model) {
             adapter: None,
             cache_salt: None,
         });
-        run(
-            router,
-            StepPlan::Prefill {
-                budgets: &[256],
-                readback: Readback::Argmax,
-            },
-            &mut [&mut s],
-        );
+        let ticket = router
+            .launch(
+                StepPlan::Prefill {
+                    budgets: &[256],
+                    readback: Readback::Argmax,
+                },
+                &mut [&mut s],
+            )
+            .unwrap();
+        let cached = router.await_result(ticket).unwrap().rows[0]
+            .prefill
+            .unwrap()
+            .cached;
         router
             .apply(Effect::ReleaseSeq {
                 seq: &mut s,
@@ -171,6 +176,7 @@ fn prefill(c: &mut Criterion, name: &str, model: Model) {
                 what: "finish",
             })
             .unwrap();
+        cached
     };
     group.bench_function("computed", |b| {
         b.iter(|| {
@@ -179,6 +185,11 @@ fn prefill(c: &mut Criterion, name: &str, model: Model) {
         })
     });
     once(&router, true);
+    assert_eq!(
+        once(&router, true),
+        240,
+        "the repeated prompt is served from the cache"
+    );
     group.bench_function("from-cache-240", |b| b.iter(|| once(&router, true)));
     group.finish();
 }
