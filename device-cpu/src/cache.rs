@@ -19,7 +19,8 @@ use kv_cache::{BlockId, ExtraKey, KvCache, KvCacheConfig};
 use model::{Config, LayerKind, Model};
 use ssm_snapshot::tuning::RecordedRequest;
 use ssm_snapshot::{
-    AlphaTuner, CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig, StoreDelta,
+    AlphaTuner, CostCoefficients, CostModel, HybridDims, Pin, SlotId, SnapshotStore, StoreConfig,
+    StoreDelta,
 };
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -126,7 +127,38 @@ pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
         mlp_matrices: 2,
         elem_bytes: 4,
     };
-    CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()))
+    if dims.attention_layers > 0 {
+        return CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()));
+    }
+    // `CostModel` insists on positive KV bytes per token, which a model without attention does
+    // not have. Its checkpoint budget does not count KV here, and KV bytes only enter the
+    // eviction score as part of a node's size next to its checkpoint, so one nominal byte per
+    // token keeps every ratio as it is. The FLOP terms follow `CostModel::from_dims`'s documented
+    // formulas for the Mamba2 and MLP layers.
+    let d = dims.hidden_size as f64;
+    let e = (dims.mamba_num_heads * dims.mamba_head_dim) as f64;
+    let n = dims.ssm_state_size as f64;
+    let g = dims.n_groups as f64;
+    let h = dims.mamba_num_heads as f64;
+    let inner = dims.mamba_num_heads * dims.mamba_head_dim;
+    let state = inner * dims.ssm_state_size
+        + dims.conv_kernel * (inner + 2 * dims.n_groups * dims.ssm_state_size);
+    CostModel::new(CostCoefficients {
+        name: dims.name,
+        attention_layers: 0,
+        mamba_layers: dims.mamba_layers,
+        mlp_layers: dims.mlp_layers,
+        attention_linear_flops_per_token: 0.0,
+        attention_quadratic_flops: 0.0,
+        mamba_flops_per_token: 2.0 * d * (2.0 * e + 2.0 * g * n + h)
+            + 2.0 * e * d
+            + 8.0 * e * n
+            + 5.0 * e,
+        mlp_flops_per_token: 2.0 * dims.mlp_matrices as f64 * d * dims.mlp_intermediate as f64,
+        kv_bytes_per_token: 1,
+        checkpoint_bytes: u64::from(dims.mamba_layers) * state * dims.elem_bytes,
+    })
+    .map_err(|err| RouterError::Cache(err.to_string()))
 }
 
 impl Caches {

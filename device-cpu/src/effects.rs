@@ -5,6 +5,8 @@
 //! is always drained when `launch` returns, and has no expert-parallel workers. They answer `Unit`
 //! and change no state (tested).
 
+use std::io::Read;
+
 use device_io::{DeviceError, Effect, EffectOutcome, Result};
 use model::Model;
 
@@ -256,10 +258,19 @@ fn restore(
             ),
         ));
     }
+    let limit = image::max_len(&shape.layout);
     let mut bytes = Vec::new();
     reader
+        .take(limit + 1)
         .read_to_end(&mut bytes)
         .map_err(|err| DeviceError::BadImage(format!("reading failed: {err}")))?;
+    if bytes.len() as u64 > limit {
+        return Err(DeviceError::BadImage(format!(
+            "the image is longer than {limit} bytes, the most a sequence of max_context {} \
+             tokens needs",
+            shape.max_context
+        )));
+    }
     let image = image::decode(&shape.layout, &bytes).map_err(DeviceError::BadImage)?;
     let header = &image.header;
     if header.seq_id != seq.id {

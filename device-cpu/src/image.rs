@@ -38,6 +38,14 @@ pub const VERSION: u32 = 1;
 /// Bytes of the fixed header (everything before the token ids).
 const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 5 + 9 + 8;
 
+/// The longest image a router of `layout` can accept (a sequence of `max_context` tokens);
+/// readers stop there, so a runaway stream cannot exhaust memory.
+pub(crate) fn max_len(layout: &Layout) -> u64 {
+    let blocks = layout.max_context.div_ceil(layout.block_size) as u64;
+    let floats = blocks * layout.floats_per_block as u64 + layout.floats_per_slot as u64;
+    HEADER_BYTES as u64 + 4 * layout.max_context as u64 + 4 * floats + 8
+}
+
 /// What the router must match for an image to be accepted.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Layout {

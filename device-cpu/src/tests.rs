@@ -233,3 +233,50 @@ fn bad_configs_name_the_field() {
         "invalid router config: num_blocks = 8 (must hold one sequence of max_context 200 tokens: at least 13)"
     );
 }
+
+#[test]
+fn a_model_without_attention_caches_through_checkpoints_alone() {
+    let mut config = Config::tiny_demo();
+    config.layer_kinds = vec![
+        model::LayerKind::Mamba,
+        model::LayerKind::Mlp,
+        model::LayerKind::Mamba,
+    ];
+    config.num_hidden_layers = 3;
+    let model = Model::random(config, 5).unwrap();
+    let build = |prefix_cache| {
+        let mut c = CpuRouterConfig::new(16, 2);
+        c.prefix_cache = prefix_cache;
+        CpuRouter::new(model.clone(), c).unwrap()
+    };
+    let (on, off) = (build(true), build(false));
+    assert_eq!(on.shape.layout.floats_per_block, 0);
+    let logits = |r: &CpuRouter, id| {
+        let mut s = seq(id, 40);
+        let mut host = Vec::new();
+        let ticket = r
+            .launch(
+                StepPlan::Prefill {
+                    budgets: &[40],
+                    readback: Readback::HostLogits { into: &mut host },
+                },
+                &mut [&mut s],
+            )
+            .unwrap();
+        let cached = r.await_result(ticket).unwrap().rows[0]
+            .prefill
+            .unwrap()
+            .cached;
+        r.apply(Effect::ReleaseSeq {
+            seq: &mut s,
+            cache: true,
+            what: "finish",
+        })
+        .unwrap();
+        (cached, host.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    let (first, want) = logits(&off, 1);
+    assert_eq!(first, 0);
+    assert_eq!(logits(&on, 1), (0, want.clone()));
+    assert_eq!(logits(&on, 2), (32, want));
+}
