@@ -33,6 +33,11 @@ pub enum Effect<'a, S, P> {
     },
     /// Disown the sequence's slot: it has been handed to another sequence, so no later release of
     /// this one may free it twice.
+    ///
+    /// Afterwards the sequence owns no slot, and the slot is no longer counted as this
+    /// sequence's: a router returns it to its free slots with its contents untouched (so the
+    /// sequence it was handed to can adopt it, e.g. through admission or `CompactSlot`), and
+    /// `ReleaseSeq` of the detached sequence releases its blocks only.
     DetachSlot {
         /// The sequence that stops owning its slot.
         seq: &'a mut S,
