@@ -17,6 +17,34 @@
 //!   both entry points run the same per-token recurrence and the same fixed-order reductions, and
 //!   the dt clamp follows one convention for every token ([`DtClamp`]).
 //! - Numbers: weights and activations are f32 in memory whatever the checkpoint dtype.
+//!
+//! # Example
+//! ```
+//! use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
+//!
+//! let model = Model::random(Config::tiny_demo(), 0)?;
+//! let config = model.config();
+//! let mut kv = KvPool::new(config, 4, 16)?; // 4 blocks of 16 tokens
+//! let mut states = MambaStates::new(config, 2)?; // 2 sequences
+//! let mut scratch = Scratch::new(config);
+//! let mut logits = Vec::new();
+//!
+//! // Sequence in slot 0 with blocks [0, 1]: prefill 5 tokens, last position's logits only.
+//! states.zero_slot(0)?;
+//! let row = PrefillRow { tokens: &[1, 7, 42, 9, 3], start_pos: 0, blocks: &[0, 1], slot: 0 };
+//! model.prefill(&mut scratch, &mut kv, &mut states, row, false, &mut logits)?;
+//! let next = model::parity::argmax(&logits);
+//!
+//! // One decode step for it, batched with a fresh sequence in slot 1 (blocks [2]).
+//! states.zero_slot(1)?;
+//! let rows = [
+//!     DecodeRow { token: next, pos: 5, blocks: &[0, 1], slot: 0 },
+//!     DecodeRow { token: 1, pos: 0, blocks: &[2], slot: 1 },
+//! ];
+//! model.decode(&mut scratch, &mut kv, &mut states, &rows, &mut logits)?;
+//! assert_eq!(logits.len(), 2 * config.vocab_size);
+//! # Ok::<(), model::ModelError>(())
+//! ```
 #![forbid(unsafe_code)]
 
 mod config;
