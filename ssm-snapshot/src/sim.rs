@@ -296,7 +296,7 @@ impl Simulation {
     /// An empty cache under `config`.
     pub fn new(config: SimConfig) -> Result<Self, SnapshotError> {
         let slots = (config.capacity_bytes / config.cost.checkpoint_bytes())
-            .min(u64::from(u32::MAX - 1)) as u32;
+            .min(u64::from(crate::store::MAX_SLOTS)) as u32;
         let (admission, alpha, basis, recency) = match config.policy {
             Policy::Vllm => (Admission::EveryBlock, 0.0, FlopBasis::Prefix, Recency::Path),
             Policy::Lru => (Admission::Marconi, 0.0, FlopBasis::Prefix, Recency::Path),

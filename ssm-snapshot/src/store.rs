@@ -83,6 +83,10 @@ use crate::slots::{SlotId, SlotPool};
 
 const NONE: u32 = u32::MAX;
 
+/// The most checkpoint slots a store manages (16 Mi: far beyond any device's memory at tens of
+/// MB per checkpoint; the bound keeps the slot table's host memory in check).
+pub const MAX_SLOTS: u32 = 1 << 24;
+
 /// A cache namespace: sequences only share prefixes within one LoRA adapter and cache salt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Namespace {
@@ -162,7 +166,7 @@ impl StoreConfig {
     /// many slots as the budget holds, plain LRU (α = 0, path recency) until an
     /// [`AlphaTuner`](crate::AlphaTuner) changes the setting.
     pub fn engine(cost: CostModel, block_size: u32, budget_bytes: u64) -> Self {
-        let slots = (budget_bytes / cost.checkpoint_bytes()).min(u64::from(u32::MAX - 1)) as u32;
+        let slots = (budget_bytes / cost.checkpoint_bytes()).min(u64::from(MAX_SLOTS)) as u32;
         Self {
             block_size,
             checkpoint_slots: slots,
@@ -419,6 +423,13 @@ impl SnapshotStore {
             });
         }
         check_alpha(config.alpha)?;
+        if config.checkpoint_slots > MAX_SLOTS {
+            return Err(SnapshotError::BadConfig {
+                field: "checkpoint_slots",
+                value: config.checkpoint_slots.to_string(),
+                limit: "at most 16777216",
+            });
+        }
         let slots = SlotPool::new(config.checkpoint_slots);
         Ok(Self {
             block: config.block_size as usize,
@@ -1939,6 +1950,15 @@ mod tests {
             .unwrap();
         assert_eq!(prefixes(&s), vec![vec![1, 1, 2, 2], vec![1, 1, 2, 2, 5, 5]]);
         assert!(s.set_alpha(f64::NAN).is_err());
+        assert_eq!(
+            SnapshotStore::new(StoreConfig {
+                checkpoint_slots: MAX_SLOTS + 1,
+                ..s.config().clone()
+            })
+            .unwrap_err()
+            .to_string(),
+            "bad store config: `checkpoint_slots` is 16777217 (at most 16777216)"
+        );
         assert_eq!(
             SnapshotStore::new(StoreConfig {
                 block_size: 0,
