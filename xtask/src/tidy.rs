@@ -218,7 +218,8 @@ fn check_safety_comments(file: &SourceFile, tokens: &[Token]) -> Vec<Violation> 
                 "SAFETY:",
                 "an `unsafe` block or impl needs a `// SAFETY:` comment saying why it is sound",
             )
-        } else if next.is_word("fn") {
+        } else if next.is_word("fn") && matches!(tokens.get(i + 2), Some(Token::Ident { .. })) {
+            // A declaration (`unsafe fn name`), not a pointer type (`unsafe fn(u8)`).
             (
                 "# Safety",
                 "an `unsafe fn` needs a `# Safety` doc section listing what callers must uphold",
@@ -730,6 +731,7 @@ mod tests {
             "//! Doc.\n/// Does f.\npub unsafe fn f(p: *const u8) {}\n",
             &["device-cuda/src/raw.rs:3"],
         );
+        check("//! Doc.\ntype Callback = unsafe fn(*const u8);\n", &[]);
         // The unsafe crate's root does not forbid unsafe code, by design.
         let root = file("device-cuda/src/lib.rs", "//! Doc.\n");
         assert_eq!(check_unsafe(&[root], &roots), Vec::new());
