@@ -1213,13 +1213,13 @@ fn choose_token(
         if let Some(digest) = &mut req.digest {
             digest.0.update(bytemuck::cast_slice(row_logits));
         }
-        return Ok(req.sampler.from_logits(row_logits, scratch));
+        return Ok(req.sampler.choose_from_logits(row_logits, scratch));
     }
     if req.needs_logits() {
         return Err("a row that needs host logits got none");
     }
     match output.token {
-        Some(argmax) => Ok(req.sampler.from_argmax(argmax)),
+        Some(argmax) => Ok(req.sampler.choose_with_argmax(argmax)),
         None => Err("a row that reached a token position has no token"),
     }
 }

@@ -18,16 +18,16 @@
 //!   end-to-end job.
 #![forbid(unsafe_code)]
 
-// pub mod backend;
+pub mod backend;
 mod engine;
 mod event;
 mod handle;
 mod metrics;
-// pub mod replay;
+pub mod replay;
 mod request;
 mod sampling;
 mod spill;
-// pub mod workload;
+pub mod workload;
 
 pub use engine::{Engine, EngineConfig, EngineError, Preemption};
 pub use event::{Event, FinishReason, ServeError, Usage};

@@ -45,6 +45,34 @@ pub struct Metrics {
     pub leaked_sequences: u64,
 }
 
+impl Metrics {
+    /// What was counted since `earlier` (a snapshot of the same engine).
+    pub fn since(&self, earlier: &Metrics) -> Metrics {
+        Metrics {
+            steps: self.steps - earlier.steps,
+            prefill_launches: self.prefill_launches - earlier.prefill_launches,
+            decode_launches: self.decode_launches - earlier.decode_launches,
+            prefill_tokens_computed: self.prefill_tokens_computed - earlier.prefill_tokens_computed,
+            prefill_tokens_cached: self.prefill_tokens_cached - earlier.prefill_tokens_cached,
+            generated_tokens: self.generated_tokens - earlier.generated_tokens,
+            admitted: self.admitted - earlier.admitted,
+            finished: self.finished - earlier.finished,
+            cancelled: self.cancelled - earlier.cancelled,
+            failed: self.failed - earlier.failed,
+            preemptions: self.preemptions - earlier.preemptions,
+            spills: self.spills - earlier.spills,
+            restores: self.restores - earlier.restores,
+            recomputes: self.recomputes - earlier.recomputes,
+            spill_fallbacks: self.spill_fallbacks - earlier.spill_fallbacks,
+            compactions: self.compactions - earlier.compactions,
+            marconi_checkpoints: self.marconi_checkpoints - earlier.marconi_checkpoints,
+            marconi_checkpoint_failures: self.marconi_checkpoint_failures
+                - earlier.marconi_checkpoint_failures,
+            leaked_sequences: self.leaked_sequences - earlier.leaked_sequences,
+        }
+    }
+}
+
 /// What one [`crate::Engine::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StepReport {

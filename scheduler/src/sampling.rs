@@ -20,7 +20,8 @@ enum Kind {
     Greedy,
     Random {
         params: RandomSampling,
-        rng: ChaCha8Rng,
+        // Boxed: the generator's state is much larger than the other variants.
+        rng: Box<ChaCha8Rng>,
     },
     Forced {
         tokens: Vec<u32>,
@@ -33,7 +34,7 @@ impl Sampler {
         let kind = match sampling {
             Sampling::Greedy => Kind::Greedy,
             Sampling::Random(params) => Kind::Random {
-                rng: ChaCha8Rng::seed_from_u64(params.seed),
+                rng: Box::new(ChaCha8Rng::seed_from_u64(params.seed)),
                 params,
             },
             Sampling::Forced(tokens) => Kind::Forced { tokens, next: 0 },
@@ -48,7 +49,7 @@ impl Sampler {
 
     /// The next token when only the device argmax is known (never called for a random sampler,
     /// which [`Self::needs_logits`]).
-    pub(crate) fn from_argmax(&mut self, argmax: u32) -> u32 {
+    pub(crate) fn choose_with_argmax(&mut self, argmax: u32) -> u32 {
         match &mut self.kind {
             Kind::Greedy | Kind::Random { .. } => argmax,
             Kind::Forced { tokens, next } => take_forced(tokens, next, argmax),
@@ -56,7 +57,11 @@ impl Sampler {
     }
 
     /// The next token from one row of host logits; `scratch` is reused between calls.
-    pub(crate) fn from_logits(&mut self, logits: &[f32], scratch: &mut Vec<(f32, u32)>) -> u32 {
+    pub(crate) fn choose_from_logits(
+        &mut self,
+        logits: &[f32],
+        scratch: &mut Vec<(f32, u32)>,
+    ) -> u32 {
         match &mut self.kind {
             Kind::Greedy => argmax(logits),
             Kind::Forced { tokens, next } => take_forced(tokens, next, argmax(logits)),
@@ -173,7 +178,7 @@ mod tests {
     fn draws(sampler: &mut Sampler, logits: &[f32], n: usize) -> Vec<u32> {
         let mut scratch = Vec::new();
         (0..n)
-            .map(|_| sampler.from_logits(logits, &mut scratch))
+            .map(|_| sampler.choose_from_logits(logits, &mut scratch))
             .collect()
     }
 
@@ -190,12 +195,12 @@ mod tests {
         let mut scratch = Vec::new();
         let mut greedy = Sampler::new(Sampling::Greedy);
         assert!(!greedy.needs_logits());
-        assert_eq!(greedy.from_logits(&[0.0, 2.0, 1.0], &mut scratch), 1);
-        assert_eq!(greedy.from_argmax(9), 9);
+        assert_eq!(greedy.choose_from_logits(&[0.0, 2.0, 1.0], &mut scratch), 1);
+        assert_eq!(greedy.choose_with_argmax(9), 9);
         let mut forced = Sampler::new(Sampling::Forced(vec![4, 5]));
         assert!(!forced.needs_logits());
-        assert_eq!(forced.from_argmax(9), 4);
-        assert_eq!(forced.from_logits(&[0.0, 2.0], &mut scratch), 5);
+        assert_eq!(forced.choose_with_argmax(9), 4);
+        assert_eq!(forced.choose_from_logits(&[0.0, 2.0], &mut scratch), 5);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
+use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
     Completion, Engine, EngineConfig, EngineThread, Event, FinishReason, Preemption,
     RandomSampling, Request, RequestError, RequestHandle, Sampling, ServeError, ShutdownMode,
@@ -503,13 +504,34 @@ fn shutdown_effects_come_last_in_order() {
         streams: vec![0, 1],
         ..config()
     };
-    let router = router(64, 8);
+    let (sink, trace) = TraceSink::memory();
+    let router = TracingDeviceIo::new(router(64, 8), sink);
     let mut engine = Engine::new(router, config).unwrap();
     let handle = engine.submit(Request::greedy(prompt(4, 0), 2)).unwrap();
     // Drain serves the request to completion before stopping the router.
     let metrics = engine.shutdown(ShutdownMode::Drain).unwrap();
     assert_eq!(metrics.finished, 1);
     assert_eq!(done(handle).tokens.len(), 2);
+    let lines = trace.lines();
+    let tail: Vec<&str> = lines[lines.len() - 10..]
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        tail,
+        [
+            "fx apply ReleaseSeq{cache=true, finish}",
+            "-> Unit",
+            "fx apply EpShutdown",
+            "-> Unit",
+            "fx apply Quiesce{stream=0}",
+            "-> Unit",
+            "fx apply Quiesce{stream=1}",
+            "-> Unit",
+            "fx teardown",
+            "-> ok",
+        ]
+    );
 }
 
 #[test]

@@ -1,0 +1,183 @@
+//! The one module that names concrete routers: which one is built, and how, is decided here by
+//! cargo features and [`BackendOptions`]; the rest of the crate is generic over `DeviceIo`.
+//!
+//! - `cpu` (default): [`Router`] is `device_cpu::CpuRouter` over a `model::Model`.
+//! - `trace`: [`Router`] wraps it in `device_trace::TracingDeviceIo` (sink from
+//!   [`BackendOptions::trace`], or `tracing` events when none is given).
+//! - `prefix-cache`, `marconi` (default): allow the router's prefix cache and its Marconi
+//!   eviction policy; [`BackendOptions::prefix_cache`] / [`BackendOptions::marconi`] switch them
+//!   per run. Without the feature the switch is ignored (always off).
+//! - `cuda`: adds [`Device::Cuda`]; this build has no CUDA router, so asking for it answers
+//!   [`BackendError::CudaUnavailable`].
+
+#[cfg(feature = "cpu")]
+pub use cpu::*;
+
+/// Which device a router runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The host router.
+    #[default]
+    Cpu,
+    /// The CUDA router (not available in this build).
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// Why a router (or the engine over it) could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The CUDA router was asked for; this build has none.
+    #[error("CUDA router not available in this build (device-cuda has no router yet); use the cpu device")]
+    CudaUnavailable,
+    /// The model could not be loaded or built.
+    #[error("model: {0}")]
+    Model(String),
+    /// The router refused its configuration.
+    #[error("router: {0}")]
+    Router(String),
+    /// The engine refused its configuration.
+    #[error(transparent)]
+    Engine(#[from] crate::EngineError),
+}
+
+/// Whether this build lets the router keep a prefix cache (feature `prefix-cache`).
+pub const PREFIX_CACHE_COMPILED: bool = cfg!(feature = "prefix-cache");
+/// Whether this build lets the router run the Marconi policy (feature `marconi`).
+pub const MARCONI_COMPILED: bool = cfg!(feature = "marconi");
+
+#[cfg(feature = "cpu")]
+mod cpu {
+    use std::path::Path;
+
+    use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
+    use model::Model;
+
+    use super::{BackendError, Device, MARCONI_COMPILED, PREFIX_CACHE_COMPILED};
+    use crate::replay::CacheStats;
+    use crate::{Engine, EngineConfig};
+
+    /// The router this build constructs.
+    #[cfg(not(feature = "trace"))]
+    pub type Router = CpuRouter;
+    /// The router this build constructs.
+    #[cfg(feature = "trace")]
+    pub type Router = device_trace::TracingDeviceIo<CpuRouter>;
+
+    /// How to build the router.
+    #[derive(Debug)]
+    pub struct BackendOptions {
+        /// The device.
+        pub device: Device,
+        /// KV blocks in the pool.
+        pub kv_blocks: usize,
+        /// Tokens per block.
+        pub block_size: usize,
+        /// Live-state slots (the most sequences running at once).
+        pub max_seqs: usize,
+        /// The longest sequence the router accepts.
+        pub max_context: usize,
+        /// SSM checkpoint slots of the prefix cache (hybrid models).
+        pub checkpoint_slots: usize,
+        /// Keep a prefix cache (needs feature `prefix-cache`).
+        pub prefix_cache: bool,
+        /// Run the Marconi (FLOP-aware) eviction policy for SSM checkpoints (needs feature
+        /// `marconi`); off, checkpoints are evicted by recency.
+        pub marconi: bool,
+        /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
+        #[cfg(feature = "trace")]
+        pub trace: Option<device_trace::TraceSink>,
+    }
+
+    impl BackendOptions {
+        /// A pool of `kv_blocks` blocks of 16 tokens, `max_seqs` slots, four checkpoint slots
+        /// per slot, the context as long as the pool, and both caches on (where compiled).
+        pub fn new(kv_blocks: usize, max_seqs: usize) -> Self {
+            let block_size = device_cpu::DEFAULT_BLOCK_SIZE;
+            BackendOptions {
+                device: Device::Cpu,
+                kv_blocks,
+                block_size,
+                max_seqs,
+                max_context: kv_blocks * block_size,
+                checkpoint_slots: 4 * max_seqs,
+                prefix_cache: true,
+                marconi: true,
+                #[cfg(feature = "trace")]
+                trace: None,
+            }
+        }
+    }
+
+    /// Loads a NemotronH checkpoint in Hugging Face layout (`config.json` + safetensors).
+    pub fn load_model(dir: &Path) -> Result<Model, BackendError> {
+        Model::load(dir).map_err(|err| BackendError::Model(err.to_string()))
+    }
+
+    /// Seeded random weights for `config`.
+    pub fn random_model(config: model::Config, seed: u64) -> Result<Model, BackendError> {
+        Model::random(config, seed).map_err(|err| BackendError::Model(err.to_string()))
+    }
+
+    /// Builds the router for `model`.
+    pub fn build_router(model: Model, options: BackendOptions) -> Result<Router, BackendError> {
+        match options.device {
+            Device::Cpu => {}
+            #[cfg(feature = "cuda")]
+            Device::Cuda => return Err(BackendError::CudaUnavailable),
+        }
+        let config = CpuRouterConfig {
+            block_size: options.block_size,
+            num_blocks: options.kv_blocks,
+            max_seqs: options.max_seqs,
+            checkpoints: CheckpointBudget::Slots(options.checkpoint_slots),
+            snapshot_slots: device_cpu::DEFAULT_SNAPSHOT_SLOTS,
+            prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
+            marconi: options.marconi && MARCONI_COMPILED,
+            max_context: options.max_context,
+        };
+        let router =
+            CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;
+        #[cfg(feature = "trace")]
+        let router = {
+            let sink = options
+                .trace
+                .unwrap_or_else(device_trace::TraceSink::tracing);
+            device_trace::TracingDeviceIo::new(router, sink)
+        };
+        Ok(router)
+    }
+
+    /// Builds the router for `model` and an engine over it.
+    pub fn build_engine(
+        model: Model,
+        options: BackendOptions,
+        config: EngineConfig,
+    ) -> Result<Engine<Router>, BackendError> {
+        let router = build_router(model, options)?;
+        Ok(Engine::new(router, config)?)
+    }
+
+    fn host(router: &Router) -> &CpuRouter {
+        #[cfg(feature = "trace")]
+        return router.inner();
+        #[cfg(not(feature = "trace"))]
+        return router;
+    }
+
+    /// The router's cache counters (`None` when it cannot say).
+    pub fn cache_stats(router: &Router) -> Option<CacheStats> {
+        let stats = host(router).cache_stats().ok()?;
+        Some(CacheStats {
+            lookups: stats.lookups,
+            hit_tokens: stats.hit_tokens,
+            checkpoints_held: stats.checkpoints,
+        })
+    }
+
+    /// Whether the router's model is hybrid (has Mamba layers, so prefix reuse goes through
+    /// Marconi checkpoints).
+    pub fn is_hybrid(router: &Router) -> bool {
+        host(router).is_hybrid()
+    }
+}

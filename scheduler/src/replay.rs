@@ -1,0 +1,335 @@
+//! Workload replay: drives an [`Engine`] through a [`Workload`] with forced outputs and reports
+//! what it took.
+//!
+//! Each turn becomes a [`Request::forced`] with the trace's input and recorded output, so later
+//! turns share history exactly as the trace says while the model still computes every step. A
+//! session's next turn is submitted only after its previous turn ended (its KV has been offered to
+//! the prefix cache by then); at most `max_in_flight` turns run at once, taken in arrival order.
+//! The replay is as fast as the engine goes: arrival times order the turns but do not pace them.
+//! Driving [`Engine::step`] on the caller's thread keeps a replay deterministic.
+
+use std::time::{Duration, Instant};
+
+use device_io::{DeviceIo, Sequence};
+use serde::Serialize;
+
+use crate::engine::Engine;
+use crate::event::{Event, Usage};
+use crate::handle::RequestHandle;
+use crate::metrics::Metrics;
+use crate::request::Request;
+use crate::workload::Workload;
+
+/// How a replay runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// The most turns in flight at once (each from a different session); at least 1.
+    pub max_in_flight: usize,
+    /// Ask every request for its logits digest (host logits readback on every step).
+    pub digests: bool,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            max_in_flight: 16,
+            digests: false,
+        }
+    }
+}
+
+/// What happened to one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TurnOutcome {
+    /// It completed.
+    Done {
+        /// What it used.
+        usage: Usage,
+        /// Its logits digest, when digests were on.
+        digest: Option<u64>,
+        /// The tokens it generated (the forced ones, unless it stopped early).
+        tokens: Vec<u32>,
+    },
+    /// It was refused or failed; the message says why.
+    Failed(String),
+    /// It recorded no output, so there was nothing to replay.
+    Skipped,
+}
+
+/// Counters the router keeps about its caches, when the backend can read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct CacheStats {
+    /// Prefix-cache lookups (one per first prefill chunk).
+    pub lookups: u64,
+    /// Tokens those lookups served from the cache.
+    pub hit_tokens: u64,
+    /// SSM checkpoints the Marconi store holds at the end of the run.
+    pub checkpoints_held: u64,
+}
+
+/// The replay's report (the `--json` output of the `replay` example).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// The workload's name.
+    pub workload: String,
+    /// Turns in the workload (after `--max-requests`).
+    pub requests: usize,
+    /// Turns that completed.
+    pub completed: usize,
+    /// Turns refused or failed.
+    pub failed: usize,
+    /// Turns without recorded output (not submitted).
+    pub skipped: usize,
+    /// Input tokens of the submitted turns.
+    pub input_tokens: usize,
+    /// Output tokens generated.
+    pub output_tokens: usize,
+    /// Prompt tokens the router computed.
+    pub prefill_tokens_computed: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub prefill_tokens_cached: u64,
+    /// `cached / (cached + computed)`.
+    pub token_hit_rate: f64,
+    /// `MarconiCheckpoint` effects the engine applied after decode steps.
+    pub marconi_checkpoint_effects: u64,
+    /// The router's own cache counters, when known.
+    pub cache: Option<CacheStats>,
+    /// Time to first token, median, in milliseconds.
+    pub ttft_p50_ms: f64,
+    /// Time to first token, 95th percentile, in milliseconds.
+    pub ttft_p95_ms: f64,
+    /// Time per output token, median, in milliseconds.
+    pub tpot_p50_ms: f64,
+    /// Time per output token, 95th percentile, in milliseconds.
+    pub tpot_p95_ms: f64,
+    /// Wall time of the replay in seconds.
+    pub wall_s: f64,
+    /// Generated tokens per second of wall time.
+    pub output_tokens_per_s: f64,
+    /// Prompt tokens (computed or cached) plus generated tokens per second of wall time.
+    pub total_tokens_per_s: f64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Preemptions by spill.
+    pub spills: u64,
+    /// Restores from the spill store.
+    pub restores: u64,
+    /// Preemptions by recompute.
+    pub recomputes: u64,
+    /// Engine steps.
+    pub steps: u64,
+}
+
+/// A finished replay: the report and every turn's outcome (in workload order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replay {
+    /// The summary.
+    pub report: ReplayReport,
+    /// One outcome per turn of the workload, in its order.
+    pub outcomes: Vec<TurnOutcome>,
+}
+
+impl Replay {
+    /// Every turn's digest (`None` for turns without one), in workload order.
+    pub fn digests(&self) -> Vec<Option<u64>> {
+        self.outcomes
+            .iter()
+            .map(|outcome| match outcome {
+                TurnOutcome::Done { digest, .. } => *digest,
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+struct InFlight {
+    turn: usize,
+    handle: RequestHandle,
+    tokens: Vec<u32>,
+}
+
+/// Replays `workload` on `engine`; `on_turn` is called once per turn as it ends.
+pub fn replay<D>(
+    engine: &mut Engine<D>,
+    workload: &Workload,
+    options: &ReplayOptions,
+    on_turn: &mut dyn FnMut(usize, &TurnOutcome),
+) -> Replay
+where
+    D: DeviceIo,
+    D::Seq: Sequence,
+{
+    let started = Instant::now();
+    let before = *engine.metrics();
+    let turns = &workload.turns;
+    let sessions = turns.iter().map(|t| t.session + 1).max().unwrap_or(0) as usize;
+    let mut session_busy = vec![false; sessions];
+    let mut outcomes: Vec<Option<TurnOutcome>> = vec![None; turns.len()];
+    let mut pending: Vec<usize> = (0..turns.len()).collect();
+    let mut in_flight: Vec<InFlight> = Vec::new();
+    let max_in_flight = options.max_in_flight.max(1);
+    loop {
+        // Submit ready turns in arrival order: a session's earliest pending turn, once its
+        // previous turn ended.
+        let mut index = 0;
+        while in_flight.len() < max_in_flight && index < pending.len() {
+            let turn_index = pending[index];
+            let turn = &turns[turn_index];
+            let session = turn.session as usize;
+            if session_busy[session] {
+                index += 1;
+                continue;
+            }
+            pending.remove(index);
+            if turn.output.is_empty() {
+                outcomes[turn_index] = Some(TurnOutcome::Skipped);
+                on_turn(turn_index, &TurnOutcome::Skipped);
+                continue;
+            }
+            let request = Request::forced(turn.input.clone(), turn.output.clone())
+                .with_logits_digest(options.digests);
+            match engine.submit(request) {
+                Ok(handle) => {
+                    session_busy[session] = true;
+                    in_flight.push(InFlight {
+                        turn: turn_index,
+                        handle,
+                        tokens: Vec::with_capacity(turn.output.len()),
+                    });
+                }
+                Err(err) => {
+                    let outcome = TurnOutcome::Failed(err.to_string());
+                    on_turn(turn_index, &outcome);
+                    outcomes[turn_index] = Some(outcome);
+                }
+            }
+        }
+        if in_flight.is_empty() && pending.is_empty() {
+            break;
+        }
+        engine.step();
+        let mut index = 0;
+        while index < in_flight.len() {
+            let flight = &mut in_flight[index];
+            let mut outcome = None;
+            while let Ok(event) = flight.handle.events().try_recv() {
+                match event {
+                    Event::Token(token) => flight.tokens.push(token),
+                    Event::Finished {
+                        usage,
+                        logits_digest,
+                        ..
+                    } => {
+                        outcome = Some(TurnOutcome::Done {
+                            usage,
+                            digest: logits_digest,
+                            tokens: std::mem::take(&mut flight.tokens),
+                        });
+                    }
+                    Event::Error(err) => outcome = Some(TurnOutcome::Failed(err.to_string())),
+                }
+            }
+            match outcome {
+                Some(outcome) => {
+                    let flight = in_flight.remove(index);
+                    session_busy[turns[flight.turn].session as usize] = false;
+                    on_turn(flight.turn, &outcome);
+                    outcomes[flight.turn] = Some(outcome);
+                }
+                None => index += 1,
+            }
+        }
+    }
+    let wall = started.elapsed();
+    let outcomes: Vec<TurnOutcome> = outcomes
+        .into_iter()
+        .map(|outcome| outcome.unwrap_or(TurnOutcome::Skipped))
+        .collect();
+    let report = summarize(workload, &outcomes, &engine.metrics().since(&before), wall);
+    Replay { report, outcomes }
+}
+
+fn summarize(
+    workload: &Workload,
+    outcomes: &[TurnOutcome],
+    metrics: &Metrics,
+    wall: Duration,
+) -> ReplayReport {
+    let mut ttft = Vec::new();
+    let mut tpot = Vec::new();
+    let (mut completed, mut failed, mut skipped) = (0, 0, 0);
+    let mut input_tokens = 0;
+    let mut output_tokens = 0;
+    for (turn, outcome) in workload.turns.iter().zip(outcomes) {
+        match outcome {
+            TurnOutcome::Done { usage, .. } => {
+                completed += 1;
+                input_tokens += turn.input.len();
+                output_tokens += usage.generated_tokens;
+                ttft.extend(usage.time_to_first_token);
+                tpot.extend(usage.time_per_output_token);
+            }
+            TurnOutcome::Failed(_) => {
+                failed += 1;
+                input_tokens += turn.input.len();
+            }
+            TurnOutcome::Skipped => skipped += 1,
+        }
+    }
+    let prefill = metrics.prefill_tokens_cached + metrics.prefill_tokens_computed;
+    let seconds = wall.as_secs_f64().max(f64::MIN_POSITIVE);
+    ReplayReport {
+        workload: workload.name.clone(),
+        requests: workload.turns.len(),
+        completed,
+        failed,
+        skipped,
+        input_tokens,
+        output_tokens,
+        prefill_tokens_computed: metrics.prefill_tokens_computed,
+        prefill_tokens_cached: metrics.prefill_tokens_cached,
+        token_hit_rate: if prefill == 0 {
+            0.0
+        } else {
+            metrics.prefill_tokens_cached as f64 / prefill as f64
+        },
+        marconi_checkpoint_effects: metrics.marconi_checkpoints,
+        cache: None,
+        ttft_p50_ms: percentile_ms(&mut ttft, 50),
+        ttft_p95_ms: percentile_ms(&mut ttft, 95),
+        tpot_p50_ms: percentile_ms(&mut tpot, 50),
+        tpot_p95_ms: percentile_ms(&mut tpot, 95),
+        wall_s: wall.as_secs_f64(),
+        output_tokens_per_s: output_tokens as f64 / seconds,
+        total_tokens_per_s: (prefill as f64 + output_tokens as f64) / seconds,
+        preemptions: metrics.preemptions,
+        spills: metrics.spills,
+        restores: metrics.restores,
+        recomputes: metrics.recomputes,
+        steps: metrics.steps,
+    }
+}
+
+/// The nearest-rank percentile `p` of `values`, in milliseconds (0 when empty).
+fn percentile_ms(values: &mut [Duration], p: usize) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_unstable();
+    let rank = (p * values.len()).div_ceil(100).clamp(1, values.len());
+    values[rank - 1].as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let mut values: Vec<Duration> = (1..=20).map(Duration::from_millis).collect();
+        assert_eq!(percentile_ms(&mut values, 50), 10.0);
+        assert_eq!(percentile_ms(&mut values, 95), 19.0);
+        assert_eq!(percentile_ms(&mut [], 50), 0.0);
+        assert_eq!(percentile_ms(&mut [Duration::from_millis(3)], 95), 3.0);
+    }
+}

@@ -1,0 +1,500 @@
+//! Multi-turn workloads: traces in the Marconi artifact's JSONL format, and seeded built-in
+//! generators (`chat`, `agentic`).
+//!
+//! A [`Workload`] is a list of [`Turn`]s in arrival order. Each turn's input is the whole
+//! context the client sends (earlier turns' inputs and outputs included, as the trace recorded
+//! it), and its output is the tokens the trace recorded, which replay forces. Token ids are
+//! already mapped into the model's vocabulary (`id % vocab_size`).
+//!
+//! Invariants: `turns` is sorted by `ts` (stable, so equal times keep file order); within a
+//! session turns appear in increasing `turn` order; every token id is below the vocabulary size
+//! the workload was built for; `session` values are dense indices `0..sessions`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    /// The session (dense index, in order of first appearance).
+    pub session: u64,
+    /// The turn's number within its session, as the trace gives it.
+    pub turn: u64,
+    /// Arrival time in seconds, as the trace gives it.
+    pub ts: f64,
+    /// The context sent: all earlier history plus the new message.
+    pub input: Vec<u32>,
+    /// The recorded output.
+    pub output: Vec<u32>,
+}
+
+/// A workload: turns in arrival order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Workload {
+    /// Where it came from (`chat`, `agentic`, or the file name).
+    pub name: String,
+    /// The turns, sorted by arrival time.
+    pub turns: Vec<Turn>,
+}
+
+/// Why a workload could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A line is not a valid trace record.
+    #[error("line {line}: {source}")]
+    Json {
+        /// The 1-based line number.
+        line: usize,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A declared token count disagrees with the token list.
+    #[error("line {line}: {field} has {actual} tokens but the record declares {declared}")]
+    CountMismatch {
+        /// The 1-based line number.
+        line: usize,
+        /// `input_tokens` or `output_tokens`.
+        field: &'static str,
+        /// The declared count (`num_input_tokens` / `num_output_tokens`).
+        declared: usize,
+        /// The list's length.
+        actual: usize,
+    },
+    /// A turn has no input tokens.
+    #[error("line {line}: input_tokens is empty")]
+    EmptyInput {
+        /// The 1-based line number.
+        line: usize,
+    },
+    /// The vocabulary size is 0.
+    #[error("vocabulary size 0: token ids cannot be mapped")]
+    ZeroVocab,
+    /// The name is neither a file nor a built-in workload.
+    #[error(
+        "no workload file {0:?} and no built-in workload of that name (built-ins: chat, agentic)"
+    )]
+    Unknown(String),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SessionId {
+    Number(u64),
+    Text(String),
+}
+
+#[derive(Deserialize)]
+struct Record {
+    session_id: SessionId,
+    turn_id: u64,
+    ts: f64,
+    num_input_tokens: usize,
+    num_output_tokens: usize,
+    input_tokens: Vec<u64>,
+    output_tokens: Vec<u64>,
+}
+
+fn map_ids(ids: &[u64], vocab_size: usize) -> Vec<u32> {
+    ids.iter()
+        .map(|&id| (id % vocab_size as u64) as u32)
+        .collect()
+}
+
+impl Workload {
+    /// Parses a trace in the Marconi artifact's JSONL format (one record per line; blank lines
+    /// are skipped), mapping token ids into a vocabulary of `vocab_size`.
+    pub fn from_jsonl(
+        name: &str,
+        text: &str,
+        vocab_size: usize,
+    ) -> Result<Workload, WorkloadError> {
+        if vocab_size == 0 {
+            return Err(WorkloadError::ZeroVocab);
+        }
+        let mut sessions: HashMap<String, u64> = HashMap::new();
+        let mut turns = Vec::new();
+        for (index, line) in text.lines().enumerate() {
+            let line_no = index + 1;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let record: Record =
+                serde_json::from_str(line).map_err(|source| WorkloadError::Json {
+                    line: line_no,
+                    source,
+                })?;
+            let checks = [
+                (
+                    "input_tokens",
+                    record.num_input_tokens,
+                    record.input_tokens.len(),
+                ),
+                (
+                    "output_tokens",
+                    record.num_output_tokens,
+                    record.output_tokens.len(),
+                ),
+            ];
+            for (field, declared, actual) in checks {
+                if declared != actual {
+                    return Err(WorkloadError::CountMismatch {
+                        line: line_no,
+                        field,
+                        declared,
+                        actual,
+                    });
+                }
+            }
+            if record.input_tokens.is_empty() {
+                return Err(WorkloadError::EmptyInput { line: line_no });
+            }
+            let key = match record.session_id {
+                SessionId::Number(n) => format!("n{n}"),
+                SessionId::Text(s) => format!("s{s}"),
+            };
+            let next = sessions.len() as u64;
+            let session = *sessions.entry(key).or_insert(next);
+            turns.push(Turn {
+                session,
+                turn: record.turn_id,
+                ts: record.ts,
+                input: map_ids(&record.input_tokens, vocab_size),
+                output: map_ids(&record.output_tokens, vocab_size),
+            });
+        }
+        Ok(Workload::sorted(name.to_string(), turns))
+    }
+
+    /// Reads a JSONL trace file (see [`Workload::from_jsonl`]).
+    pub fn load(path: &Path, vocab_size: usize) -> Result<Workload, WorkloadError> {
+        let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        Workload::from_jsonl(&name, &text, vocab_size)
+    }
+
+    /// A file path, or the name of a built-in workload (generated with `seed`).
+    pub fn resolve(spec: &str, vocab_size: usize, seed: u64) -> Result<Workload, WorkloadError> {
+        match spec {
+            "chat" => Workload::chat(&GenOptions::chat(seed), vocab_size),
+            "agentic" => Workload::agentic(&GenOptions::agentic(seed), vocab_size),
+            path if Path::new(path).is_file() => Workload::load(Path::new(path), vocab_size),
+            other => Err(WorkloadError::Unknown(other.to_string())),
+        }
+    }
+
+    fn sorted(name: String, mut turns: Vec<Turn>) -> Workload {
+        turns.sort_by(|a, b| {
+            a.ts.total_cmp(&b.ts)
+                .then(a.session.cmp(&b.session))
+                .then(a.turn.cmp(&b.turn))
+        });
+        Workload { name, turns }
+    }
+
+    /// Multi-turn chat: every session opens with one of a few shared system prompts, then each
+    /// turn appends a user message to the history (previous inputs and outputs).
+    pub fn chat(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
+        if vocab_size == 0 {
+            return Err(WorkloadError::ZeroVocab);
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+        let openers: Vec<Vec<u32>> = (0..options.shared_prefixes)
+            .map(|_| random_tokens(&mut rng, options.prefix_len, vocab_size))
+            .collect();
+        let mut turns = Vec::new();
+        for session in 0..options.sessions as u64 {
+            let opener = &openers[rng.random_range(0..openers.len())];
+            let mut history = opener.clone();
+            let mut ts = session as f64 * options.session_gap_s;
+            for turn in 0..options.turns as u64 {
+                let message_len = rng.random_range(options.message_len.0..=options.message_len.1);
+                history.extend(random_tokens(&mut rng, message_len, vocab_size));
+                let output_len = rng.random_range(options.output_len.0..=options.output_len.1);
+                let output = random_tokens(&mut rng, output_len, vocab_size);
+                turns.push(Turn {
+                    session,
+                    turn,
+                    ts,
+                    input: history.clone(),
+                    output: output.clone(),
+                });
+                history.extend(output);
+                ts += options.think_time_s;
+            }
+        }
+        Ok(Workload::sorted("chat".to_string(), turns))
+    }
+
+    /// Agentic sessions: one long system prompt shared by every session; each turn appends a
+    /// tool result to the history, and now and then the agent edits its history (drops the
+    /// last tool result and the reply to it), so the next input branches off an earlier point.
+    pub fn agentic(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
+        if vocab_size == 0 {
+            return Err(WorkloadError::ZeroVocab);
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+        let system = random_tokens(&mut rng, options.prefix_len, vocab_size);
+        let mut turns = Vec::new();
+        for session in 0..options.sessions as u64 {
+            let mut history = system.clone();
+            let task_len = rng.random_range(options.message_len.0..=options.message_len.1);
+            history.extend(random_tokens(&mut rng, task_len, vocab_size));
+            let mut before_last_step = history.len();
+            let mut ts = session as f64 * options.session_gap_s;
+            for turn in 0..options.turns as u64 {
+                if turn >= 2 && rng.random_bool(0.25) {
+                    // Edit: forget the last tool result and the reply to it.
+                    history.truncate(before_last_step);
+                }
+                before_last_step = history.len();
+                let tool_len = rng.random_range(options.message_len.0..=options.message_len.1);
+                history.extend(random_tokens(&mut rng, tool_len, vocab_size));
+                let output_len = rng.random_range(options.output_len.0..=options.output_len.1);
+                let output = random_tokens(&mut rng, output_len, vocab_size);
+                turns.push(Turn {
+                    session,
+                    turn,
+                    ts,
+                    input: history.clone(),
+                    output: output.clone(),
+                });
+                history.extend(output);
+                ts += options.think_time_s;
+            }
+        }
+        Ok(Workload::sorted("agentic".to_string(), turns))
+    }
+
+    /// Keeps the first `n` turns in arrival order.
+    pub fn truncate(&mut self, n: usize) {
+        self.turns.truncate(n);
+    }
+
+    /// Input tokens over all turns.
+    pub fn input_tokens(&self) -> usize {
+        self.turns.iter().map(|t| t.input.len()).sum()
+    }
+
+    /// Output tokens over all turns.
+    pub fn output_tokens(&self) -> usize {
+        self.turns.iter().map(|t| t.output.len()).sum()
+    }
+
+    /// The longest input plus output of any turn.
+    pub fn longest_turn(&self) -> usize {
+        self.turns
+            .iter()
+            .map(|t| t.input.len() + t.output.len())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+fn random_tokens(rng: &mut ChaCha8Rng, len: usize, vocab_size: usize) -> Vec<u32> {
+    (0..len)
+        .map(|_| rng.random_range(0..vocab_size as u32))
+        .collect()
+}
+
+/// The shape of a generated workload. Lengths are in tokens; ranges are inclusive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOptions {
+    /// Seed of the generator: the same options give the same workload.
+    pub seed: u64,
+    /// Sessions.
+    pub sessions: usize,
+    /// Turns per session.
+    pub turns: usize,
+    /// Shared openers (chat; at least 1) — the agentic generator always shares one.
+    pub shared_prefixes: usize,
+    /// Length of each shared opener / system prompt.
+    pub prefix_len: usize,
+    /// Length of each new message (user message or tool result).
+    pub message_len: (usize, usize),
+    /// Length of each recorded output.
+    pub output_len: (usize, usize),
+    /// Seconds between session starts.
+    pub session_gap_s: f64,
+    /// Seconds between turns of a session.
+    pub think_time_s: f64,
+}
+
+impl GenOptions {
+    /// The default `chat` workload: 24 sessions of 4 turns over 3 shared 96-token openers.
+    pub fn chat(seed: u64) -> Self {
+        GenOptions {
+            seed,
+            sessions: 24,
+            turns: 4,
+            shared_prefixes: 3,
+            prefix_len: 96,
+            message_len: (16, 48),
+            output_len: (8, 24),
+            session_gap_s: 0.5,
+            think_time_s: 2.0,
+        }
+    }
+
+    /// The default `agentic` workload: 12 sessions of 6 turns over one 256-token system prompt.
+    pub fn agentic(seed: u64) -> Self {
+        GenOptions {
+            seed,
+            sessions: 12,
+            turns: 6,
+            shared_prefixes: 1,
+            prefix_len: 256,
+            message_len: (24, 64),
+            output_len: (8, 24),
+            session_gap_s: 1.0,
+            think_time_s: 1.5,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_records_parse_and_map_into_the_vocabulary() {
+        let text = r#"{"session_id": "a", "turn_id": 0, "ts": 1.5, "num_input_tokens": 3, "num_output_tokens": 1, "input_tokens": [1, 2, 1003], "output_tokens": [2000]}
+
+{"session_id": 7, "turn_id": 0, "ts": 0.5, "num_input_tokens": 1, "num_output_tokens": 0, "input_tokens": [5], "output_tokens": []}
+{"session_id": "a", "turn_id": 1, "ts": 3.0, "num_input_tokens": 4, "num_output_tokens": 1, "input_tokens": [1, 2, 3, 0], "output_tokens": [4]}
+"#;
+        let workload = Workload::from_jsonl("t", text, 1000).unwrap();
+        let got: Vec<(u64, u64, Vec<u32>, Vec<u32>)> = workload
+            .turns
+            .iter()
+            .map(|t| (t.session, t.turn, t.input.clone(), t.output.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, 0, vec![5], vec![]),
+                (0, 0, vec![1, 2, 3], vec![0]),
+                (0, 1, vec![1, 2, 3, 0], vec![4]),
+            ]
+        );
+        assert_eq!(workload.input_tokens(), 8);
+        assert_eq!(workload.output_tokens(), 2);
+        assert_eq!(workload.longest_turn(), 5);
+    }
+
+    #[test]
+    fn bad_records_name_the_line() {
+        let mismatch = r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 2, "num_output_tokens": 0, "input_tokens": [5], "output_tokens": []}"#;
+        assert!(matches!(
+            Workload::from_jsonl("t", mismatch, 10),
+            Err(WorkloadError::CountMismatch {
+                line: 1,
+                field: "input_tokens",
+                declared: 2,
+                actual: 1
+            })
+        ));
+        let broken = "\n{\"session_id\": 1}";
+        assert!(matches!(
+            Workload::from_jsonl("t", broken, 10),
+            Err(WorkloadError::Json { line: 2, .. })
+        ));
+        let empty = r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 0, "num_output_tokens": 0, "input_tokens": [], "output_tokens": []}"#;
+        assert!(matches!(
+            Workload::from_jsonl("t", empty, 10),
+            Err(WorkloadError::EmptyInput { line: 1 })
+        ));
+        assert!(matches!(
+            Workload::from_jsonl("t", "", 0),
+            Err(WorkloadError::ZeroVocab)
+        ));
+        assert!(matches!(
+            Workload::resolve("no-such-workload", 10, 0),
+            Err(WorkloadError::Unknown(_))
+        ));
+    }
+
+    fn check_history(workload: &Workload, vocab: usize) {
+        let mut last: HashMap<u64, (Vec<u32>, u64)> = HashMap::new();
+        for turn in &workload.turns {
+            assert!(turn
+                .input
+                .iter()
+                .chain(&turn.output)
+                .all(|&t| (t as usize) < vocab));
+            if let Some((previous, number)) = last.get(&turn.session) {
+                assert_eq!(turn.turn, number + 1);
+                // The new input shares a non-empty prefix with the previous turn's history.
+                let shared = previous
+                    .iter()
+                    .zip(&turn.input)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                assert!(shared > 0);
+            }
+            let mut history = turn.input.clone();
+            history.extend(&turn.output);
+            last.insert(turn.session, (history, turn.turn));
+        }
+    }
+
+    #[test]
+    fn generators_are_seeded_and_multi_turn() {
+        let chat = Workload::chat(&GenOptions::chat(1), 500).unwrap();
+        assert_eq!(chat, Workload::chat(&GenOptions::chat(1), 500).unwrap());
+        assert_ne!(chat, Workload::chat(&GenOptions::chat(2), 500).unwrap());
+        assert_eq!(chat.turns.len(), 24 * 4);
+        check_history(&chat, 500);
+        // Chat turns extend the whole previous history.
+        let first = &chat
+            .turns
+            .iter()
+            .find(|t| t.session == 0 && t.turn == 0)
+            .unwrap();
+        let second = &chat
+            .turns
+            .iter()
+            .find(|t| t.session == 0 && t.turn == 1)
+            .unwrap();
+        let mut history = first.input.clone();
+        history.extend(&first.output);
+        assert_eq!(&second.input[..history.len()], &history[..]);
+
+        let agentic = Workload::agentic(&GenOptions::agentic(1), 500).unwrap();
+        assert_eq!(agentic.turns.len(), 12 * 6);
+        check_history(&agentic, 500);
+        // Every agentic session starts with the same system prompt.
+        let system = &agentic.turns[0].input[..256];
+        assert!(agentic.turns.iter().all(|t| &t.input[..256] == system));
+        // Some turn edits its history (its input does not extend the previous turn's history).
+        let edited = agentic.turns.iter().any(|t| {
+            agentic.turns.iter().any(|p| {
+                p.session == t.session
+                    && p.turn + 1 == t.turn
+                    && !t
+                        .input
+                        .starts_with(&[p.input.clone(), p.output.clone()].concat())
+            })
+        });
+        assert!(edited);
+    }
+}
