@@ -1,34 +1,93 @@
-//! The shared transformers fixture (`tests/fixtures/nemotron-h-tiny`): every prompt position and
-//! every teacher-forced decode step within 1e-4 of the reference, and identical greedy ids.
+//! The reference fixtures in `tests/fixtures/`: every prompt position and every teacher-forced
+//! decode step within 1e-4 of the reference, and identical greedy ids.
+//!
+//! - `nemotron-h-tiny`: transformers 5.23's float64 forward (layout as a `layers_block_type` list).
+//! - `nemotron-h-alt`: another shape and layer order (`*ME-MM*EM-`, string layout, Mamba biases,
+//!   hidden 72, 8 Mamba heads in 4 groups, conv kernel 3, 6/2 attention heads of width 10,
+//!   12 experts in 3 groups with top-2 groups and top-3 experts, eps 1e-6), from the independent
+//!   float64 NumPy implementation of ARCH.md (`make_fixture.py`).
 
 use std::path::PathBuf;
 
 use model::parity::{check_fixture, DEFAULT_TOLERANCE};
+use model::Config;
 
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny")
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
-#[test]
-fn every_case_matches_transformers() {
-    let report = check_fixture(&fixture_dir()).unwrap();
-    let lengths: Vec<usize> = report.cases.iter().map(|c| c.prompt_len).collect();
-    assert_eq!(lengths, [1, 5, 16, 17, 40, 100]);
+/// Checks every case of `tests/fixtures/{name}` and that the prompts have `lengths` tokens.
+fn check(name: &str, lengths: &[usize]) {
+    let dir = fixture_dir(name);
+    let report = check_fixture(&dir).unwrap();
+    let found: Vec<usize> = report.cases.iter().map(|c| c.prompt_len).collect();
+    assert_eq!(found, lengths, "{name}: prompt lengths");
     for case in &report.cases {
-        assert_eq!(case.decode_steps, 12, "case {}", case.index);
-        assert_eq!(case.actual_greedy.len(), 13, "case {}", case.index);
+        assert_eq!(case.decode_steps, 12, "{name} case {}", case.index);
+        assert_eq!(case.actual_greedy.len(), 13, "{name} case {}", case.index);
         assert_eq!(
             case.actual_greedy, case.expected_greedy,
-            "case {} greedy ids",
+            "{name} case {} greedy ids",
             case.index
         );
         assert!(
             case.max_prompt_diff <= DEFAULT_TOLERANCE && case.max_decode_diff <= DEFAULT_TOLERANCE,
-            "case {}: prompt diff {:e}, decode diff {:e}",
+            "{name} case {}: prompt diff {:e}, decode diff {:e}",
             case.index,
             case.max_prompt_diff,
             case.max_decode_diff
         );
     }
-    assert!(report.passed(DEFAULT_TOLERANCE));
+    assert!(report.passed(DEFAULT_TOLERANCE), "{name}");
+}
+
+#[test]
+fn every_case_matches_transformers() {
+    check("nemotron-h-tiny", &[1, 5, 16, 17, 40, 100]);
+}
+
+#[test]
+fn every_case_of_the_alt_shape_matches_the_numpy_reference() {
+    // The alt fixture exists to cover what the tiny one does not; a regenerated file must keep that.
+    let config =
+        Config::from_file(&fixture_dir("nemotron-h-alt").join("model/config.json")).unwrap();
+    assert_eq!(config.pattern(), "*ME-MM*EM-");
+    assert_eq!(
+        (
+            config.hidden_size,
+            config.vocab_size,
+            config.layer_norm_epsilon
+        ),
+        (72, 320, 1e-6)
+    );
+    assert_eq!(
+        (
+            config.mamba_num_heads,
+            config.mamba_head_dim,
+            config.n_groups
+        ),
+        (8, 10, 4)
+    );
+    assert_eq!((config.ssm_state_size, config.conv_kernel), (8, 3));
+    assert!(config.use_bias && config.use_conv_bias);
+    assert_eq!(
+        (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim
+        ),
+        (6, 2, 10)
+    );
+    assert_eq!(
+        (
+            config.n_routed_experts,
+            config.n_group,
+            config.topk_group,
+            config.num_experts_per_tok
+        ),
+        (12, 3, 2, 3)
+    );
+    check("nemotron-h-alt", &[1, 7, 16, 33, 64]);
 }
