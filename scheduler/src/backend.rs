@@ -3,11 +3,11 @@
 //!
 //! - `cpu` (default): [`Router`] is `device_cpu::CpuRouter` over a `model::Model`.
 //! - `trace`: [`Router`] wraps it in `device_trace::TracingDeviceIo` (sink from
-//!   [`BackendOptions::trace`], or `tracing` events when none is given).
+//!   `BackendOptions::trace`, or `tracing` events when none is given).
 //! - `prefix-cache`, `marconi` (default): allow the router's prefix cache and its Marconi
 //!   eviction policy; [`BackendOptions::prefix_cache`] / [`BackendOptions::marconi`] switch them
 //!   per run. Without the feature the switch is ignored (always off).
-//! - `cuda`: adds [`Device::Cuda`]; this build has no CUDA router, so asking for it answers
+//! - `cuda`: adds `Device::Cuda`; this build has no CUDA router, so asking for it answers
 //!   [`BackendError::CudaUnavailable`].
 
 #[cfg(feature = "cpu")]

@@ -1223,3 +1223,22 @@ fn choose_token(
         None => Err("a row that reached a token position has no token"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::recycle;
+
+    #[test]
+    fn recycling_a_row_buffer_keeps_its_allocation() {
+        let mut values = [1u64, 2, 3];
+        let mut rows: Vec<&mut u64> = Vec::with_capacity(64);
+        rows.extend(values.iter_mut());
+        let pointer = rows.as_ptr() as usize;
+        let stored: Vec<usize> = recycle(rows);
+        assert_eq!((stored.len(), stored.capacity()), (0, 64));
+        assert_eq!(stored.as_ptr() as usize, pointer);
+        let again: Vec<&mut u64> = recycle(stored);
+        assert_eq!((again.len(), again.capacity()), (0, 64));
+        assert_eq!(again.as_ptr() as usize, pointer);
+    }
+}

@@ -16,6 +16,43 @@
 //! - [`backend`] is the only module that names concrete routers (selected by cargo features).
 //! - [`workload`] and [`replay`] replay multi-turn traces with forced outputs, the workspace's
 //!   end-to-end job.
+//!
+//! # Example
+//!
+//! Serve a tiny seeded model on the host router, on the engine's own thread, and stream the
+//! tokens of one request:
+//!
+//! ```
+//! # #[cfg(feature = "cpu")]
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use scheduler::backend::{self, BackendOptions};
+//! use scheduler::{EngineConfig, EngineThread, Event, Request, ShutdownMode};
+//!
+//! let model = backend::random_model(model::Config::tiny_demo(), 0)?;
+//! // 64 KV blocks of 16 tokens, 4 live slots, prefix cache and Marconi on.
+//! let engine = backend::build_engine(model, BackendOptions::new(64, 4), EngineConfig::default())?;
+//! let thread = EngineThread::spawn(engine)?;
+//!
+//! let client = thread.client(); // cloneable and `Send`: hand it to any thread
+//! let handle = client.submit(Request::greedy(vec![1, 2, 3, 4], 8))?;
+//! let mut tokens = Vec::new();
+//! for event in handle.events() {
+//!     match event {
+//!         Event::Token(token) => tokens.push(token),
+//!         Event::Finished { reason, usage, .. } => {
+//!             println!("{tokens:?} ({reason:?}, {} generated)", usage.generated_tokens);
+//!             break;
+//!         }
+//!         Event::Error(err) => return Err(err.into()),
+//!     }
+//! }
+//! assert_eq!(tokens.len(), 8);
+//! thread.shutdown(ShutdownMode::Drain)?;
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "cpu"))]
+//! # fn main() {}
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod backend;

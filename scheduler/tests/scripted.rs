@@ -6,6 +6,8 @@
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
 use device_trace::{TraceSink, TracingDeviceIo};
+use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
+use scheduler::workload::{GenOptions, Workload};
 use scheduler::{
     Completion, Engine, EngineConfig, EngineThread, Event, FinishReason, Preemption,
     RandomSampling, Request, RequestError, RequestHandle, Sampling, ServeError, ShutdownMode,
@@ -476,7 +478,7 @@ fn host_logits_that_the_router_refuses_fail_only_those_rows() {
 }
 
 #[test]
-fn abort_shutdown_fails_what_is_left_then_stops_the_router_in_order() {
+fn abort_shutdown_fails_what_is_left() {
     let config = EngineConfig {
         max_running: 1,
         max_step_tokens: 8,
@@ -578,4 +580,78 @@ fn public_handles_are_send_and_clients_are_sync() {
     send::<Engine<ScriptedRouter>>();
     send::<Event>();
     sync::<Event>();
+}
+
+#[test]
+fn replay_forces_the_recorded_outputs_and_counts_everything() {
+    let options = GenOptions {
+        sessions: 3,
+        turns: 3,
+        shared_prefixes: 1,
+        prefix_len: 20,
+        message_len: (4, 8),
+        output_len: (2, 5),
+        ..GenOptions::chat(5)
+    };
+    let workload = Workload::chat(&options, 1000).unwrap();
+    let mut engine = engine(256, 8, config());
+    let mut seen = Vec::new();
+    let replay_options = ReplayOptions {
+        max_in_flight: 2,
+        digests: false,
+    };
+    let result = replay(&mut engine, &workload, &replay_options, &mut |turn, _| {
+        seen.push(turn)
+    });
+    seen.sort_unstable();
+    assert_eq!(seen, (0..9).collect::<Vec<_>>());
+    for (turn, outcome) in workload.turns.iter().zip(&result.outcomes) {
+        match outcome {
+            TurnOutcome::Done { tokens, .. } => assert_eq!(tokens, &turn.output),
+            other => panic!("{other:?}"),
+        }
+    }
+    let report = &result.report;
+    assert_eq!(
+        (report.requests, report.completed, report.failed),
+        (9, 9, 0)
+    );
+    assert_eq!(report.input_tokens, workload.input_tokens());
+    assert_eq!(report.output_tokens, workload.output_tokens());
+    assert_eq!(
+        report.prefill_tokens_computed,
+        workload.input_tokens() as u64
+    );
+    assert_eq!(report.token_hit_rate, 0.0);
+    assert_eq!(engine.router().facts(), initial_facts(&engine));
+}
+
+#[test]
+fn replay_skips_turns_without_output_and_reports_refused_ones() {
+    let text = r#"{"session_id": "x", "turn_id": 0, "ts": 0.0, "num_input_tokens": 3, "num_output_tokens": 2, "input_tokens": [1, 2, 3], "output_tokens": [4, 5]}
+{"session_id": "x", "turn_id": 1, "ts": 1.0, "num_input_tokens": 2, "num_output_tokens": 0, "input_tokens": [1, 2], "output_tokens": []}
+{"session_id": "y", "turn_id": 0, "ts": 2.0, "num_input_tokens": 70, "num_output_tokens": 1, "input_tokens": [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "output_tokens": [1]}
+"#;
+    let workload = Workload::from_jsonl("trace", text, 1000).unwrap();
+    let mut engine = engine(16, 4, config());
+    let result = replay(
+        &mut engine,
+        &workload,
+        &ReplayOptions::default(),
+        &mut |_, _| {},
+    );
+    assert!(matches!(result.outcomes[0], TurnOutcome::Done { .. }));
+    assert_eq!(result.outcomes[1], TurnOutcome::Skipped);
+    assert_eq!(
+        result.outcomes[2],
+        TurnOutcome::Failed(
+            RequestError::PromptTooLong {
+                len: 70,
+                max_context: 64
+            }
+            .to_string()
+        )
+    );
+    let report = &result.report;
+    assert_eq!((report.completed, report.skipped, report.failed), (1, 1, 1));
 }
