@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! cargo run --release -p scheduler --example replay -- [options]
-//!   --model DIR           a NemotronH checkpoint (config.json + model.safetensors); default: the
-//!                         embedded model (seeded random weights, see `default_model_config`)
+//!   --model DIR           a NemotronH checkpoint (config.json + model.safetensors); default: an
+//!                         embedded model (seeded random weights, see `embedded_model_config`)
+//!   --embedded NAME       which embedded model: `small` (default, hidden 512, 16 layers) or `mini`
 //!   --workload W          a JSONL trace file (Marconi artifact format), or `chat` / `agentic`
 //!                         (built-in, seeded); default `chat`
 //!   --max-requests N      replay only the first N turns
@@ -28,46 +29,46 @@ use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::Workload;
 use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
 
-/// The embedded default model: NemotronH-shaped, realistic but small enough that the default
-/// replay (and `--verify`, which runs it twice) finishes in well under two minutes on two cores.
+/// The embedded models (seeded random weights, built in code), by `--embedded` name.
 ///
-/// vocab 4096, hidden 256, 8 layers `MEM*MEM-` (4 Mamba2, 2 MoE, 1 attention, 1 MLP); Mamba2 8
-/// heads of 64 with state 64 in 2 groups, conv 4; attention 4 query / 2 KV heads of 64; MLP 1024;
-/// MoE 8 routed experts of 256 (top 2 of 2 groups) plus a shared expert of 512. About 7.6 M
-/// parameters.
-fn default_model_config() -> model::Config {
-    let base = model::Config::small_512();
-    let layer_kinds: Vec<model::LayerKind> = "MEM*MEM-"
-        .chars()
-        .filter_map(model::LayerKind::from_letter)
-        .collect();
-    model::Config {
-        vocab_size: 4096,
-        hidden_size: 256,
-        num_hidden_layers: layer_kinds.len(),
-        layer_kinds,
-        mamba_num_heads: 8,
-        mamba_head_dim: 64,
-        ssm_state_size: 64,
-        n_groups: 2,
-        conv_kernel: 4,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        intermediate_size: 1024,
-        n_routed_experts: 8,
-        num_experts_per_tok: 2,
-        moe_intermediate_size: 256,
-        moe_shared_expert_intermediate_size: 512,
-        n_group: 2,
-        topk_group: 1,
-        ..base
+/// - `small` (default): `model::Config::small_512()`, NemotronH-shaped: vocab 4096, hidden 512,
+///   16 layers `MEM*MEM-MEM*MEM-` (8 Mamba2, 4 MoE, 2 attention, 2 MLP); Mamba2 16 heads of 64
+///   with state 64 in 4 groups; attention 8 query / 2 KV heads of 64; MLP 2048; MoE 16 routed
+///   experts of 256 (top 4) plus a shared expert of 512. About 43 M parameters. The default
+///   replay takes about 25 s on two cores.
+/// - `mini`: the same family at hidden 256 and 8 layers `MEM*MEM-` (about 7.6 M parameters),
+///   for quick runs (about 6 s).
+fn embedded_model_config(name: &str) -> Result<model::Config, String> {
+    match name {
+        "small" => Ok(model::Config::small_512()),
+        "mini" => {
+            let layer_kinds: Vec<model::LayerKind> = "MEM*MEM-"
+                .chars()
+                .filter_map(model::LayerKind::from_letter)
+                .collect();
+            Ok(model::Config {
+                hidden_size: 256,
+                num_hidden_layers: layer_kinds.len(),
+                layer_kinds,
+                mamba_num_heads: 8,
+                n_groups: 2,
+                num_attention_heads: 4,
+                intermediate_size: 1024,
+                n_routed_experts: 8,
+                num_experts_per_tok: 2,
+                n_group: 2,
+                topk_group: 1,
+                ..model::Config::small_512()
+            })
+        }
+        other => Err(format!("--embedded {other:?}: expected small or mini")),
     }
 }
 
 #[derive(Debug)]
 struct Args {
     model: Option<PathBuf>,
+    embedded: String,
     workload: String,
     max_requests: Option<usize>,
     prefix_cache: bool,
@@ -80,9 +81,16 @@ struct Args {
     seed: u64,
 }
 
-fn parse_args() -> Result<Args, String> {
+const USAGE: &str = "usage: replay [--model DIR | --embedded small|mini] \
+    [--workload FILE|chat|agentic] [--max-requests N] [--no-prefix-cache] [--no-marconi] \
+    [--json FILE] [--verify] [--preempt recompute|spill] [--kv-blocks N] [--max-in-flight N] \
+    [--seed N]";
+
+/// The options, or `None` when help was asked for.
+fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
         model: None,
+        embedded: "small".to_string(),
         workload: "chat".to_string(),
         max_requests: None,
         prefix_cache: true,
@@ -103,6 +111,7 @@ fn parse_args() -> Result<Args, String> {
         };
         match flag.as_str() {
             "--model" => args.model = Some(PathBuf::from(value("--model")?)),
+            "--embedded" => args.embedded = value("--embedded")?,
             "--workload" => args.workload = value("--workload")?,
             "--max-requests" => {
                 let n = number("--max-requests", value("--max-requests")?)?;
@@ -128,16 +137,11 @@ fn parse_args() -> Result<Args, String> {
                 args.max_in_flight = n;
             }
             "--seed" => args.seed = number("--seed", value("--seed")?)?,
-            "-h" | "--help" => return Err(
-                "usage: replay [--model DIR] [--workload FILE|chat|agentic] [--max-requests N] \
-                     [--no-prefix-cache] [--no-marconi] [--json FILE] [--verify] \
-                     [--preempt recompute|spill] [--kv-blocks N] [--max-in-flight N] [--seed N]"
-                    .to_string(),
-            ),
+            "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown option {other:?} (try --help)")),
         }
     }
-    Ok(args)
+    Ok(Some(args))
 }
 
 /// One replay pass with the caches as given.
@@ -250,21 +254,23 @@ fn print_report(title: &str, report: &ReplayReport) {
 }
 
 fn run() -> Result<bool, String> {
-    let args = parse_args()?;
+    let Some(args) = parse_args()? else {
+        println!("{USAGE}");
+        return Ok(true);
+    };
     let started = Instant::now();
     let model = match &args.model {
         Some(dir) => backend::load_model(dir).map_err(|err| err.to_string())?,
-        None => backend::random_model(default_model_config(), args.seed)
+        None => backend::random_model(embedded_model_config(&args.embedded)?, args.seed)
             .map_err(|err| err.to_string())?,
     };
     let config = model.config();
     println!(
         "model: {} (pattern {}, hidden {}, vocab {}); built in {:.1} s",
-        args.model
-            .as_ref()
-            .map_or("embedded, seeded random weights".to_string(), |dir| dir
-                .display()
-                .to_string()),
+        args.model.as_ref().map_or(
+            format!("embedded {:?}, seeded random weights", args.embedded),
+            |dir| dir.display().to_string()
+        ),
         config.pattern(),
         config.hidden_size,
         config.vocab_size,
@@ -361,6 +367,16 @@ fn write_json(args: &Args, value: &serde_json::Value) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // Warnings (a failed spill, a refused checkpoint) go to stderr; `REPLAY_LOG=debug` shows more.
+    let level = match std::env::var("REPLAY_LOG").as_deref() {
+        Ok("debug") => tracing::Level::DEBUG,
+        Ok("info") => tracing::Level::INFO,
+        _ => tracing::Level::WARN,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
     match run() {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,

@@ -915,7 +915,8 @@ where
     }
 
     /// The live sequence to preempt: the fewest generated tokens among those not resumed in the
-    /// last `protect_steps` steps (all live ones when every one was), the latest arrival on ties.
+    /// last `protect_steps` steps (all candidates when every one was), the latest arrival on ties.
+    /// Candidates hold a slot or are rows of the plan being launched.
     fn choose_victim(&self) -> Option<usize> {
         let protect = self.config.protect_steps;
         let step = self.step_no;
@@ -924,11 +925,13 @@ where
                 .resumed_at
                 .is_some_and(|at| step < at.saturating_add(protect))
         };
+        // A sequence that holds nothing yet frees nothing, unless it is part of the plan that
+        // found the pool dry (then dropping it lowers what the plan needs).
         let live = || {
             self.running
                 .iter()
                 .enumerate()
-                .filter(|(_, a)| a.req.end.is_none())
+                .filter(|(_, a)| a.req.end.is_none() && (a.in_plan || a.seq.slot().is_some()))
         };
         let all_protected = live().all(|(_, a)| is_protected(a));
         live()
@@ -947,6 +950,11 @@ where
             "preempting on KV exhaustion"
         );
         let seq = match &mut self.spill {
+            // A sequence that never got a slot holds nothing worth an image.
+            Some(_) if seq.slot().is_none() => {
+                self.recompute(seq, req);
+                return;
+            }
             Some(store) => {
                 let router = &self.router;
                 let saved = store.save(req.id, |writer| {

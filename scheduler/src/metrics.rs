@@ -31,7 +31,8 @@ pub struct Metrics {
     pub spills: u64,
     /// Spilled sequences restored.
     pub restores: u64,
-    /// Preemptions (or failed spills/restores) that released the sequence for recompute.
+    /// Preemptions that released the sequence for recompute (including failed spills or restores,
+    /// and sequences requeued before they held anything).
     pub recomputes: u64,
     /// Spills or restores that failed and fell back to recompute.
     pub spill_fallbacks: u64,
