@@ -319,6 +319,9 @@ impl PlanKind {
 }
 
 /// The engine over router `D`; see the module docs for what a step does.
+///
+/// End it with [`Engine::shutdown`]: dropping it instead drops the router without `teardown`
+/// and cuts every request's stream ([`ServeError::EngineStopped`] on the handles).
 pub struct Engine<D: DeviceIo> {
     router: Box<D>,
     config: EngineConfig,
@@ -356,29 +359,31 @@ where
 {
     /// An engine over `router` (idle, nothing queued).
     pub fn new(router: D, config: EngineConfig) -> Result<Self, EngineError> {
-        let rules: [(&'static str, usize, bool, &'static str); 3] = [
-            (
-                "max_running",
-                config.max_running,
-                config.max_running >= 1,
-                "max_running >= 1",
-            ),
-            (
-                "max_prefill_chunk",
-                config.max_prefill_chunk,
-                config.max_prefill_chunk >= 1,
-                "max_prefill_chunk >= 1",
-            ),
-            (
-                "max_step_tokens",
-                config.max_step_tokens,
-                config.max_step_tokens > config.max_running,
-                "max_step_tokens > max_running",
-            ),
-        ];
-        if let Some((field, value, _, rule)) = rules.into_iter().find(|rule| !rule.2) {
-            return Err(EngineError::Config { field, value, rule });
-        }
+        let check = |ok: bool, field: &'static str, value: usize, rule: &'static str| {
+            if ok {
+                Ok(())
+            } else {
+                Err(EngineError::Config { field, value, rule })
+            }
+        };
+        check(
+            config.max_running >= 1,
+            "max_running",
+            config.max_running,
+            "max_running >= 1",
+        )?;
+        check(
+            config.max_prefill_chunk >= 1,
+            "max_prefill_chunk",
+            config.max_prefill_chunk,
+            "max_prefill_chunk >= 1",
+        )?;
+        check(
+            config.max_step_tokens > config.max_running,
+            "max_step_tokens",
+            config.max_step_tokens,
+            "max_step_tokens > max_running",
+        )?;
         let spill = match &config.preemption {
             Preemption::Recompute => None,
             Preemption::Spill(target) => {
@@ -884,10 +889,11 @@ where
     }
 
     /// After a launch found the pool or the slots dry: preempts a victim and answers `true` to
-    /// relaunch, or, when no other live sequence is left to preempt, fails the plan's rows.
+    /// relaunch, or, when the plan's rows are all that is left to preempt, fails them.
     fn make_room(&mut self, kind: PlanKind, err: DeviceError) -> bool {
         let live = self.running.iter().filter(|a| a.req.end.is_none()).count();
-        if live <= 1 {
+        let victim = if live > 1 { self.choose_victim() } else { None };
+        let Some(victim) = victim else {
             tracing::warn!(plan = kind.name(), %err, "a sequence cannot fit even alone");
             self.fail_plan_rows(|| match &err {
                 DeviceError::KvExhausted { needed, free } => ServeError::CannotFit {
@@ -899,9 +905,6 @@ where
                     source: other.clone(),
                 },
             });
-            return false;
-        }
-        let Some(victim) = self.choose_victim() else {
             return false;
         };
         self.preempt(victim);

@@ -9,7 +9,7 @@ use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
 use scheduler::workload::{GenOptions, Workload};
 use scheduler::{
-    Completion, Engine, EngineConfig, EngineThread, Event, FinishReason, Preemption,
+    Completion, Engine, EngineConfig, EngineError, EngineThread, Event, FinishReason, Preemption,
     RandomSampling, Request, RequestError, RequestHandle, Sampling, ServeError, ShutdownMode,
     SpillTarget,
 };
@@ -654,4 +654,54 @@ fn replay_skips_turns_without_output_and_reports_refused_ones() {
     );
     let report = &result.report;
     assert_eq!((report.completed, report.skipped, report.failed), (1, 1, 1));
+}
+
+#[test]
+fn the_victim_is_the_request_with_the_fewest_generated_tokens() {
+    // 10 blocks of 4; each request grows to 4 + 20 - 1 = 23 positions (6 blocks): both cannot
+    // stay resident to the end.
+    let mut engine = engine(10, 4, config());
+    let a = engine.submit(Request::greedy(prompt(4, 0), 20)).unwrap();
+    for _ in 0..3 {
+        engine.step();
+    }
+    let b = engine.submit(Request::greedy(prompt(4, 1), 20)).unwrap();
+    let (ida, idb) = (a.id(), b.id());
+    engine.run_until_idle();
+    let (a, b) = (done(a), done(b));
+    assert_eq!(a.tokens, expected(&engine, ida, 4, 20));
+    assert_eq!(b.tokens, expected(&engine, idb, 4, 20));
+    assert_eq!(a.usage.preemptions, 0);
+    assert!(b.usage.preemptions >= 1);
+    assert_eq!(engine.router().facts(), initial_facts(&engine));
+}
+
+#[test]
+fn engine_config_rules_are_checked() {
+    let bad = EngineConfig {
+        max_running: 8,
+        max_step_tokens: 8,
+        ..config()
+    };
+    match Engine::new(router(16, 4), bad) {
+        Err(EngineError::Config { field, value, rule }) => {
+            assert_eq!(
+                (field, value, rule),
+                ("max_step_tokens", 8, "max_step_tokens > max_running")
+            );
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    let zero = EngineConfig {
+        max_prefill_chunk: 0,
+        ..config()
+    };
+    assert!(matches!(
+        Engine::new(router(16, 4), zero),
+        Err(EngineError::Config {
+            field: "max_prefill_chunk",
+            value: 0,
+            ..
+        })
+    ));
 }
