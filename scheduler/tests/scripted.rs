@@ -3,8 +3,11 @@
 //! the threaded client. Tokens are the scripted router's deterministic function of (id, position),
 //! so every expected output is exact.
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
-use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
+use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::{
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Phase, StepPlan,
+    StepResult, Ticket,
+};
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
 use scheduler::workload::{GenOptions, Workload};
@@ -536,6 +539,53 @@ fn shutdown_effects_come_last_in_order() {
     );
 }
 
+/// A router that waits for a permit before each launch, so a test can hold the engine thread
+/// between steps.
+#[derive(Debug)]
+struct Gated {
+    inner: ScriptedRouter,
+    permits: crossbeam_channel::Receiver<()>,
+}
+
+impl DeviceIo for Gated {
+    type Seq = ScriptedSeq;
+    type Ptr = u64;
+    type Model = ScriptedConfig;
+    type LoraCmd = LoraCommand;
+    type LoraAck = ();
+
+    fn model(&self) -> &ScriptedConfig {
+        self.inner.model()
+    }
+    fn facts(&self) -> DeviceFacts {
+        self.inner.facts()
+    }
+    fn max_depth(&self) -> usize {
+        1
+    }
+    fn launch(
+        &self,
+        plan: StepPlan<'_>,
+        rows: &mut [&mut ScriptedSeq],
+    ) -> Result<Ticket, DeviceError> {
+        // A closed gate (sender dropped) lets every launch through.
+        let _ = self.permits.recv();
+        self.inner.launch(plan, rows)
+    }
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
+        self.inner.await_result(ticket)
+    }
+    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
+        self.inner.apply(effect)
+    }
+    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+        self.inner.lora(cmd)
+    }
+    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
+        Box::new(self.inner).teardown()
+    }
+}
+
 #[test]
 fn the_engine_thread_serves_clients_on_other_threads() {
     let engine = engine(64, 8, config());
@@ -555,18 +605,36 @@ fn the_engine_thread_serves_clients_on_other_threads() {
         assert_eq!(worker.join().unwrap(), 4);
     }
     let client = thread.client();
-    let long = client.submit(Request::greedy(prompt(4, 9), 60)).unwrap();
-    long.cancel();
-    let end = long.wait().unwrap();
-    assert!(end.tokens.len() < 60);
-    assert_eq!(end.reason, FinishReason::Cancelled);
     let metrics = thread.shutdown(ShutdownMode::Drain).unwrap();
     assert_eq!(metrics.finished, 4);
-    assert_eq!(metrics.cancelled, 1);
     assert_eq!(
         client.submit(Request::greedy(vec![1], 1)).unwrap_err(),
         RequestError::EngineStopped
     );
+}
+
+#[test]
+fn a_cancel_reaches_the_engine_thread_within_a_step() {
+    let (permits, gate) = crossbeam_channel::unbounded();
+    let router = Gated {
+        inner: router(64, 8),
+        permits: gate,
+    };
+    let thread = EngineThread::spawn(Engine::new(router, config()).unwrap()).unwrap();
+    let handle = thread
+        .client()
+        .submit(Request::greedy(prompt(4, 9), 60))
+        .unwrap();
+    permits.send(()).unwrap(); // the prefill step: the first token
+    assert!(matches!(handle.events().recv(), Ok(Event::Token(_))));
+    handle.cancel();
+    // At most the step already waiting at the gate runs before the engine takes the cancel.
+    drop(permits);
+    let end = handle.wait().unwrap();
+    assert_eq!(end.reason, FinishReason::Cancelled);
+    assert!(end.tokens.len() <= 1, "{:?}", end.tokens);
+    let metrics = thread.shutdown(ShutdownMode::Drain).unwrap();
+    assert_eq!(metrics.cancelled, 1);
 }
 
 #[test]
