@@ -225,15 +225,18 @@ fn print_report(title: &str, report: &ReplayReport) {
         report.prefill_tokens_cached,
         100.0 * report.token_hit_rate
     );
-    match &report.cache {
-        Some(cache) => println!(
-            "prefix cache        {} lookups, {} hit tokens, {} Marconi checkpoints held at the end; {} MarconiCheckpoint effects after decode",
-            cache.lookups, cache.hit_tokens, cache.checkpoints_held, report.marconi_checkpoint_effects
-        ),
-        None => println!(
-            "prefix cache        {} MarconiCheckpoint effects after decode",
-            report.marconi_checkpoint_effects
-        ),
+    println!(
+        "cache hits          {} requests served partly from cache (each restored a Marconi checkpoint on a hybrid model); {} MarconiCheckpoint effects after decode",
+        report.prefix_hits, report.marconi_checkpoint_effects
+    );
+    if let Some(cache) = &report.cache {
+        let alpha = cache
+            .marconi_alpha
+            .map_or("off (LRU)".to_string(), |a| format!("{a:.2}"));
+        println!(
+            "router cache        {} lookups, {} hit tokens, {} checkpoints held at the end, alpha {alpha}",
+            cache.lookups, cache.hit_tokens, cache.checkpoints_held
+        );
     }
     println!(
         "TTFT                p50 {:.1} ms, p95 {:.1} ms",

@@ -172,6 +172,7 @@ mod cpu {
             lookups: stats.lookups,
             hit_tokens: stats.hit_tokens,
             checkpoints_held: stats.checkpoints,
+            marconi_alpha: stats.alpha,
         })
     }
 

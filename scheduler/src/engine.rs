@@ -871,6 +871,7 @@ where
                 };
                 req.cached_tokens += report.cached;
                 metrics.prefill_tokens_cached += report.cached as u64;
+                metrics.prefix_hits += u64::from(report.cached > 0);
                 metrics.prefill_tokens_computed += report.computed as u64;
                 computed_total += report.computed;
                 if !report.done {

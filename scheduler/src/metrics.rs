@@ -15,6 +15,9 @@ pub struct Metrics {
     pub prefill_tokens_computed: u64,
     /// Prompt tokens the router served from the prefix cache.
     pub prefill_tokens_cached: u64,
+    /// First prefill chunks that were served (partly) from the prefix cache; on a hybrid model
+    /// each one restored a Marconi SSM checkpoint.
+    pub prefix_hits: u64,
     /// Tokens generated (delivered to streams).
     pub generated_tokens: u64,
     /// Requests admitted for the first time.
@@ -55,6 +58,7 @@ impl Metrics {
             decode_launches: self.decode_launches - earlier.decode_launches,
             prefill_tokens_computed: self.prefill_tokens_computed - earlier.prefill_tokens_computed,
             prefill_tokens_cached: self.prefill_tokens_cached - earlier.prefill_tokens_cached,
+            prefix_hits: self.prefix_hits - earlier.prefix_hits,
             generated_tokens: self.generated_tokens - earlier.generated_tokens,
             admitted: self.admitted - earlier.admitted,
             finished: self.finished - earlier.finished,

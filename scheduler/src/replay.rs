@@ -57,7 +57,7 @@ pub enum TurnOutcome {
 }
 
 /// Counters the router keeps about its caches, when the backend can read them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct CacheStats {
     /// Prefix-cache lookups (one per first prefill chunk).
     pub lookups: u64,
@@ -65,6 +65,8 @@ pub struct CacheStats {
     pub hit_tokens: u64,
     /// SSM checkpoints the Marconi store holds at the end of the run.
     pub checkpoints_held: u64,
+    /// The Marconi eviction weight α in use at the end (`None` without the Marconi policy).
+    pub marconi_alpha: Option<f64>,
 }
 
 /// The replay's report (the `--json` output of the `replay` example).
@@ -90,6 +92,9 @@ pub struct ReplayReport {
     pub prefill_tokens_cached: u64,
     /// `cached / (cached + computed)`.
     pub token_hit_rate: f64,
+    /// Requests (first prefill chunks) served partly from the cache; on a hybrid model each
+    /// restored a Marconi checkpoint.
+    pub prefix_hits: u64,
     /// `MarconiCheckpoint` effects the engine applied after decode steps.
     pub marconi_checkpoint_effects: u64,
     /// The router's own cache counters, when known.
@@ -293,6 +298,7 @@ fn summarize(
         } else {
             metrics.prefill_tokens_cached as f64 / prefill as f64
         },
+        prefix_hits: metrics.prefix_hits,
         marconi_checkpoint_effects: metrics.marconi_checkpoints,
         cache: None,
         ttft_p50_ms: percentile_ms(&mut ttft, 50),
