@@ -177,7 +177,8 @@ impl Tracked {
     pub(crate) fn new(id: u64, request: Request, events: Sender<Event>) -> Self {
         let prompt_len = request.prompt.len();
         let mut tokens = request.prompt;
-        tokens.reserve(request.max_tokens);
+        // Room for the usual output; a very long one grows the vector as it goes.
+        tokens.reserve(request.max_tokens.min(4096));
         Tracked {
             id,
             tokens,
