@@ -333,6 +333,9 @@ pub struct Engine<D: DeviceIo> {
     command_tx: Sender<Command>,
     next_id: Arc<AtomicU64>,
     spill: Option<SpillStore>,
+    /// Sequences whose release failed twice; released again every step until the router takes
+    /// them (they belong to no request any more).
+    orphans: Vec<D::Seq>,
     step_no: u64,
     metrics: Metrics,
     shutdown_requested: Option<ShutdownMode>,
@@ -409,6 +412,7 @@ where
             command_tx,
             next_id: Arc::new(AtomicU64::new(1)),
             spill,
+            orphans: Vec::new(),
             step_no: 0,
             metrics: Metrics::default(),
             shutdown_requested: None,
@@ -532,6 +536,9 @@ where
             }
             report.ended += self.retire_ended();
         }
+        if !self.orphans.is_empty() {
+            self.release_orphans();
+        }
         report
     }
 
@@ -557,6 +564,7 @@ where
             active.req.end = Some(End::Fail(ServeError::Shutdown));
         }
         self.retire_ended();
+        self.release_orphans();
         let mut first_error = None;
         if let Err(source) = self.router.apply(Effect::EpShutdown) {
             first_error.get_or_insert(EngineError::Shutdown {
@@ -988,11 +996,11 @@ where
                 return;
             }
         };
-        let Some(mut seq) = seq else { return };
+        let Some(seq) = seq else { return };
         // The image holds everything the sequence needs; offering its blocks to the cache too
         // would only compete with other entries.
-        match self.release(&mut seq, false, "preempt") {
-            Ok(()) => {
+        match self.release(seq, false, "preempt") {
+            Ok(seq) => {
                 self.metrics.spills += 1;
                 self.waiting.push_front(Waiting {
                     req,
@@ -1012,9 +1020,9 @@ where
         }
     }
 
-    fn recompute(&mut self, mut seq: D::Seq, mut req: Tracked) {
-        match self.release(&mut seq, true, "preempt") {
-            Ok(()) => {
+    fn recompute(&mut self, seq: D::Seq, mut req: Tracked) {
+        match self.release(seq, true, "preempt") {
+            Ok(_) => {
                 self.metrics.recomputes += 1;
                 self.waiting.push_front(Waiting { req, spilled: None });
             }
@@ -1028,29 +1036,50 @@ where
         }
     }
 
-    /// Releases `seq`. When that fails (the router changed nothing), tries once more without
-    /// caching; if that fails too the sequence's resources stay with the router (counted in
-    /// [`Metrics::leaked_sequences`]). Answers the first error.
+    /// Releases `seq` and hands it back (holding nothing). When that fails (the router changed
+    /// nothing), tries once more without caching; if that fails too the sequence becomes an
+    /// orphan, released again at every later step and before teardown. Answers the first error.
     fn release(
         &mut self,
-        seq: &mut D::Seq,
+        mut seq: D::Seq,
         cache: bool,
         what: &'static str,
-    ) -> Result<(), DeviceError> {
-        let err = match self.router.apply(Effect::ReleaseSeq { seq, cache, what }) {
-            Ok(_) => return Ok(()),
+    ) -> Result<D::Seq, DeviceError> {
+        let err = match self.router.apply(Effect::ReleaseSeq {
+            seq: &mut seq,
+            cache,
+            what,
+        }) {
+            Ok(_) => return Ok(seq),
             Err(err) => err,
         };
         tracing::warn!(id = seq.id(), %err, "release failed; retrying without caching");
         if let Err(again) = self.router.apply(Effect::ReleaseSeq {
-            seq,
+            seq: &mut seq,
             cache: false,
             what: "fault",
         }) {
-            tracing::error!(id = seq.id(), err = %again, "release failed twice; the router keeps its resources");
-            self.metrics.leaked_sequences += 1;
+            tracing::error!(id = seq.id(), err = %again, "release failed twice; retrying every step");
+            self.metrics.orphaned_sequences += 1;
+            self.orphans.push(seq);
         }
         Err(err)
+    }
+
+    /// Retries the release of every orphan (sequences whose release failed twice).
+    fn release_orphans(&mut self) {
+        let Engine {
+            router, orphans, ..
+        } = self;
+        orphans.retain_mut(|seq| {
+            router
+                .apply(Effect::ReleaseSeq {
+                    seq,
+                    cache: false,
+                    what: "fault",
+                })
+                .is_err()
+        });
     }
 
     fn checkpoints(&mut self) {
@@ -1086,9 +1115,7 @@ where
                 index += 1;
                 continue;
             }
-            let Active {
-                mut seq, mut req, ..
-            } = self.running.remove(index);
+            let Active { seq, mut req, .. } = self.running.remove(index);
             ended += 1;
             let Some(end) = req.end.take() else {
                 continue;
@@ -1100,8 +1127,8 @@ where
                     } else {
                         "finish"
                     };
-                    match self.release(&mut seq, true, what) {
-                        Ok(()) => {
+                    match self.release(seq, true, what) {
+                        Ok(_) => {
                             if reason == FinishReason::Cancelled {
                                 self.metrics.cancelled += 1;
                             } else {
@@ -1126,7 +1153,7 @@ where
                     };
                     // A failed row may be in an unspecified state: never cache it. The request
                     // fails with its own error whatever the release answers.
-                    let _ = self.release(&mut seq, false, what);
+                    let _ = self.release(seq, false, what);
                     self.metrics.failed += 1;
                     req.send_final(End::Fail(err));
                 }

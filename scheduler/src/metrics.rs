@@ -45,8 +45,9 @@ pub struct Metrics {
     pub marconi_checkpoints: u64,
     /// `MarconiCheckpoint` effects the router refused (the request continues; only caching loses).
     pub marconi_checkpoint_failures: u64,
-    /// Sequences whose release failed twice; their resources stay with the router until teardown.
-    pub leaked_sequences: u64,
+    /// Sequences whose release failed twice; the engine retries it every step (and before
+    /// teardown) until the router takes them back.
+    pub orphaned_sequences: u64,
 }
 
 impl Metrics {
@@ -73,7 +74,7 @@ impl Metrics {
             marconi_checkpoints: self.marconi_checkpoints - earlier.marconi_checkpoints,
             marconi_checkpoint_failures: self.marconi_checkpoint_failures
                 - earlier.marconi_checkpoint_failures,
-            leaked_sequences: self.leaked_sequences - earlier.leaked_sequences,
+            orphaned_sequences: self.orphaned_sequences - earlier.orphaned_sequences,
         }
     }
 }
