@@ -14,7 +14,9 @@
 //!    token budget (`max_step_tokens` minus the decode rows) and `max_prefill_chunk` per row.
 //! 5. `MarconiCheckpoint` for every sequence that [`Sequence::checkpoint_due`].
 //! 6. Ended requests are released (`ReleaseSeq { cache: true }` when finished or cancelled,
-//!    `cache: false` when failed) and their final event is sent.
+//!    `cache: false` when failed) and their final event is sent. A release the router refuses is
+//!    retried without caching; if that fails too, the sequence becomes an *orphan* that is
+//!    released again at every later step and before teardown.
 //! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders) move
 //!    down with `CompactSlot`, so live sequences occupy slots `0..n`.
 //!
@@ -29,7 +31,8 @@
 //! - A request is in exactly one of `waiting` and `running`, or has ended and been sent its
 //!   final event (and is in neither).
 //! - Every sequence in `running` may hold router resources; a sequence in `waiting` holds none
-//!   (it was released, or never launched).
+//!   (it was released, or never launched); an orphan holds what the router would not take back
+//!   and belongs to no request.
 //! - `Tracked::end` is `None` for every request in `waiting`; in `running` it is set only between
 //!   the moment a request ends and the release at the end of the same step.
 //! - `Tracked::tokens` is the prompt followed by every generated token; a decode row feeds the
@@ -650,7 +653,9 @@ where
 
     fn admit(&mut self) -> usize {
         let facts = self.router.facts();
-        let cap = self.config.max_running.min(facts.live_slots_total);
+        // Orphans still hold their slots until the router takes them back.
+        let slots = facts.live_slots_total.saturating_sub(self.orphans.len());
+        let cap = self.config.max_running.min(slots);
         let mut available =
             (facts.kv_blocks_free + facts.kv_blocks_cached).saturating_sub(self.committed_blocks());
         let mut admitted = 0;
