@@ -8,6 +8,7 @@
 //! The replay is as fast as the engine goes: arrival times order the turns but do not pace them.
 //! Driving [`Engine::step`] on the caller's thread keeps a replay deterministic.
 
+use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use device_io::{DeviceIo, Sequence};
@@ -168,48 +169,45 @@ where
     let before = *engine.metrics();
     let turns = &workload.turns;
     let sessions = turns.iter().map(|t| t.session + 1).max().unwrap_or(0) as usize;
-    let mut session_busy = vec![false; sessions];
+    // Each session's turns in arrival order; `ready` holds each idle session's next turn, so the
+    // earliest ready turn (by index, i.e. arrival) is always `ready.first()`.
+    let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); sessions];
+    for (index, turn) in turns.iter().enumerate() {
+        queues[turn.session as usize].push_back(index);
+    }
+    let mut ready: BTreeSet<usize> = queues.iter_mut().filter_map(VecDeque::pop_front).collect();
     let mut outcomes: Vec<Option<TurnOutcome>> = vec![None; turns.len()];
-    let mut pending: Vec<usize> = (0..turns.len()).collect();
     let mut in_flight: Vec<InFlight> = Vec::new();
     let max_in_flight = options.max_in_flight.max(1);
     loop {
-        // Submit ready turns in arrival order: a session's earliest pending turn, once its
-        // previous turn ended.
-        let mut index = 0;
-        while in_flight.len() < max_in_flight && index < pending.len() {
-            let turn_index = pending[index];
+        while in_flight.len() < max_in_flight {
+            let Some(turn_index) = ready.pop_first() else {
+                break;
+            };
             let turn = &turns[turn_index];
-            let session = turn.session as usize;
-            if session_busy[session] {
-                index += 1;
-                continue;
-            }
-            pending.remove(index);
-            if turn.output.is_empty() {
-                outcomes[turn_index] = Some(TurnOutcome::Skipped);
-                on_turn(turn_index, &TurnOutcome::Skipped);
-                continue;
-            }
-            let request = Request::forced(turn.input.clone(), turn.output.clone())
-                .with_logits_digest(options.digests);
-            match engine.submit(request) {
-                Ok(handle) => {
-                    session_busy[session] = true;
-                    in_flight.push(InFlight {
-                        turn: turn_index,
-                        handle,
-                        tokens: Vec::with_capacity(turn.output.len()),
-                    });
+            let outcome = if turn.output.is_empty() {
+                TurnOutcome::Skipped
+            } else {
+                let request = Request::forced(turn.input.clone(), turn.output.clone())
+                    .with_logits_digest(options.digests);
+                match engine.submit(request) {
+                    Ok(handle) => {
+                        in_flight.push(InFlight {
+                            turn: turn_index,
+                            handle,
+                            tokens: Vec::with_capacity(turn.output.len()),
+                        });
+                        continue;
+                    }
+                    Err(err) => TurnOutcome::Failed(err.to_string()),
                 }
-                Err(err) => {
-                    let outcome = TurnOutcome::Failed(err.to_string());
-                    on_turn(turn_index, &outcome);
-                    outcomes[turn_index] = Some(outcome);
-                }
-            }
+            };
+            // Not submitted: the session's next turn is ready at once.
+            on_turn(turn_index, &outcome);
+            outcomes[turn_index] = Some(outcome);
+            ready.extend(queues[turn.session as usize].pop_front());
         }
-        if in_flight.is_empty() && pending.is_empty() {
+        if in_flight.is_empty() {
             break;
         }
         engine.step();
@@ -237,7 +235,7 @@ where
             match outcome {
                 Some(outcome) => {
                     let flight = in_flight.remove(index);
-                    session_busy[turns[flight.turn].session as usize] = false;
+                    ready.extend(queues[turns[flight.turn].session as usize].pop_front());
                     on_turn(flight.turn, &outcome);
                     outcomes[flight.turn] = Some(outcome);
                 }
