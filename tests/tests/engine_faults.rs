@@ -1,0 +1,381 @@
+//! Fault injection end to end: a wrapper router injects launch failures, effect failures and KV
+//! exhaustion into the host router under the engine. In every scenario exactly the requests the
+//! fault hit fail (or, for KV exhaustion, are preempted and still complete), every other request
+//! produces the same tokens and logits digest as a fault-free run, and afterwards every KV block
+//! and live slot is free again.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+use device_cpu::{CpuRouter, CpuRouterConfig};
+use device_io::{
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Phase, Sequence, StepPlan,
+    StepResult, Ticket,
+};
+use model::{Config, Model};
+use scheduler::{
+    Completion, Engine, EngineConfig, Preemption, Request, ServeError, ShutdownMode, SpillTarget,
+};
+
+/// When to inject a fault. Launch and effect counts start at 1.
+#[derive(Debug, Clone)]
+enum Trigger {
+    /// The `nth` launch fails with this error.
+    Launch(usize, DeviceError),
+    /// Every launch whose rows include this request fails with this error.
+    LaunchWith(u64, DeviceError),
+    /// The `nth` effect of this name fails with this error.
+    Effect(&'static str, usize, DeviceError),
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    triggers: Vec<Trigger>,
+    launches: usize,
+    effects: Vec<(&'static str, usize)>,
+    /// The request ids each injected fault hit.
+    hit: BTreeSet<u64>,
+    injected: usize,
+}
+
+/// A router that forwards to `inner` except where a trigger fires; then it answers the error and
+/// changes nothing.
+#[derive(Debug)]
+struct Faulty<D> {
+    inner: D,
+    faults: Mutex<Faults>,
+}
+
+impl<D: DeviceIo> Faulty<D>
+where
+    D::Seq: Sequence,
+{
+    fn new(inner: D, triggers: Vec<Trigger>) -> Self {
+        Faulty {
+            inner,
+            faults: Mutex::new(Faults {
+                triggers,
+                ..Faults::default()
+            }),
+        }
+    }
+
+    fn hit(&self) -> BTreeSet<u64> {
+        self.faults.lock().unwrap().hit.clone()
+    }
+
+    fn injected(&self) -> usize {
+        self.faults.lock().unwrap().injected
+    }
+}
+
+fn effect_seq_id<S: Sequence, P>(effect: &Effect<'_, S, P>) -> Option<u64> {
+    match effect {
+        Effect::ReleaseSeq { seq, .. }
+        | Effect::CompactSlot { seq, .. }
+        | Effect::DetachSlot { seq }
+        | Effect::RestoreSequenceState { seq, .. }
+        | Effect::MarconiCheckpoint { seq }
+        | Effect::ReserveKv { seq }
+        | Effect::Rollback { seq } => Some(seq.id()),
+        Effect::SaveSequenceState { seq, .. }
+        | Effect::SsmSnapshotSave { seq, .. }
+        | Effect::SsmSnapshotRestore { seq, .. } => Some(seq.id()),
+        _ => None,
+    }
+}
+
+impl<D: DeviceIo> DeviceIo for Faulty<D>
+where
+    D::Seq: Sequence,
+{
+    type Seq = D::Seq;
+    type Ptr = D::Ptr;
+    type Model = D::Model;
+    type LoraCmd = D::LoraCmd;
+    type LoraAck = D::LoraAck;
+
+    fn model(&self) -> &D::Model {
+        self.inner.model()
+    }
+
+    fn facts(&self) -> DeviceFacts {
+        self.inner.facts()
+    }
+
+    fn max_depth(&self) -> usize {
+        self.inner.max_depth()
+    }
+
+    fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut D::Seq]) -> Result<Ticket, DeviceError> {
+        {
+            let mut faults = self.faults.lock().unwrap();
+            faults.launches += 1;
+            let n = faults.launches;
+            let fired = faults.triggers.iter().find_map(|trigger| match trigger {
+                Trigger::Launch(nth, err) if *nth == n => Some(err.clone()),
+                Trigger::LaunchWith(id, err) if rows.iter().any(|seq| seq.id() == *id) => {
+                    Some(err.clone())
+                }
+                _ => None,
+            });
+            if let Some(err) = fired {
+                let ids: Vec<u64> = rows.iter().map(|seq| seq.id()).collect();
+                faults.hit.extend(ids);
+                faults.injected += 1;
+                return Err(err);
+            }
+        }
+        self.inner.launch(plan, rows)
+    }
+
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<D::Ptr>, DeviceError> {
+        self.inner.await_result(ticket)
+    }
+
+    fn apply(&self, effect: Effect<'_, D::Seq, D::Ptr>) -> Result<EffectOutcome, DeviceError> {
+        {
+            let mut faults = self.faults.lock().unwrap();
+            let name = effect.name();
+            let count = match faults.effects.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, count)) => {
+                    *count += 1;
+                    *count
+                }
+                None => {
+                    faults.effects.push((name, 1));
+                    1
+                }
+            };
+            let fired = faults.triggers.iter().find_map(|trigger| match trigger {
+                Trigger::Effect(n, nth, err) if *n == name && *nth == count => Some(err.clone()),
+                _ => None,
+            });
+            if let Some(err) = fired {
+                faults.hit.extend(effect_seq_id(&effect));
+                faults.injected += 1;
+                return Err(err);
+            }
+        }
+        self.inner.apply(effect)
+    }
+
+    fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, String> {
+        self.inner.lora(cmd)
+    }
+
+    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
+        Box::new(self.inner).teardown()
+    }
+}
+
+fn failed(phase: Phase) -> DeviceError {
+    DeviceError::Failed {
+        phase,
+        message: "injected".into(),
+    }
+}
+
+/// Six greedy requests with digests: prompts of 16..=56 tokens, 24..=44 new tokens each (so
+/// decoding, not only admission, needs blocks).
+fn requests() -> Vec<Request> {
+    (0..6u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..16 + 8 * i).map(|t| (t * 7 + i * 31) % 256).collect();
+            Request::greedy(prompt, 24 + 4 * i as usize).with_logits_digest(true)
+        })
+        .collect()
+}
+
+struct Run {
+    /// By submission order: the request id and its outcome.
+    outcomes: Vec<(u64, Result<Completion, ServeError>)>,
+    hit: BTreeSet<u64>,
+    injected: usize,
+    initial: DeviceFacts,
+    after: DeviceFacts,
+    preemptions: u64,
+    spills: u64,
+    restores: u64,
+    spill_fallbacks: u64,
+}
+
+fn run(model: &Model, num_blocks: usize, preemption: Preemption, triggers: Vec<Trigger>) -> Run {
+    let mut config = CpuRouterConfig::new(num_blocks, 4);
+    config.max_context = 112;
+    config.prefix_cache = false;
+    config.marconi = false;
+    let router = Faulty::new(CpuRouter::new(model.clone(), config).unwrap(), triggers);
+    let initial = router.facts();
+    let engine_config = EngineConfig {
+        max_running: 4,
+        max_step_tokens: 48,
+        max_prefill_chunk: 32,
+        preemption,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(router, engine_config).unwrap();
+    let handles: Vec<_> = requests()
+        .into_iter()
+        .map(|request| engine.submit(request).unwrap())
+        .collect();
+    engine.run_until_idle();
+    let outcomes = handles.into_iter().map(|h| (h.id(), h.wait())).collect();
+    let run = Run {
+        outcomes,
+        hit: engine.router().hit(),
+        injected: engine.router().injected(),
+        initial,
+        after: engine.router().facts(),
+        preemptions: engine.metrics().preemptions,
+        spills: engine.metrics().spills,
+        restores: engine.metrics().restores,
+        spill_fallbacks: engine.metrics().spill_fallbacks,
+    };
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+    run
+}
+
+/// Checks a faulty run against the fault-free one: the hit requests failed as `expect_failure`
+/// says, every other one is identical, and the router's resources are all free again.
+fn check(name: &str, baseline: &Run, faulty: &Run, expect_failure: impl Fn(&ServeError) -> bool) {
+    assert!(faulty.injected > 0, "{name}: the fault never fired");
+    assert!(!faulty.hit.is_empty(), "{name}: the fault hit no request");
+    for ((id, base), (faulty_id, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+        assert_eq!(id, faulty_id);
+        let base = base.as_ref().unwrap();
+        if faulty.hit.contains(id) {
+            match outcome {
+                Err(err) => assert!(expect_failure(err), "{name}: request {id}: {err}"),
+                Ok(_) => panic!("{name}: request {id} was hit but completed"),
+            }
+        } else {
+            assert_eq!(outcome.as_ref().unwrap(), base, "{name}: request {id}");
+        }
+    }
+    assert_eq!(
+        faulty.after, faulty.initial,
+        "{name}: resources not all free"
+    );
+}
+
+/// What a hit request's error must look like.
+type Expectation = Box<dyn Fn(&ServeError) -> bool>;
+
+fn strip_times(mut run: Run) -> Run {
+    // Times differ between runs; everything else must not.
+    for (_, outcome) in &mut run.outcomes {
+        if let Ok(done) = outcome {
+            done.usage.queue_time = Default::default();
+            done.usage.time_to_first_token = None;
+            done.usage.time_per_output_token = None;
+            done.usage.preemptions = 0;
+        }
+    }
+    run
+}
+
+#[test]
+fn each_fault_fails_only_the_requests_it_hit() {
+    let model = Model::random(Config::tiny_demo(), 3).unwrap();
+    let roomy = 64;
+    let baseline = strip_times(run(&model, roomy, Preemption::Recompute, vec![]));
+    assert!(baseline.outcomes.iter().all(|(_, o)| o.is_ok()));
+    assert_eq!(baseline.after, baseline.initial);
+
+    let device = |during: &'static str| move |err: &ServeError| matches!(err, ServeError::Device { during: d, .. } if *d == during);
+    let scenarios: Vec<(&str, Vec<Trigger>, Expectation)> = vec![
+        (
+            "the 2nd launch fails in the forward pass",
+            vec![Trigger::Launch(2, failed(Phase::Forward))],
+            Box::new(|err: &ServeError| matches!(err, ServeError::Device { .. })),
+        ),
+        (
+            "the 7th launch loses the device",
+            vec![Trigger::Launch(
+                7,
+                DeviceError::DeviceLost("injected".into()),
+            )],
+            Box::new(|err: &ServeError| matches!(err, ServeError::Device { .. })),
+        ),
+        (
+            "the first release of a finished request fails",
+            vec![Trigger::Effect("ReleaseSeq", 1, failed(Phase::Effect))],
+            Box::new(device("ReleaseSeq")),
+        ),
+        (
+            "the first compaction fails",
+            vec![Trigger::Effect("CompactSlot", 1, failed(Phase::Effect))],
+            Box::new(device("CompactSlot")),
+        ),
+    ];
+    for (name, triggers, expect) in scenarios {
+        let faulty = strip_times(run(&model, roomy, Preemption::Recompute, triggers));
+        check(name, &baseline, &faulty, expect);
+    }
+}
+
+#[test]
+fn kv_exhaustion_preempts_instead_of_failing_unless_a_request_cannot_fit_alone() {
+    let model = Model::random(Config::tiny_demo(), 3).unwrap();
+    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![]));
+    let exhausted = DeviceError::KvExhausted { needed: 1, free: 0 };
+
+    // A dry pool on the 3rd launch: the engine preempts a victim and relaunches; nobody fails.
+    let faulty = strip_times(run(
+        &model,
+        64,
+        Preemption::Recompute,
+        vec![Trigger::Launch(3, exhausted.clone())],
+    ));
+    assert_eq!(faulty.injected, 1);
+    assert!(faulty.preemptions >= 1);
+    for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+        assert_eq!(outcome, base);
+    }
+    assert_eq!(faulty.after, faulty.initial);
+
+    // Request 3 never fits: it is preempted-around until it is alone, then fails; the others
+    // are untouched.
+    let faulty = strip_times(run(
+        &model,
+        64,
+        Preemption::Recompute,
+        vec![Trigger::LaunchWith(3, exhausted)],
+    ));
+    for ((id, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+        if *id == 3 {
+            assert_eq!(outcome, &Err(ServeError::CannotFit { needed: 1, free: 0 }));
+        } else {
+            assert_eq!(outcome, base, "request {id}");
+        }
+    }
+    assert_eq!(faulty.after, faulty.initial);
+}
+
+#[test]
+fn a_real_dry_pool_and_a_failed_spill_still_give_identical_outputs() {
+    let model = Model::random(Config::tiny_demo(), 3).unwrap();
+    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![]));
+    // 10 blocks of 16 cannot hold four of these requests at once: real preemption, by spill,
+    // and the first spill's SaveSequenceState fails (the engine recomputes that one instead).
+    let faulty = strip_times(run(
+        &model,
+        10,
+        Preemption::Spill(SpillTarget::Memory),
+        vec![Trigger::Effect(
+            "SaveSequenceState",
+            1,
+            failed(Phase::Effect),
+        )],
+    ));
+    assert_eq!(faulty.injected, 1);
+    assert!(faulty.preemptions >= 2, "{}", faulty.preemptions);
+    assert_eq!(faulty.spill_fallbacks, 1);
+    assert!(faulty.spills >= 1);
+    assert_eq!(faulty.spills, faulty.restores);
+    for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+        assert_eq!(outcome, base);
+    }
+    assert_eq!(faulty.after, faulty.initial);
+}
