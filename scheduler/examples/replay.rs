@@ -17,6 +17,8 @@
 //!   --kv-blocks N         KV blocks of 16 tokens in the pool (default: 48 per running sequence)
 //!   --max-in-flight N     turns in flight at once (default 16)
 //!   --seed N              seed of the built-in workloads and the embedded model (default 0)
+//!   --device D            `cpu` (default) or `cuda` (needs the `cuda` feature; this build has no
+//!                         CUDA router and says so)
 //! ```
 
 use std::path::PathBuf;
@@ -24,7 +26,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use scheduler::backend::{self, BackendOptions};
+use scheduler::backend::{self, BackendOptions, Device};
 use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::Workload;
 use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
@@ -79,12 +81,13 @@ struct Args {
     kv_blocks: Option<usize>,
     max_in_flight: usize,
     seed: u64,
+    device: String,
 }
 
 const USAGE: &str = "usage: replay [--model DIR | --embedded small|mini] \
     [--workload FILE|chat|agentic] [--max-requests N] [--no-prefix-cache] [--no-marconi] \
     [--json FILE] [--verify] [--preempt recompute|spill] [--kv-blocks N] [--max-in-flight N] \
-    [--seed N]";
+    [--seed N] [--device cpu|cuda]";
 
 /// The options, or `None` when help was asked for.
 fn parse_args() -> Result<Option<Args>, String> {
@@ -101,6 +104,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         kv_blocks: None,
         max_in_flight: 16,
         seed: 0,
+        device: "cpu".to_string(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -137,6 +141,7 @@ fn parse_args() -> Result<Option<Args>, String> {
                 args.max_in_flight = n;
             }
             "--seed" => args.seed = number("--seed", value("--seed")?)?,
+            "--device" => args.device = value("--device")?,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown option {other:?} (try --help)")),
         }
@@ -162,6 +167,7 @@ fn run_pass(
         .unwrap_or(48 * max_seqs)
         .max(max_context / block_size);
     let options = BackendOptions {
+        device: device(&args.device)?,
         max_context,
         prefix_cache,
         marconi: args.marconi,
@@ -207,6 +213,17 @@ fn run_pass(
         .shutdown(ShutdownMode::Drain)
         .map_err(|err| format!("shutdown: {err}"))?;
     Ok(replay)
+}
+
+fn device(name: &str) -> Result<Device, String> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        "cuda" => Ok(Device::Cuda),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => Err("--device cuda: this build has no `cuda` feature".to_string()),
+        other => Err(format!("--device {other:?}: expected cpu or cuda")),
+    }
 }
 
 fn print_report(title: &str, report: &ReplayReport) {
