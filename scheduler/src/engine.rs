@@ -682,6 +682,16 @@ where
             let seq = match spilled {
                 Some(seq) => match self.restore(seq, &mut req) {
                     Restored::Yes(seq) => seq,
+                    // With nothing running, waiting cannot help: prefill it again instead (and
+                    // if even that cannot fit, the request fails rather than waits forever).
+                    Restored::Later(_) if self.running.is_empty() => {
+                        if let Some(store) = &mut self.spill {
+                            store.remove(req.id);
+                        }
+                        self.metrics.spill_fallbacks += 1;
+                        self.metrics.recomputes += 1;
+                        D::Seq::create(req.spec())
+                    }
                     Restored::Later(seq) => {
                         self.waiting.push_front(Waiting {
                             req,

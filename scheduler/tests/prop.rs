@@ -2,7 +2,8 @@
 //! steps and injected faults on a small pool. Whatever the interleaving, every request's stream is
 //! tokens then exactly one final event; a request that finished by length produced exactly the
 //! router's tokens (preemption, spill and compaction never change them); a cancelled one produced
-//! a prefix of them; only injected faults fail requests; and the pool and slots end free.
+//! a prefix of them; only injected faults fail requests (an injected dry pool only when the
+//! request was alone); and the pool and slots end free.
 
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
@@ -18,6 +19,8 @@ enum Op {
     Step,
     FailNextLaunch,
     FailNextEffect(&'static str),
+    ExhaustNextLaunch,
+    ExhaustNextRestore,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -33,6 +36,8 @@ fn op() -> impl Strategy<Value = Op> {
             Just("RestoreSequenceState"),
         ]
         .prop_map(Op::FailNextEffect),
+        1 => Just(Op::ExhaustNextLaunch),
+        1 => Just(Op::ExhaustNextRestore),
     ]
 }
 
@@ -47,6 +52,10 @@ fn injected() -> DeviceError {
         phase: Phase::Forward,
         message: "injected".into(),
     }
+}
+
+fn exhausted() -> DeviceError {
+    DeviceError::KvExhausted { needed: 1, free: 0 }
 }
 
 fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseError> {
@@ -102,6 +111,16 @@ fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseEr
             Op::FailNextEffect(name) => {
                 faults += 1;
                 engine.router().inject(FaultAt::Effect(name), injected());
+            }
+            Op::ExhaustNextLaunch => {
+                faults += 1;
+                engine.router().inject(FaultAt::Launch, exhausted());
+            }
+            Op::ExhaustNextRestore => {
+                faults += 1;
+                engine
+                    .router()
+                    .inject(FaultAt::Effect("RestoreSequenceState"), exhausted());
             }
         }
     }
