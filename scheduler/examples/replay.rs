@@ -19,6 +19,8 @@
 //!   --seed N              seed of the built-in workloads and the embedded model (default 0)
 //!   --device D            `cpu` (default) or `cuda` (needs the `cuda` feature; this build has no
 //!                         CUDA router and says so)
+//!   --pace SPEEDUP        hold each turn until its trace arrival time divided by SPEEDUP (default:
+//!                         as fast as possible; a session's next turn always waits for the last)
 //! ```
 
 use std::path::PathBuf;
@@ -82,12 +84,13 @@ struct Args {
     max_in_flight: usize,
     seed: u64,
     device: String,
+    pace: Option<f64>,
 }
 
 const USAGE: &str = "usage: replay [--model DIR | --embedded small|mini] \
     [--workload FILE|chat|agentic] [--max-requests N] [--no-prefix-cache] [--no-marconi] \
     [--json FILE] [--verify] [--preempt recompute|spill] [--kv-blocks N] [--max-in-flight N] \
-    [--seed N] [--device cpu|cuda]";
+    [--seed N] [--device cpu|cuda] [--pace SPEEDUP]";
 
 /// The options, or `None` when help was asked for.
 fn parse_args() -> Result<Option<Args>, String> {
@@ -105,6 +108,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         max_in_flight: 16,
         seed: 0,
         device: "cpu".to_string(),
+        pace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -142,6 +146,16 @@ fn parse_args() -> Result<Option<Args>, String> {
             }
             "--seed" => args.seed = number("--seed", value("--seed")?)?,
             "--device" => args.device = value("--device")?,
+            "--pace" => {
+                let text = value("--pace")?;
+                let speed: f64 = text
+                    .parse()
+                    .map_err(|err| format!("--pace {text:?}: {err}"))?;
+                if !(speed.is_finite() && speed > 0.0) {
+                    return Err(format!("--pace {speed}: must be a positive speed-up"));
+                }
+                args.pace = Some(speed);
+            }
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown option {other:?} (try --help)")),
         }
@@ -199,6 +213,7 @@ fn run_pass(
     let replay_options = ReplayOptions {
         max_in_flight: args.max_in_flight,
         digests,
+        pace: args.pace,
     };
     let mut replay = replay::replay(&mut engine, workload, &replay_options, &mut |_, outcome| {
         if matches!(outcome, TurnOutcome::Failed(_)) {

@@ -5,7 +5,8 @@
 //! turns share history exactly as the trace says while the model still computes every step. A
 //! session's next turn is submitted only after its previous turn ended (its KV has been offered to
 //! the prefix cache by then); at most `max_in_flight` turns run at once, taken in arrival order.
-//! The replay is as fast as the engine goes: arrival times order the turns but do not pace them.
+//! Arrival times order the turns; with [`ReplayOptions::pace`] they also hold each turn back
+//! until its (scaled) arrival time, otherwise the replay is as fast as the engine goes.
 //! Driving [`Engine::step`] on the caller's thread keeps a replay deterministic.
 
 use std::collections::{BTreeSet, VecDeque};
@@ -19,15 +20,18 @@ use crate::event::{Event, Usage};
 use crate::handle::RequestHandle;
 use crate::metrics::Metrics;
 use crate::request::Request;
-use crate::workload::Workload;
+use crate::workload::{Turn, Workload};
 
 /// How a replay runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReplayOptions {
     /// The most turns in flight at once (each from a different session); at least 1.
     pub max_in_flight: usize,
     /// Ask every request for its logits digest (host logits readback on every step).
     pub digests: bool,
+    /// Pace arrivals: submit no turn before its `ts` (relative to the first turn's), divided by
+    /// this speed-up (1.0 is real time). `None` replays as fast as the engine goes.
+    pub pace: Option<f64>,
 }
 
 impl Default for ReplayOptions {
@@ -35,6 +39,7 @@ impl Default for ReplayOptions {
         ReplayOptions {
             max_in_flight: 16,
             digests: false,
+            pace: None,
         }
     }
 }
@@ -179,11 +184,19 @@ where
     let mut outcomes: Vec<Option<TurnOutcome>> = vec![None; turns.len()];
     let mut in_flight: Vec<InFlight> = Vec::new();
     let max_in_flight = options.max_in_flight.max(1);
+    let first_ts = turns.iter().map(|t| t.ts).fold(f64::INFINITY, f64::min);
     loop {
         while in_flight.len() < max_in_flight {
-            let Some(turn_index) = ready.pop_first() else {
+            let Some(&turn_index) = ready.first() else {
                 break;
             };
+            if let Some(wait) = not_yet_due(&turns[turn_index], first_ts, options.pace, started) {
+                if !in_flight.is_empty() {
+                    break;
+                }
+                std::thread::sleep(wait);
+            }
+            ready.remove(&turn_index);
             let turn = &turns[turn_index];
             let outcome = if turn.output.is_empty() {
                 TurnOutcome::Skipped
@@ -250,6 +263,19 @@ where
         .collect();
     let report = summarize(workload, &outcomes, &engine.metrics().since(&before), wall);
     Replay { report, outcomes }
+}
+
+/// How long until `turn` is due under `pace` (`None` when it is due now or pacing is off).
+fn not_yet_due(
+    turn: &Turn,
+    first_ts: f64,
+    pace: Option<f64>,
+    started: Instant,
+) -> Option<Duration> {
+    let speed = pace.filter(|speed| *speed > 0.0)?;
+    let due = Duration::try_from_secs_f64((turn.ts - first_ts) / speed).ok()?;
+    due.checked_sub(started.elapsed())
+        .filter(|wait| !wait.is_zero())
 }
 
 fn summarize(
@@ -327,6 +353,24 @@ fn percentile_ms(values: &mut [Duration], p: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pacing_holds_a_turn_until_its_scaled_arrival() {
+        let turn = |ts: f64| Turn {
+            session: 0,
+            turn: 0,
+            ts,
+            input: vec![1],
+            output: vec![1],
+        };
+        let now = Instant::now();
+        assert_eq!(not_yet_due(&turn(5.0), 5.0, Some(1.0), now), None);
+        assert_eq!(not_yet_due(&turn(100.0), 0.0, None, now), None);
+        let wait = not_yet_due(&turn(100.0), 0.0, Some(10.0), now).unwrap();
+        assert!(wait > Duration::from_secs(9) && wait <= Duration::from_secs(10));
+        let long_ago = now - Duration::from_secs(20);
+        assert_eq!(not_yet_due(&turn(100.0), 0.0, Some(10.0), long_ago), None);
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {

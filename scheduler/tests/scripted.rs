@@ -666,6 +666,7 @@ fn replay_forces_the_recorded_outputs_and_counts_everything() {
     let replay_options = ReplayOptions {
         max_in_flight: 2,
         digests: false,
+        pace: None,
     };
     let result = replay(&mut engine, &workload, &replay_options, &mut |turn, _| {
         seen.push(turn)
