@@ -62,7 +62,7 @@ mod handle;
 mod metrics;
 pub mod replay;
 mod request;
-mod sampling;
+pub mod sampling;
 mod spill;
 pub mod workload;
 

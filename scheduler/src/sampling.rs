@@ -1,5 +1,9 @@
 //! Token choice per request: greedy, seeded random sampling with filters, or forced tokens.
 //!
+//! Random sampling costs O(vocab) per row in the common cases: weights are computed in id order,
+//! top-k selects (no full sort), top-p ranks only as many candidates as the nucleus needs, and
+//! min-p filters in place.
+//!
 //! A [`Sampler`] belongs to one request and lives as long as it does, across preemptions (so a
 //! request's random stream continues where it left off after a spill or a recompute). Greedy
 //! and forced samplers never need host logits; a random sampler always does.
@@ -9,9 +13,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::request::{RandomSampling, Sampling};
 
-/// The token chooser of one request.
+/// The token chooser of one request (the engine keeps one per request).
 #[derive(Debug)]
-pub(crate) struct Sampler {
+pub struct Sampler {
     kind: Kind,
 }
 
@@ -30,7 +34,8 @@ enum Kind {
 }
 
 impl Sampler {
-    pub(crate) fn new(sampling: Sampling) -> Self {
+    /// A chooser for `sampling` (a random one seeds its own ChaCha8 stream).
+    pub fn new(sampling: Sampling) -> Self {
         let kind = match sampling {
             Sampling::Greedy => Kind::Greedy,
             Sampling::Random(params) => Kind::Random {
@@ -43,13 +48,13 @@ impl Sampler {
     }
 
     /// Whether choosing a token needs the host logits (a device argmax will not do).
-    pub(crate) fn needs_logits(&self) -> bool {
+    pub fn needs_logits(&self) -> bool {
         matches!(self.kind, Kind::Random { .. })
     }
 
     /// The next token when only the device argmax is known (never called for a random sampler,
     /// which [`Self::needs_logits`]).
-    pub(crate) fn choose_with_argmax(&mut self, argmax: u32) -> u32 {
+    pub fn choose_with_argmax(&mut self, argmax: u32) -> u32 {
         match &mut self.kind {
             Kind::Greedy | Kind::Random { .. } => argmax,
             Kind::Forced { tokens, next } => take_forced(tokens, next, argmax),
@@ -57,11 +62,7 @@ impl Sampler {
     }
 
     /// The next token from one row of host logits; `scratch` is reused between calls.
-    pub(crate) fn choose_from_logits(
-        &mut self,
-        logits: &[f32],
-        scratch: &mut Vec<(f32, u32)>,
-    ) -> u32 {
+    pub fn choose_from_logits(&mut self, logits: &[f32], scratch: &mut Vec<(f32, u32)>) -> u32 {
         match &mut self.kind {
             Kind::Greedy => argmax(logits),
             Kind::Forced { tokens, next } => take_forced(tokens, next, argmax(logits)),
@@ -79,18 +80,26 @@ fn take_forced(tokens: &[u32], next: &mut usize, fallback: u32) -> u32 {
 }
 
 /// The index of the largest logit, the first one on ties; NaNs never win (0 when all are NaN).
-pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_value = f32::NEG_INFINITY;
-    let mut seen = false;
-    for (index, &value) in logits.iter().enumerate() {
-        if value > best_value || (!seen && !value.is_nan()) {
-            best = index;
-            best_value = value;
-            seen = true;
+pub fn argmax(logits: &[f32]) -> u32 {
+    // First the maximum, over eight independent lanes (one dependency chain per lane, so the
+    // loop runs at the speed of the loads); `>` is false for NaN, so NaNs never count. Then the
+    // first position that holds it.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = logits.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (lane, &value) in lanes.iter_mut().zip(chunk) {
+            if value > *lane {
+                *lane = value;
+            }
         }
     }
-    best as u32
+    let mut max = f32::NEG_INFINITY;
+    for &value in lanes.iter().chain(chunks.remainder()) {
+        if value > max {
+            max = value;
+        }
+    }
+    logits.iter().position(|&value| value == max).unwrap_or(0) as u32
 }
 
 fn sample(
@@ -100,32 +109,23 @@ fn sample(
     scratch: &mut Vec<(f32, u32)>,
 ) -> u32 {
     scratch.clear();
-    scratch.extend(
-        logits
-            .iter()
-            .enumerate()
-            .filter(|(_, value)| !value.is_nan())
-            .map(|(index, &value)| (value / params.temperature, index as u32)),
-    );
+    let mut max = f32::NEG_INFINITY;
+    for (index, &value) in logits.iter().enumerate() {
+        if value.is_nan() {
+            continue;
+        }
+        let scaled = value / params.temperature;
+        max = max.max(scaled);
+        scratch.push((scaled, index as u32));
+    }
     if scratch.is_empty() {
         tracing::warn!("every logit is NaN; answering token 0");
         return 0;
     }
-    // Most likely first; equal logits in id order, so the order (and the draw) is deterministic.
-    let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-    if let Some(k) = params.top_k {
-        if k < scratch.len() {
-            scratch.select_nth_unstable_by(k - 1, by_rank);
-            scratch.truncate(k);
-        }
-    }
-    scratch.sort_unstable_by(by_rank);
-    // Softmax in place (unnormalised): the first entry is the maximum; -inf logits get 0.
-    let max = scratch[0].0;
-    let mut total = 0.0f64;
+    // Unnormalised softmax weights, in id order. With an infinite maximum (all -inf, or some
+    // +inf) the maxima share the mass equally.
     for entry in scratch.iter_mut() {
-        // With an infinite maximum (all -inf, or some +inf), the maxima share the mass equally.
-        let p = if max.is_infinite() {
+        entry.0 = if max.is_infinite() {
             if entry.0 == max {
                 1.0
             } else {
@@ -134,25 +134,46 @@ fn sample(
         } else {
             (entry.0 - max).exp()
         };
-        entry.0 = p;
-        total += f64::from(p);
+    }
+    // Most likely first; equal weights in id order, so every order below is deterministic.
+    let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if let Some(k) = params.top_k {
+        if k < scratch.len() {
+            scratch.select_nth_unstable_by(k - 1, by_rank);
+            scratch.truncate(k);
+        }
     }
     if params.top_p < 1.0 {
-        let mut cumulative = 0.0f64;
-        let mut keep = scratch.len();
-        for (index, entry) in scratch.iter().enumerate() {
-            cumulative += f64::from(entry.0) / total;
-            if cumulative >= f64::from(params.top_p) {
-                keep = index + 1;
-                break;
+        let mass: f64 = scratch.iter().map(|entry| f64::from(entry.0)).sum();
+        let target = f64::from(params.top_p) * mass;
+        // The nucleus is usually small: rank only as many candidates as it needs (O(vocab) per
+        // round instead of sorting the whole vocabulary).
+        let mut ranked = scratch.len().min(64);
+        loop {
+            if ranked < scratch.len() {
+                scratch.select_nth_unstable_by(ranked - 1, by_rank);
+            }
+            scratch[..ranked].sort_unstable_by(by_rank);
+            let mut cumulative = 0.0f64;
+            let keep = scratch[..ranked].iter().position(|entry| {
+                cumulative += f64::from(entry.0);
+                cumulative >= target
+            });
+            match keep {
+                Some(last) => {
+                    scratch.truncate(last + 1);
+                    break;
+                }
+                // Rounding left the whole set just short of the target: keep it all.
+                None if ranked == scratch.len() => break,
+                None => ranked = (ranked * 4).min(scratch.len()),
             }
         }
-        scratch.truncate(keep);
     }
     if params.min_p > 0.0 {
-        let floor = params.min_p * scratch[0].0;
-        let keep = scratch.iter().take_while(|entry| entry.0 >= floor).count();
-        scratch.truncate(keep.max(1));
+        let most_likely = scratch.iter().fold(0.0f32, |m, entry| m.max(entry.0));
+        let floor = params.min_p * most_likely;
+        scratch.retain(|entry| entry.0 >= floor);
     }
     let kept: f64 = scratch.iter().map(|entry| f64::from(entry.0)).sum();
     let mut target = rng.random::<f64>() * kept;
@@ -188,6 +209,36 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, -5.0, f32::NAN]), 1);
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[]), 0);
+        // Longer than the eight lanes: ties across lanes, NaNs, the maximum in the remainder.
+        let mut row: Vec<f32> = (0..37).map(|i| (i % 5) as f32).collect();
+        assert_eq!(argmax(&row), 4);
+        row[13] = 9.0;
+        row[21] = 9.0;
+        row[2] = f32::NAN;
+        assert_eq!(argmax(&row), 13);
+        row[35] = 9.5;
+        assert_eq!(argmax(&row), 35);
+        let naive = |row: &[f32]| {
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] || row[best].is_nan() && !v.is_nan() {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        for _ in 0..200 {
+            let len = rng.random_range(0..61);
+            let row: Vec<f32> = (0..len)
+                .map(|_| match rng.random_range(0..20) {
+                    0 => f32::NAN,
+                    n => n as f32,
+                })
+                .collect();
+            assert_eq!(argmax(&row), naive(&row), "{row:?}");
+        }
     }
 
     #[test]
@@ -241,6 +292,25 @@ mod tests {
         // A tiny temperature is greedy in effect.
         let cold = draws(&mut random(|p| p.temperature = 1e-3), &logits, 50);
         assert!(cold.iter().all(|&t| t == 2));
+    }
+
+    #[test]
+    fn a_wide_nucleus_is_ranked_in_rounds() {
+        // 1000 equal logits: the nucleus of 0.5 is the first 500 ids (ties rank by id), more
+        // than the first round's 64 candidates.
+        let logits = vec![0.0f32; 1000];
+        let picks = draws(&mut random(|p| p.top_p = 0.5), &logits, 400);
+        assert!(picks.iter().all(|&t| t < 500), "{picks:?}");
+        assert!(picks.iter().any(|&t| t >= 256));
+    }
+
+    #[test]
+    fn draws_follow_the_softmax() {
+        // Weights 1 and 3: token 1 should come up about three times in four.
+        let logits = [0.0f32, 3.0f32.ln()];
+        let picks = draws(&mut random(|_| {}), &logits, 4000);
+        let ones = picks.iter().filter(|&&t| t == 1).count();
+        assert!((2850..=3150).contains(&ones), "{ones}");
     }
 
     #[test]
