@@ -13,6 +13,8 @@
 //!   [`EngineThread`] and a cloneable [`EngineClient`].
 //! - Each request's [`RequestHandle`] streams [`Event`]s: tokens, then `Finished` with a
 //!   [`FinishReason`] and [`Usage`], or `Error` with a [`ServeError`].
+//! - [`sampling`] is the host sampler (greedy, seeded temperature / top-k / top-p / min-p,
+//!   forced tokens) the engine runs when a step reads back host logits.
 //! - [`backend`] is the only module that names concrete routers (selected by cargo features).
 //! - [`workload`] and [`replay`] replay multi-turn traces with forced outputs, the workspace's
 //!   end-to-end job.
