@@ -148,6 +148,11 @@ impl ScriptedRouter {
         self.lock().effects.clone()
     }
 
+    /// Takes the labels of the effects applied so far, leaving the record empty.
+    pub fn take_effects(&self) -> Vec<String> {
+        std::mem::take(&mut self.lock().effects)
+    }
+
     /// The token answered when the script is empty: a fixed function of id and position.
     pub fn fallback_token(&self, id: u64, pos: usize) -> u32 {
         let mixed = id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
