@@ -340,6 +340,8 @@ pub struct Engine<D: DeviceIo> {
     /// them (they belong to no request any more).
     orphans: Vec<D::Seq>,
     step_no: u64,
+    /// Requests retired during the current step (for its [`StepReport`]).
+    step_ended: usize,
     metrics: Metrics,
     shutdown_requested: Option<ShutdownMode>,
     closed: bool,
@@ -417,6 +419,7 @@ where
             spill,
             orphans: Vec::new(),
             step_no: 0,
+            step_ended: 0,
             metrics: Metrics::default(),
             shutdown_requested: None,
             closed: false,
@@ -518,6 +521,7 @@ where
     /// One step (see the module docs).
     pub fn step(&mut self) -> StepReport {
         self.drain_commands();
+        self.step_ended = 0;
         self.step_no += 1;
         self.metrics.steps += 1;
         let mut report = StepReport {
@@ -531,14 +535,15 @@ where
         report.prefill_tokens = tokens;
         report.preempted = (self.metrics.preemptions - preemptions_before) as usize;
         self.checkpoints();
-        report.ended = self.retire_ended();
+        self.retire_ended();
         for _ in 0..3 {
             // A failed `CompactSlot` ends its request; release it and compact again.
             if self.compact() {
                 break;
             }
-            report.ended += self.retire_ended();
+            self.retire_ended();
         }
+        report.ended = std::mem::take(&mut self.step_ended);
         if !self.orphans.is_empty() {
             self.release_orphans();
         }
@@ -916,6 +921,11 @@ where
     /// After a launch found the pool or the slots dry: preempts a victim and answers `true` to
     /// relaunch, or, when the plan's rows are all that is left to preempt, fails them.
     fn make_room(&mut self, kind: PlanKind, err: DeviceError) -> bool {
+        // Requests that ended earlier in this step still hold their blocks: release them first.
+        if self.running.iter().any(|a| a.req.end.is_some()) {
+            self.retire_ended();
+            return true;
+        }
         let live = self.running.iter().filter(|a| a.req.end.is_none()).count();
         let victim = if live > 1 { self.choose_victim() } else { None };
         let Some(victim) = victim else {
@@ -1121,9 +1131,8 @@ where
         }
     }
 
-    /// Releases every ended request and sends its final event; answers how many.
-    fn retire_ended(&mut self) -> usize {
-        let mut ended = 0;
+    /// Releases every ended request and sends its final event; counts them in `step_ended`.
+    fn retire_ended(&mut self) {
         let mut index = 0;
         while index < self.running.len() {
             if self.running[index].req.end.is_none() {
@@ -1131,7 +1140,7 @@ where
                 continue;
             }
             let Active { seq, mut req, .. } = self.running.remove(index);
-            ended += 1;
+            self.step_ended += 1;
             let Some(end) = req.end.take() else {
                 continue;
             };
@@ -1174,7 +1183,6 @@ where
                 }
             }
         }
-        ended
     }
 
     /// Moves slot holders at or above `n` into the free slots below it; answers `false` when a

@@ -379,3 +379,43 @@ fn a_real_dry_pool_and_a_failed_spill_still_give_identical_outputs() {
     }
     assert_eq!(faulty.after, faulty.initial);
 }
+
+#[test]
+fn a_dry_pool_first_reclaims_requests_that_ended_earlier_in_the_step() {
+    // Step 3 decodes a's last token (a ends, still holding its blocks), then launches b's next
+    // prefill chunk (launch 4), which finds the pool dry. b is the only live request, but it is
+    // not alone: a's blocks come back once a is released, so b must not fail.
+    let model = Model::random(Config::tiny_demo(), 3).unwrap();
+    let mut config = CpuRouterConfig::new(16, 2);
+    config.prefix_cache = false;
+    config.marconi = false;
+    let exhausted = DeviceError::KvExhausted { needed: 1, free: 0 };
+    let router = Faulty::new(
+        CpuRouter::new(model, config).unwrap(),
+        vec![Trigger::Launch(4, exhausted)],
+    );
+    let engine_config = EngineConfig {
+        max_running: 2,
+        max_step_tokens: 48,
+        max_prefill_chunk: 16,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(router, engine_config).unwrap();
+    let a = engine
+        .submit(Request::greedy((0..20).collect(), 2))
+        .unwrap();
+    let b = engine
+        .submit(Request::greedy((0..60).map(|t| t % 256).collect(), 3))
+        .unwrap();
+    let steps: Vec<_> = (0..3).map(|_| engine.step()).collect();
+    assert_eq!(steps[2].decode_rows, 1);
+    assert_eq!(steps[2].ended, 1);
+    assert_eq!(steps[2].prefill_rows, 1);
+    assert_eq!(engine.router().injected(), 1);
+    engine.run_until_idle();
+    assert_eq!(a.wait().unwrap().tokens.len(), 2);
+    assert_eq!(b.wait().unwrap().tokens.len(), 3);
+    assert_eq!(engine.metrics().preemptions, 0);
+    assert_eq!(engine.router().facts().live_slots_used, 0);
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+}
