@@ -661,8 +661,18 @@ where
         // Orphans still hold their slots until the router takes them back.
         let slots = facts.live_slots_total.saturating_sub(self.orphans.len());
         let cap = self.config.max_running.min(slots);
-        let mut available =
-            (facts.kv_blocks_free + facts.kv_blocks_cached).saturating_sub(self.committed_blocks());
+        // Free blocks plus cached ones count as available, except cached blocks that running
+        // sequences hold (the router cannot evict those). The facts do not say how many those
+        // are, so also bound the estimate by the pool minus what running sequences hold (which
+        // counts a shared block once per holder, erring low).
+        let held: usize = self
+            .running
+            .iter()
+            .map(|a| self.limits.blocks_for(a.seq.computed_len()))
+            .sum();
+        let reclaimable = (facts.kv_blocks_free + facts.kv_blocks_cached)
+            .min(facts.kv_blocks_total.saturating_sub(held));
+        let mut available = reclaimable.saturating_sub(self.committed_blocks());
         let mut admitted = 0;
         while self.running.len() < cap {
             let Some(front) = self.waiting.front() else {
