@@ -773,3 +773,17 @@ fn engine_config_rules_are_checked() {
         })
     ));
 }
+
+#[test]
+fn a_dropped_handle_cancels_its_request_at_the_next_token() {
+    let mut engine = engine(64, 8, config());
+    let handle = engine.submit(Request::greedy(prompt(4, 0), 50)).unwrap();
+    drop(handle);
+    engine.run_until_idle();
+    let metrics = *engine.metrics();
+    assert_eq!((metrics.cancelled, metrics.finished), (1, 0));
+    // The first token found nobody listening; no compute was spent after it.
+    assert_eq!(metrics.generated_tokens, 1);
+    assert_eq!(metrics.decode_launches, 0);
+    assert_eq!(engine.router().facts(), initial_facts(&engine));
+}
