@@ -83,6 +83,16 @@ pub enum WorkloadError {
     /// The vocabulary size is 0.
     #[error("vocabulary size 0: token ids cannot be mapped")]
     ZeroVocab,
+    /// A generator option (or the vocabulary size) is out of range.
+    #[error("generator option {field} = {value} ({rule})")]
+    BadOption {
+        /// The field of [`GenOptions`], or `vocab_size`.
+        field: &'static str,
+        /// Its value, as written.
+        value: String,
+        /// The rule it breaks.
+        rule: &'static str,
+    },
     /// The name is neither a file nor a built-in workload.
     #[error(
         "no workload file {0:?} and no built-in workload of that name (built-ins: chat, agentic)"
@@ -124,6 +134,13 @@ impl Workload {
     ) -> Result<Workload, WorkloadError> {
         if vocab_size == 0 {
             return Err(WorkloadError::ZeroVocab);
+        }
+        if u32::try_from(vocab_size).is_err() {
+            return Err(WorkloadError::BadOption {
+                field: "vocab_size",
+                value: vocab_size.to_string(),
+                rule: "token ids are u32",
+            });
         }
         let mut sessions: HashMap<String, u64> = HashMap::new();
         let mut turns = Vec::new();
@@ -214,9 +231,7 @@ impl Workload {
     /// Multi-turn chat: every session opens with one of a few shared system prompts, then each
     /// turn appends a user message to the history (previous inputs and outputs).
     pub fn chat(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
-        if vocab_size == 0 {
-            return Err(WorkloadError::ZeroVocab);
-        }
+        options.check(vocab_size)?;
         let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
         let openers: Vec<Vec<u32>> = (0..options.shared_prefixes)
             .map(|_| random_tokens(&mut rng, options.prefix_len, vocab_size))
@@ -249,9 +264,7 @@ impl Workload {
     /// tool result to the history, and now and then the agent edits its history (drops the
     /// last tool result and the reply to it), so the next input branches off an earlier point.
     pub fn agentic(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
-        if vocab_size == 0 {
-            return Err(WorkloadError::ZeroVocab);
-        }
+        options.check(vocab_size)?;
         let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
         let system = random_tokens(&mut rng, options.prefix_len, vocab_size);
         let mut turns = Vec::new();
@@ -340,6 +353,30 @@ pub struct GenOptions {
 }
 
 impl GenOptions {
+    fn check(&self, vocab_size: usize) -> Result<(), WorkloadError> {
+        if vocab_size == 0 {
+            return Err(WorkloadError::ZeroVocab);
+        }
+        let bad = |field: &'static str, value: String, rule: &'static str| {
+            Err(WorkloadError::BadOption { field, value, rule })
+        };
+        if self.shared_prefixes == 0 {
+            return bad("shared_prefixes", "0".into(), "at least 1");
+        }
+        for (field, (low, high)) in [
+            ("message_len", self.message_len),
+            ("output_len", self.output_len),
+        ] {
+            if low > high {
+                return bad(field, format!("({low}, {high})"), "low <= high");
+            }
+        }
+        if u32::try_from(vocab_size).is_err() {
+            return bad("vocab_size", vocab_size.to_string(), "token ids are u32");
+        }
+        Ok(())
+    }
+
     /// The default `chat` workload: 24 sessions of 4 turns over 3 shared 96-token openers.
     pub fn chat(seed: u64) -> Self {
         GenOptions {
@@ -431,6 +468,26 @@ mod tests {
             Workload::resolve("no-such-workload", 10, 0),
             Err(WorkloadError::Unknown(_))
         ));
+        let no_openers = GenOptions {
+            shared_prefixes: 0,
+            ..GenOptions::chat(0)
+        };
+        assert!(matches!(
+            Workload::chat(&no_openers, 10),
+            Err(WorkloadError::BadOption {
+                field: "shared_prefixes",
+                ..
+            })
+        ));
+        let backwards = GenOptions {
+            output_len: (5, 2),
+            ..GenOptions::agentic(0)
+        };
+        let err = Workload::agentic(&backwards, 10).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "generator option output_len = (5, 2) (low <= high)"
+        );
     }
 
     fn check_history(workload: &Workload, vocab: usize) {
