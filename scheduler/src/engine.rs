@@ -1279,8 +1279,10 @@ fn choose_token(
     scratch: &mut Vec<(f32, u32)>,
 ) -> Result<u32, &'static str> {
     if let Some(row) = output.logits_row {
-        let start = row * vocab;
-        let Some(row_logits) = logits.get(start..start + vocab) else {
+        let range = row
+            .checked_mul(vocab)
+            .and_then(|start| Some(start..start.checked_add(vocab)?));
+        let Some(row_logits) = range.and_then(|range| logits.get(range)) else {
             return Err("a logits row index is outside the host logits");
         };
         if let Some(digest) = &mut req.digest {

@@ -9,7 +9,7 @@
 //! until its (scaled) arrival time, otherwise the replay is as fast as the engine goes.
 //! Driving [`Engine::step`] on the caller's thread keeps a replay deterministic.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use device_io::{DeviceIo, Sequence};
@@ -173,14 +173,16 @@ where
     let started = Instant::now();
     let before = *engine.metrics();
     let turns = &workload.turns;
-    let sessions = turns.iter().map(|t| t.session + 1).max().unwrap_or(0) as usize;
     // Each session's turns in arrival order; `ready` holds each idle session's next turn, so the
     // earliest ready turn (by index, i.e. arrival) is always `ready.first()`.
-    let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); sessions];
+    let mut queues: HashMap<u64, VecDeque<usize>> = HashMap::new();
     for (index, turn) in turns.iter().enumerate() {
-        queues[turn.session as usize].push_back(index);
+        queues.entry(turn.session).or_default().push_back(index);
     }
-    let mut ready: BTreeSet<usize> = queues.iter_mut().filter_map(VecDeque::pop_front).collect();
+    let mut ready: BTreeSet<usize> = queues
+        .values_mut()
+        .filter_map(VecDeque::pop_front)
+        .collect();
     let mut outcomes: Vec<Option<TurnOutcome>> = vec![None; turns.len()];
     let mut in_flight: Vec<InFlight> = Vec::new();
     let max_in_flight = options.max_in_flight.max(1);
@@ -218,7 +220,7 @@ where
             // Not submitted: the session's next turn is ready at once.
             on_turn(turn_index, &outcome);
             outcomes[turn_index] = Some(outcome);
-            ready.extend(queues[turn.session as usize].pop_front());
+            ready.extend(queues.get_mut(&turn.session).and_then(VecDeque::pop_front));
         }
         if in_flight.is_empty() {
             break;
@@ -248,7 +250,8 @@ where
             match outcome {
                 Some(outcome) => {
                     let flight = in_flight.remove(index);
-                    ready.extend(queues[turns[flight.turn].session as usize].pop_front());
+                    let session = turns[flight.turn].session;
+                    ready.extend(queues.get_mut(&session).and_then(VecDeque::pop_front));
                     on_turn(flight.turn, &outcome);
                     outcomes[flight.turn] = Some(outcome);
                 }

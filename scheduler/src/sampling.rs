@@ -13,7 +13,8 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::request::{RandomSampling, Sampling};
 
-/// The token chooser of one request (the engine keeps one per request).
+/// The token chooser of one request (the engine keeps one per request). Parameters are meant to
+/// have passed [`crate::Limits::validate`]; out-of-range ones never panic.
 #[derive(Debug)]
 pub struct Sampler {
     kind: Kind,
@@ -108,6 +109,10 @@ fn sample(
     rng: &mut ChaCha8Rng,
     scratch: &mut Vec<(f32, u32)>,
 ) -> u32 {
+    // Temperature 0 is greedy (a hand-built sampler may ask for it; validation refuses it).
+    if !(params.temperature.is_finite() && params.temperature > 0.0) {
+        return argmax(logits);
+    }
     scratch.clear();
     let mut max = f32::NEG_INFINITY;
     for (index, &value) in logits.iter().enumerate() {
@@ -138,6 +143,8 @@ fn sample(
     // Most likely first; equal weights in id order, so every order below is deterministic.
     let by_rank = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
     if let Some(k) = params.top_k {
+        // `Limits::validate` refuses 0; a hand-built sampler gets the most likely token.
+        let k = k.max(1);
         if k < scratch.len() {
             scratch.select_nth_unstable_by(k - 1, by_rank);
             scratch.truncate(k);
@@ -183,7 +190,11 @@ fn sample(
             return entry.1;
         }
     }
-    scratch[scratch.len() - 1].1
+    // Rounding (or out-of-range parameters on a hand-built sampler, such as min_p above 1) left
+    // nothing drawn: the last kept token, else the most likely one.
+    scratch
+        .last()
+        .map_or_else(|| argmax(logits), |entry| entry.1)
 }
 
 #[cfg(test)]
@@ -311,6 +322,27 @@ mod tests {
         let picks = draws(&mut random(|_| {}), &logits, 4000);
         let ones = picks.iter().filter(|&&t| t == 1).count();
         assert!((2850..=3150).contains(&ones), "{ones}");
+    }
+
+    #[test]
+    fn out_of_range_parameters_never_panic() {
+        let logits = [0.5, 2.0, 1.0];
+        assert_eq!(
+            draws(&mut random(|p| p.min_p = 2.0), &logits, 3),
+            vec![1, 1, 1]
+        );
+        assert_eq!(
+            draws(&mut random(|p| p.top_k = Some(0)), &logits, 3),
+            vec![1, 1, 1]
+        );
+        assert_eq!(
+            draws(&mut random(|p| p.top_p = 0.0), &logits, 3),
+            vec![1, 1, 1]
+        );
+        assert_eq!(
+            draws(&mut random(|p| p.temperature = 0.0), &logits, 3),
+            vec![1, 1, 1]
+        );
     }
 
     #[test]
