@@ -1224,8 +1224,17 @@ where
             if slot < holders {
                 continue;
             }
-            while scratch.slot_used[next_free] {
+            while scratch.slot_used.get(next_free) == Some(&true) {
                 next_free += 1;
+            }
+            if next_free >= holders {
+                // Only a router that reports two sequences in one slot gets here.
+                tracing::error!(
+                    slot,
+                    holders,
+                    "no free slot below the holder count to compact into"
+                );
+                break;
             }
             match router.apply(Effect::CompactSlot {
                 seq: &mut active.seq,
