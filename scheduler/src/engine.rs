@@ -826,7 +826,10 @@ where
                     scratch.tokens.push(last);
                 }
                 PlanKind::Prefill if !prefill_done && budget_left > 0 => {
-                    let remaining = active.seq.prompt_len() - active.seq.computed_len();
+                    // At least 1: a router's `prefill_done` decides, not this arithmetic.
+                    let remaining = (active.seq.prompt_len())
+                        .saturating_sub(active.seq.computed_len())
+                        .max(1);
                     let budget = remaining.min(config.max_prefill_chunk).min(budget_left);
                     budget_left -= budget;
                     scratch.budgets.push(budget);
