@@ -226,3 +226,49 @@ fn cache_salts_reach_the_routers_cache_keys() {
     assert!(cached[2] >= 48, "{cached:?}");
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
+
+#[test]
+fn the_engine_thread_gives_the_same_outputs_as_stepping() {
+    let model = model();
+    let requests: Vec<Request> = (0..6u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..30 + 7 * i).map(|t| (t * 13 + i) % 256).collect();
+            Request::greedy(prompt, 5 + i as usize).with_logits_digest(true)
+        })
+        .collect();
+    let router = || CpuRouter::new(model.clone(), CpuRouterConfig::new(32, 3)).unwrap();
+
+    let mut engine = Engine::new(router(), EngineConfig::default()).unwrap();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    engine.run_until_idle();
+    let stepped: Vec<_> = handles
+        .into_iter()
+        .map(|h| {
+            let done = h.wait().unwrap();
+            (done.tokens, done.logits_digest)
+        })
+        .collect();
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+
+    // On the thread, clients on their own threads submit concurrently: batches differ, outputs
+    // must not.
+    let thread =
+        scheduler::EngineThread::spawn(Engine::new(router(), EngineConfig::default()).unwrap())
+            .unwrap();
+    let workers: Vec<_> = requests
+        .into_iter()
+        .map(|request| {
+            let client = thread.client();
+            std::thread::spawn(move || {
+                let done = client.submit(request).unwrap().wait().unwrap();
+                (done.tokens, done.logits_digest)
+            })
+        })
+        .collect();
+    let threaded: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    thread.shutdown(ShutdownMode::Drain).unwrap();
+    assert_eq!(threaded, stepped);
+}
