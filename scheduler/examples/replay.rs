@@ -21,6 +21,7 @@
 //!                         CUDA router and says so)
 //!   --pace SPEEDUP        hold each turn until its trace arrival time divided by SPEEDUP (default:
 //!                         as fast as possible; a session's next turn always waits for the last)
+//!   --trace FILE          write every plan, effect and outcome to FILE (needs `--features trace`)
 //! ```
 
 use std::path::PathBuf;
@@ -85,12 +86,13 @@ struct Args {
     seed: u64,
     device: String,
     pace: Option<f64>,
+    trace: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: replay [--model DIR | --embedded small|mini] \
     [--workload FILE|chat|agentic] [--max-requests N] [--no-prefix-cache] [--no-marconi] \
     [--json FILE] [--verify] [--preempt recompute|spill] [--kv-blocks N] [--max-in-flight N] \
-    [--seed N] [--device cpu|cuda] [--pace SPEEDUP]";
+    [--seed N] [--device cpu|cuda] [--pace SPEEDUP] [--trace FILE]";
 
 /// The options, or `None` when help was asked for.
 fn parse_args() -> Result<Option<Args>, String> {
@@ -109,6 +111,7 @@ fn parse_args() -> Result<Option<Args>, String> {
         seed: 0,
         device: "cpu".to_string(),
         pace: None,
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -146,6 +149,7 @@ fn parse_args() -> Result<Option<Args>, String> {
             }
             "--seed" => args.seed = number("--seed", value("--seed")?)?,
             "--device" => args.device = value("--device")?,
+            "--trace" => args.trace = Some(PathBuf::from(value("--trace")?)),
             "--pace" => {
                 let text = value("--pace")?;
                 let speed: f64 = text
@@ -181,6 +185,8 @@ fn run_pass(
         .unwrap_or(48 * max_seqs)
         .max(max_context / block_size);
     let options = BackendOptions {
+        #[cfg(feature = "trace")]
+        trace: trace_sink(args, label)?,
         device: device(&args.device)?,
         max_context,
         prefix_cache,
@@ -228,6 +234,24 @@ fn run_pass(
         .shutdown(ShutdownMode::Drain)
         .map_err(|err| format!("shutdown: {err}"))?;
     Ok(replay)
+}
+
+/// The sink for `--trace FILE` (the caches-off pass of `--verify` writes `FILE.off`).
+#[cfg(feature = "trace")]
+fn trace_sink(args: &Args, label: &str) -> Result<Option<device_trace::TraceSink>, String> {
+    let Some(path) = &args.trace else {
+        return Ok(None);
+    };
+    let path = if label == "caches off" && args.verify {
+        path.with_extension("off")
+    } else {
+        path.clone()
+    };
+    let file =
+        std::fs::File::create(&path).map_err(|err| format!("--trace {}: {err}", path.display()))?;
+    Ok(Some(device_trace::TraceSink::writer(
+        std::io::BufWriter::new(file),
+    )))
 }
 
 fn device(name: &str) -> Result<Device, String> {
@@ -293,6 +317,11 @@ fn run() -> Result<bool, String> {
         println!("{USAGE}");
         return Ok(true);
     };
+    if args.trace.is_some() && !cfg!(feature = "trace") {
+        return Err(
+            "--trace needs the `trace` feature (cargo run --features trace ...)".to_string(),
+        );
+    }
     let started = Instant::now();
     let model = match &args.model {
         Some(dir) => backend::load_model(dir).map_err(|err| err.to_string())?,
