@@ -303,8 +303,12 @@ fn print_report(title: &str, report: &ReplayReport) {
         report.tpot_p50_ms, report.tpot_p95_ms
     );
     println!(
-        "throughput          {:.0} output tok/s, {:.0} total tok/s over {:.1} s ({} steps)",
-        report.output_tokens_per_s, report.total_tokens_per_s, report.wall_s, report.steps
+        "throughput          {:.0} output tok/s, {:.0} total tok/s over {:.1} s ({} steps, mean decode batch {:.1})",
+        report.output_tokens_per_s,
+        report.total_tokens_per_s,
+        report.wall_s,
+        report.steps,
+        report.mean_decode_batch
     );
     println!(
         "preemption          {} preemptions ({} spills, {} restores, {} recomputes)",

@@ -894,7 +894,10 @@ where
         let mut outputs = step.rows.iter();
         let mut computed_total = 0;
         match kind {
-            PlanKind::Decode => metrics.decode_launches += 1,
+            PlanKind::Decode => {
+                metrics.decode_launches += 1;
+                metrics.decode_rows += step.rows.len() as u64;
+            }
             PlanKind::Prefill => metrics.prefill_launches += 1,
         }
         for active in running.iter_mut().filter(|a| a.in_plan) {

@@ -11,6 +11,8 @@ pub struct Metrics {
     pub prefill_launches: u64,
     /// `Decode` plans that settled.
     pub decode_launches: u64,
+    /// Rows of the `Decode` plans that settled (over `decode_launches`: the mean decode batch).
+    pub decode_rows: u64,
     /// Prompt tokens the router computed (including recompute after preemption).
     pub prefill_tokens_computed: u64,
     /// Prompt tokens the router served from the prefix cache.
@@ -57,6 +59,7 @@ impl Metrics {
             steps: self.steps - earlier.steps,
             prefill_launches: self.prefill_launches - earlier.prefill_launches,
             decode_launches: self.decode_launches - earlier.decode_launches,
+            decode_rows: self.decode_rows - earlier.decode_rows,
             prefill_tokens_computed: self.prefill_tokens_computed - earlier.prefill_tokens_computed,
             prefill_tokens_cached: self.prefill_tokens_cached - earlier.prefill_tokens_cached,
             prefix_hits: self.prefix_hits - earlier.prefix_hits,

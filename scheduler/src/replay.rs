@@ -129,6 +129,8 @@ pub struct ReplayReport {
     pub recomputes: u64,
     /// Engine steps.
     pub steps: u64,
+    /// Mean rows per decode step.
+    pub mean_decode_batch: f64,
 }
 
 /// A finished replay: the report and every turn's outcome (in workload order).
@@ -340,6 +342,11 @@ fn summarize(
         restores: metrics.restores,
         recomputes: metrics.recomputes,
         steps: metrics.steps,
+        mean_decode_batch: if metrics.decode_launches == 0 {
+            0.0
+        } else {
+            metrics.decode_rows as f64 / metrics.decode_launches as f64
+        },
     }
 }
 
