@@ -5,8 +5,10 @@
 //!
 //! 1. Commands (submissions, cancellations, shutdown) are drained.
 //! 2. **Admission**: waiting requests (preempted ones first, then new ones in arrival order) move
-//!    to running while live slots and an estimate of the KV blocks allow; a spilled one is
-//!    restored with `RestoreSequenceState`, any other gets a fresh sequence.
+//!    to running while live slots allow and their tokens fit the reclaimable blocks (free plus
+//!    cached, at most the pool minus what running sequences hold) less what running sequences
+//!    still need for their current work; with nothing running the head always goes. A spilled one
+//!    is restored with `RestoreSequenceState`, any other gets a fresh sequence.
 //! 3. **Decode**: every running sequence whose prompt is complete feeds its last token. The
 //!    readback is the device `Argmax` unless a row needs host logits (random sampling or a logits
 //!    digest), then `HostLogits`.
@@ -20,9 +22,10 @@
 //! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders) move
 //!    down with `CompactSlot`, so live sequences occupy slots `0..n`.
 //!
-//! A launch that finds the KV pool (or the slots) dry changed nothing; the engine preempts a
-//! victim (fewest generated tokens, not resumed in the last `protect_steps` steps unless all
-//! were; the latest arrival on ties) and relaunches without it. A row that cannot fit even when
+//! A launch that finds the KV pool (or the slots) dry changed nothing; the engine first releases
+//! requests that ended earlier in the step, else preempts a victim (fewest generated tokens, not
+//! resumed in the last `protect_steps` steps unless all were; the latest arrival on ties; only
+//! sequences that hold a slot or are rows of the plan) and relaunches without it. A row that cannot fit even when
 //! it is the only live sequence fails with [`ServeError::CannotFit`]. Any other launch error fails
 //! exactly that plan's rows.
 //!
