@@ -419,3 +419,39 @@ fn a_dry_pool_first_reclaims_requests_that_ended_earlier_in_the_step() {
     assert_eq!(engine.router().facts().live_slots_used, 0);
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
+
+#[test]
+fn a_refused_marconi_checkpoint_costs_only_caching() {
+    let model = Model::random(Config::tiny_demo(), 3).unwrap();
+    let run = |triggers: Vec<Trigger>| {
+        let router = Faulty::new(
+            CpuRouter::new(model.clone(), CpuRouterConfig::new(64, 4)).unwrap(),
+            triggers,
+        );
+        let mut engine = Engine::new(router, EngineConfig::default()).unwrap();
+        let handles: Vec<_> = requests()
+            .into_iter()
+            .map(|request| engine.submit(request).unwrap())
+            .collect();
+        engine.run_until_idle();
+        let outputs: Vec<_> = handles
+            .into_iter()
+            .map(|h| {
+                let done = h.wait().unwrap();
+                (done.tokens, done.logits_digest)
+            })
+            .collect();
+        let injected = engine.router().injected();
+        let metrics = *engine.metrics();
+        engine.shutdown(ShutdownMode::Drain).unwrap();
+        (outputs, injected, metrics)
+    };
+    let (reference, _, clean) = run(vec![]);
+    assert!(clean.marconi_checkpoints > 0, "{clean:?}");
+    let refused = Trigger::Effect("MarconiCheckpoint", 1, failed(Phase::Effect));
+    let (outputs, injected, metrics) = run(vec![refused]);
+    assert_eq!(injected, 1);
+    assert_eq!(metrics.marconi_checkpoint_failures, 1);
+    assert_eq!(metrics.failed, 0);
+    assert_eq!(outputs, reference);
+}
