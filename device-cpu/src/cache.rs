@@ -55,6 +55,12 @@ pub struct CacheStats {
     pub hit_tokens: u64,
     /// Checkpoints the Marconi tree holds now.
     pub checkpoints: u64,
+    /// Checkpoints the Marconi tree admitted so far (branch points, ends of input and output).
+    pub checkpoints_taken: u64,
+    /// Lookups the Marconi tree answered with a checkpoint (hits that restored SSM state).
+    pub checkpoint_hits: u64,
+    /// Checkpoints the Marconi tree evicted so far (leaves, and single-child nodes merged).
+    pub checkpoints_evicted: u64,
     /// The Marconi eviction weight α now in use (`None` without a Marconi store).
     pub alpha: Option<f64>,
 }
@@ -258,6 +264,23 @@ impl Caches {
                 Index::Marconi(store, _) => Some(store.config().alpha),
                 _ => None,
             },
+            ..self.marconi_counts()
+        }
+    }
+
+    /// The Marconi store's lifetime counters (all zero without a store).
+    fn marconi_counts(&self) -> CacheStats {
+        match &self.index {
+            Index::Marconi(store, _) => {
+                let stats = store.stats();
+                CacheStats {
+                    checkpoints_taken: stats.admitted_checkpoints,
+                    checkpoint_hits: stats.hits,
+                    checkpoints_evicted: stats.evicted_leaves + stats.evicted_checkpoints_only,
+                    ..CacheStats::default()
+                }
+            }
+            _ => CacheStats::default(),
         }
     }
 

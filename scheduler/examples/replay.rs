@@ -293,6 +293,13 @@ fn print_report(title: &str, report: &ReplayReport) {
             "router cache        {} lookups, {} hit tokens, {} checkpoints held at the end, alpha {alpha}",
             cache.lookups, cache.hit_tokens, cache.checkpoints_held
         );
+        println!(
+            "marconi             {} checkpoints taken, {} hit, {} evicted, {} held at the end",
+            cache.checkpoints_taken,
+            cache.checkpoint_hits,
+            cache.checkpoints_evicted,
+            cache.checkpoints_held
+        );
     }
     println!(
         "TTFT                p50 {:.1} ms, p95 {:.1} ms",

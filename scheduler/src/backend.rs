@@ -172,6 +172,9 @@ mod cpu {
             lookups: stats.lookups,
             hit_tokens: stats.hit_tokens,
             checkpoints_held: stats.checkpoints,
+            checkpoints_taken: stats.checkpoints_taken,
+            checkpoint_hits: stats.checkpoint_hits,
+            checkpoints_evicted: stats.checkpoints_evicted,
             marconi_alpha: stats.alpha,
         })
     }

@@ -71,6 +71,12 @@ pub struct CacheStats {
     pub hit_tokens: u64,
     /// SSM checkpoints the Marconi store holds at the end of the run.
     pub checkpoints_held: u64,
+    /// SSM checkpoints the Marconi store admitted during the run.
+    pub checkpoints_taken: u64,
+    /// Lookups the Marconi store answered with a checkpoint (SSM state restored).
+    pub checkpoint_hits: u64,
+    /// SSM checkpoints the Marconi store evicted during the run.
+    pub checkpoints_evicted: u64,
     /// The Marconi eviction weight α in use at the end (`None` without the Marconi policy).
     pub marconi_alpha: Option<f64>,
 }

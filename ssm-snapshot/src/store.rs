@@ -677,6 +677,7 @@ impl SnapshotStore {
         let outcome = match target {
             Some(node) if self.nodes[node as usize].checkpoint.is_none() => {
                 self.attach(node, slot, now);
+                self.stats.admitted_checkpoints += 1;
                 BranchOutcome::Admitted
             }
             Some(_) => {
@@ -986,6 +987,14 @@ impl SnapshotStore {
                 "counters: blocks {held} vs {}, checkpoints {cached} vs {}",
                 self.held_blocks,
                 self.slots.cached_count()
+            ));
+        }
+        // Every checkpoint the tree holds was admitted once and is removed only by an eviction.
+        let removed = self.stats.evicted_leaves + self.stats.evicted_checkpoints_only;
+        if self.stats.admitted_checkpoints != removed + u64::from(cached) {
+            return Err(format!(
+                "checkpoint counters: {} admitted, {removed} evicted, {cached} held",
+                self.stats.admitted_checkpoints
             ));
         }
         if pinned_checkpoints != self.pinned_checkpoints || pinned_blocks != self.pinned_blocks {
