@@ -465,7 +465,14 @@ where
         self.running.len()
     }
 
-    /// Whether nothing is waiting or running (commands not yet drained are not counted).
+    /// Sequences whose release the router refused twice; each later step (and shutdown)
+    /// releases them again, so they hold router resources only until a release succeeds.
+    pub fn orphans_len(&self) -> usize {
+        self.orphans.len()
+    }
+
+    /// Whether nothing is waiting or running (commands not yet drained are not counted, and
+    /// neither are [orphans](Self::orphans_len), which hold resources but serve no request).
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
     }
