@@ -113,6 +113,46 @@ pub fn output(command: &mut Command) -> Result<Vec<u8>, Error> {
     }
 }
 
+/// Every regular file under `dirs`, skipping `target/` and hidden folders; a missing folder
+/// contributes nothing. The order is unspecified: callers sort what they keep.
+pub fn files_under(dirs: &[PathBuf]) -> Result<Vec<PathBuf>, Error> {
+    let mut files = Vec::new();
+    let mut pending: Vec<PathBuf> = dirs.to_vec();
+    while let Some(dir) = pending.pop() {
+        if !dir.is_dir() {
+            continue;
+        }
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        for entry in std::fs::read_dir(&dir).map_err(io(&dir))? {
+            let entry = entry.map_err(io(&dir))?;
+            let path = entry.path();
+            let file_type = entry.file_type().map_err(io(&path))?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if file_type.is_dir() {
+                if name != "target" && !name.starts_with('.') {
+                    pending.push(path);
+                }
+            } else if file_type.is_file() {
+                files.push(path);
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// `path` relative to `root`, with `/` separators; `path` itself when it is not under `root`.
+pub fn relative(root: &Path, path: &Path) -> String {
+    let rel = path.strip_prefix(root).unwrap_or(path);
+    rel.components()
+        .map(|c| c.as_os_str().to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

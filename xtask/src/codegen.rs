@@ -135,44 +135,17 @@ struct Snapshot {
 /// Every file under `dirs` (relative to `root`), skipping `target/` and hidden folders.
 fn snapshot(root: &Path, dirs: &[PathBuf]) -> Result<Snapshot, Error> {
     let mut files = Snapshot::default();
-    let mut pending: Vec<PathBuf> = dirs.iter().map(|d| root.join(d)).collect();
-    while let Some(dir) = pending.pop() {
-        if !dir.is_dir() {
-            continue;
-        }
-        let entries = std::fs::read_dir(&dir).map_err(|source| Error::Io {
-            path: dir.clone(),
+    let dirs: Vec<PathBuf> = dirs.iter().map(|d| root.join(d)).collect();
+    for path in cmd::files_under(&dirs)? {
+        let bytes = std::fs::read(&path).map_err(|source| Error::Io {
+            path: path.clone(),
             source,
         })?;
-        for entry in entries {
-            let entry = entry.map_err(|source| Error::Io {
-                path: dir.clone(),
-                source,
-            })?;
-            let path = entry.path();
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if path.is_dir() {
-                if name != "target" && !name.starts_with('.') {
-                    pending.push(path);
-                }
-            } else if path.is_file() {
-                let bytes = std::fs::read(&path).map_err(|source| Error::Io {
-                    path: path.clone(),
-                    source,
-                })?;
-                let rel = path.strip_prefix(root).unwrap_or(&path);
-                let rel = rel
-                    .components()
-                    .map(|c| c.as_os_str().to_string_lossy())
-                    .collect::<Vec<_>>()
-                    .join("/");
-                if let Ok(modified) = entry.metadata().and_then(|m| m.modified()) {
-                    files.modified.insert(rel.clone(), modified);
-                }
-                files.contents.insert(rel, bytes);
-            }
+        let rel = cmd::relative(root, &path);
+        if let Ok(modified) = std::fs::metadata(&path).and_then(|m| m.modified()) {
+            files.modified.insert(rel.clone(), modified);
         }
+        files.contents.insert(rel, bytes);
     }
     Ok(files)
 }

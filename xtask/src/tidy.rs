@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::path::Path;
 
-use crate::cmd::Error;
+use crate::cmd::{self, relative, Error};
 use crate::lex::{self, Token};
 use crate::metadata::Metadata;
 
@@ -80,51 +80,20 @@ impl SourceFile {
 /// Every `.rs` file under `root`, sorted by path, skipping `target/` and hidden directories.
 pub fn source_files(root: &Path) -> Result<Vec<SourceFile>, Error> {
     let mut files = Vec::new();
-    let mut pending = vec![root.to_path_buf()];
-    while let Some(dir) = pending.pop() {
-        let entries = std::fs::read_dir(&dir).map_err(|source| Error::Io {
-            path: dir.clone(),
-            source,
-        })?;
-        for entry in entries {
-            let entry = entry.map_err(|source| Error::Io {
-                path: dir.clone(),
-                source,
-            })?;
-            let path = entry.path();
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            let file_type = entry.file_type().map_err(|source| Error::Io {
+    for path in cmd::files_under(&[root.to_path_buf()])? {
+        if path.extension().is_some_and(|ext| ext == "rs") {
+            let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
                 path: path.clone(),
                 source,
             })?;
-            if file_type.is_dir() {
-                if name != "target" && !name.starts_with('.') {
-                    pending.push(path);
-                }
-            } else if file_type.is_file() && name.ends_with(".rs") {
-                let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
-                    path: path.clone(),
-                    source,
-                })?;
-                files.push(SourceFile {
-                    path: relative(root, &path),
-                    text,
-                });
-            }
+            files.push(SourceFile {
+                path: relative(root, &path),
+                text,
+            });
         }
     }
     files.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(files)
-}
-
-/// `path` relative to `root`, with `/` separators; `path` itself when it is not under `root`.
-fn relative(root: &Path, path: &Path) -> String {
-    let rel = path.strip_prefix(root).unwrap_or(path);
-    rel.components()
-        .map(|c| c.as_os_str().to_string_lossy())
-        .collect::<Vec<_>>()
-        .join("/")
 }
 
 /// Every `.rs` file starts with a `//!` line; a generated one with exactly [`GENERATED_HEADER`].
