@@ -71,6 +71,7 @@
 
 pub mod cost;
 pub mod error;
+pub mod paper;
 pub mod sim;
 pub mod slots;
 pub mod store;
