@@ -4,8 +4,17 @@
 //! ```text
 //! simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi}
 //!          [--block-size B] [--model nvidia-hybrid-7b] [--alpha A]
+//! simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi}
+//!          [--model nvidia-hybrid-7b] [--alpha A] [--bootstrap-multiplier M]
 //! simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE
 //! ```
+//!
+//! `paper-sglang` and `paper-marconi` replay the trace through [`ssm_snapshot::paper`], our model
+//! of the Marconi artifact's own simulator (SGLang+ = its V1; Marconi = its V2 with the bootstrap
+//! replay tuning α, or V3 with `--alpha A` fixed; `--bootstrap-multiplier` [15] sets the window).
+//! They are references to score our policies against: block size 1 only, and the artifact checks
+//! capacity only before inserting, so `max_bytes` may exceed `capacity_bytes` (reported, not an
+//! error).
 //!
 //! Tuning options for `marconi` (defaults in brackets; `--alpha` fixes α and disables tuning):
 //! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {recency,full,paper,basis}`
@@ -19,6 +28,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::process::ExitCode;
 
+use ssm_snapshot::paper::{PaperCache, PaperConfig, PaperVersion};
 use ssm_snapshot::sim::{
     generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
 };
@@ -30,6 +40,8 @@ const USAGE: &str = "usage:
 [--model nvidia-hybrid-7b] [--alpha A] [--tuning {shadow,periodic,bootstrap}] \
 [--grid {recency,full,paper,basis}] [--window N] [--cooldown N] [--margin F] \
 [--objective {flops,tokens}] [--recency {path,own}] [--flop-basis {marginal,prefix}]
+  simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi} \
+[--model nvidia-hybrid-7b] [--alpha A] [--bootstrap-multiplier M]
   simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE";
 
 fn main() -> ExitCode {
@@ -90,6 +102,114 @@ fn io_error(path: &str) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
     }
 }
 
+/// A `--capacity-bytes` value: a plain integer or exact scientific notation (`2e10`).
+fn byte_count(capacity: &str) -> Result<u64, SnapshotError> {
+    capacity
+        .parse::<u64>()
+        .ok()
+        .or_else(|| {
+            capacity
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.fract() == 0.0 && *v >= 0.0 && *v < 1.8e19)
+                .map(|v| v as u64)
+        })
+        .ok_or_else(|| {
+            SnapshotError::BadArgument(format!("--capacity-bytes `{capacity}` is not a byte count"))
+        })
+}
+
+/// `--policy paper-sglang` or `paper-marconi`: the artifact's simulator as modelled by
+/// `ssm_snapshot::paper`, with the same last-line report.
+fn run_paper(flags: &HashMap<String, String>, policy: &str) -> Result<(), SnapshotError> {
+    let known = [
+        "trace",
+        "capacity-bytes",
+        "policy",
+        "block-size",
+        "model",
+        "alpha",
+        "bootstrap-multiplier",
+    ];
+    if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(SnapshotError::BadArgument(format!(
+            "--{extra} does not apply to --policy {policy}"
+        )));
+    }
+    let trace = required(flags, "trace")?;
+    let capacity_bytes = byte_count(required(flags, "capacity-bytes")?)?;
+    let cost = CostModel::by_name(
+        flags
+            .get("model")
+            .map_or("nvidia-hybrid-7b", String::as_str),
+    )?;
+    let alpha: Option<f64> = number(flags, "alpha")?;
+    let multiplier: Option<u64> = number(flags, "bootstrap-multiplier")?;
+    let version = match (policy, alpha, multiplier) {
+        ("paper-sglang", Some(alpha), _) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--alpha {alpha} applies only to --policy paper-marconi or marconi"
+            )))
+        }
+        ("paper-sglang", None, Some(_)) | ("paper-marconi", Some(_), Some(_)) => {
+            return Err(SnapshotError::BadArgument(
+                "--bootstrap-multiplier applies only to --policy paper-marconi without --alpha"
+                    .into(),
+            ))
+        }
+        ("paper-sglang", None, None) => PaperVersion::SglangPlus,
+        (_, Some(alpha), _) => PaperVersion::FixedAlpha(alpha),
+        (_, None, _) => PaperVersion::Marconi,
+    };
+    let mut config = PaperConfig::new(version, capacity_bytes, cost);
+    config.block_size = number(flags, "block-size")?.unwrap_or(1);
+    if let Some(multiplier) = multiplier {
+        config.bootstrap_multiplier = multiplier;
+    }
+    let mut cache = PaperCache::new(config)?;
+    let file = File::open(trace).map_err(io_error(trace))?;
+    read_trace(BufReader::new(file), |record| {
+        cache.serve(&record.input_tokens, &record.output_tokens);
+        Ok(())
+    })?;
+    match (cache.first_eviction_requests(), cache.bootstrap_window()) {
+        (Some(first), Some(window)) => {
+            println!("first eviction at request {first}, bootstrap window {window}")
+        }
+        _ => println!("no eviction"),
+    }
+    if let Some(tuning) = cache.tuning() {
+        let saved: Vec<String> = tuning
+            .flops_saved
+            .iter()
+            .enumerate()
+            .map(|(i, flops)| format!("{}:{flops:.4e}", f64::from(i as u32) / 10.0))
+            .collect();
+        println!(
+            "bootstrap at request {} ({} calls replayed) chose alpha {}; replay FLOPs saved (alpha:flops): {}",
+            tuning.at_request,
+            tuning.calls_replayed,
+            tuning.alpha,
+            saved.join(" ")
+        );
+    }
+    let stats = cache.stats();
+    println!(
+        "evictions {}, evicted leaves {}, merged nodes {}, splits {}, quirk appends {} ({} hit tokens), max_bytes/capacity {:.4}",
+        stats.evictions,
+        stats.evicted_leaves,
+        stats.merged_nodes,
+        stats.splits,
+        stats.quirk_appends,
+        stats.quirk_hit_tokens,
+        cache.max_bytes() as f64 / capacity_bytes.max(1) as f64
+    );
+    let line = serde_json::to_string(&cache.report(policy))
+        .map_err(|e| SnapshotError::Internal(e.to_string()))?;
+    println!("{line}");
+    Ok(())
+}
+
 fn run() -> Result<(), SnapshotError> {
     let flags = parse_flags()?;
     if let Some(kind) = flags.get("generate") {
@@ -112,6 +232,11 @@ fn run() -> Result<(), SnapshotError> {
             records.len()
         );
         return Ok(());
+    }
+    if let Some(policy @ ("paper-sglang" | "paper-marconi")) =
+        flags.get("policy").map(String::as_str)
+    {
+        return run_paper(&flags, policy);
     }
 
     let known = [
@@ -136,21 +261,7 @@ fn run() -> Result<(), SnapshotError> {
         )));
     }
     let trace = required(&flags, "trace")?;
-    let capacity = required(&flags, "capacity-bytes")?;
-    // Accept plain integers and exact scientific notation (`2e10`).
-    let capacity_bytes = capacity
-        .parse::<u64>()
-        .ok()
-        .or_else(|| {
-            capacity
-                .parse::<f64>()
-                .ok()
-                .filter(|v| v.fract() == 0.0 && *v >= 0.0 && *v < 1.8e19)
-                .map(|v| v as u64)
-        })
-        .ok_or_else(|| {
-            SnapshotError::BadArgument(format!("--capacity-bytes `{capacity}` is not a byte count"))
-        })?;
+    let capacity_bytes = byte_count(required(&flags, "capacity-bytes")?)?;
     let policy = Policy::parse(required(&flags, "policy")?)?;
     let block_size: u32 = number(&flags, "block-size")?.unwrap_or(1);
     if block_size == 0 {
