@@ -30,14 +30,19 @@
 //! - **No pinning, checked only before inserting.** Eviction may remove the path of the very
 //!   sequence being inserted, which the insert then adds back in full, so the cache can end above
 //!   its capacity; [`PaperCache::max_bytes`] reports the overshoot instead of failing on it.
-//! - **Eviction, SGLang+.** A min-heap of the leaves keyed by `ts` (ties: earlier in the tree's
-//!   DFS pre-order, children in order); pop, delete, and push the parent (not the root) when it
-//!   has become a leaf, until enough bytes are freed or nothing is left.
+//! - **Eviction, SGLang+.** A min-heap of the leaves keyed by `ts`, built from them in the tree's
+//!   DFS pre-order (children in order); pop, delete, and push the parent (not the root) when it
+//!   has become a leaf, until enough bytes are freed or nothing is left. Equal timestamps are
+//!   common (a split stamps the branch node, the old child and the new leaf alike); the artifact
+//!   breaks those ties by where Python's `heapq` happens to place them, and so does this model
+//!   (it runs the same heap algorithm), which changes hit rates by up to ~0.1 point against a
+//!   DFS-order tie-break.
 //! - **Eviction, Marconi.** Until enough bytes are freed: score every non-root node with at most
 //!   one child by `α · eff + recency`, each min-max normalised over the candidates (all 1.0 when
 //!   they are all equal), where `eff = F / (C + K · depth)` and `F` is the node's marginal prefix
 //!   FLOPs (`flops(depth) - flops(depth - edge)`: Mamba and MLP FLOPs are linear in tokens, so
-//!   this equals the artifact's per-layer-kind sum). The first minimum in DFS pre-order goes: a
+//!   this equals the artifact's per-layer-kind sum; it is computed without subtracting rounded
+//!   totals, see `PaperCache::empty`). The first minimum in DFS pre-order goes: a
 //!   leaf frees `C + K · edge` and is deleted; a single-child node frees only `C` and merges with
 //!   its child (edge concatenated, `ts` the later of the two, the child's children).
 //! - **Bootstrap tuning** ([`PaperVersion::Marconi`] only, once). At the first eviction (any
@@ -53,9 +58,6 @@
 //! the sum of their edge lengths; freed arena slots are on the free list and reachable from no
 //! node. The recorded call history is non-empty only for [`PaperVersion::Marconi`] before the
 //! bootstrap tuning.
-
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 
 use crate::cost::CostModel;
 use crate::error::SnapshotError;
@@ -201,6 +203,9 @@ pub struct PaperCache {
     history: Vec<Call>,
     max_bytes: u64,
     stats: PaperStats,
+    /// `flops(l) = flops_linear · l + flops_quadratic · l²`, read back from the cost model.
+    flops_linear: f64,
+    flops_quadratic: f64,
 }
 
 impl PaperCache {
@@ -232,7 +237,16 @@ impl PaperCache {
 
     /// An empty cache with eviction weight `alpha` (the caller checked `config`).
     fn empty(config: PaperConfig, alpha: f64) -> Self {
+        // Prefix FLOPs are `a·l + b·l²`; reading `a` and `b` back lets eviction compute a node's
+        // marginal FLOPs as `a·edge + b·edge·(depth + parent depth)`, which is exact in f64 for
+        // integer coefficients and realistic lengths (as the artifact's integer arithmetic is),
+        // instead of subtracting two large, rounded prefix totals.
+        let one = config.cost.prefix_flops(1);
+        let flops_quadratic = (config.cost.prefix_flops(2) - 2.0 * one) / 2.0;
+        let flops_linear = one - flops_quadratic;
         Self {
+            flops_linear,
+            flops_quadratic,
             config,
             nodes: vec![Node {
                 edge: Vec::new(),
@@ -624,29 +638,22 @@ impl PaperCache {
     fn evict_leaves_lru(&mut self, bytes_to_remove: u64) {
         let c = self.config.cost.checkpoint_bytes();
         let k = self.config.cost.kv_bytes_per_token();
-        let order = self.preorder();
-        let mut rank = vec![0_u32; self.nodes.len()];
-        for (position, &id) in order.iter().enumerate() {
-            rank[id as usize] = position as u32;
-        }
-        let mut heap: BinaryHeap<Reverse<(u64, u32, u32)>> = order
-            .iter()
-            .filter(|&&id| self.nodes[id as usize].children.is_empty())
-            .map(|&id| Reverse((self.nodes[id as usize].ts, rank[id as usize], id)))
+        let leaves: Vec<(u64, u32)> = self
+            .preorder()
+            .into_iter()
+            .filter(|&id| self.nodes[id as usize].children.is_empty())
+            .map(|id| (self.nodes[id as usize].ts, id))
             .collect();
+        let mut heap = TimestampHeap::heapify(leaves);
         let mut freed = 0_u64;
         while freed < bytes_to_remove {
-            let Some(Reverse((_, _, id))) = heap.pop() else {
+            let Some(id) = heap.pop() else {
                 break;
             };
             freed += c + k * self.nodes[id as usize].edge.len() as u64;
             let parent = self.delete_leaf(id);
             if parent != ROOT && self.nodes[parent as usize].children.is_empty() {
-                heap.push(Reverse((
-                    self.nodes[parent as usize].ts,
-                    rank[parent as usize],
-                    parent,
-                )));
+                heap.push((self.nodes[parent as usize].ts, parent));
             }
         }
     }
@@ -668,8 +675,9 @@ impl PaperCache {
                     continue;
                 }
                 let parent_depth = node.depth - node.edge.len() as u64;
-                let flops = self.config.cost.prefix_flops(node.depth)
-                    - self.config.cost.prefix_flops(parent_depth);
+                let edge = node.edge.len() as f64;
+                let flops = self.flops_linear * edge
+                    + self.flops_quadratic * edge * (node.depth + parent_depth) as f64;
                 let memory = c as f64 + k as f64 * node.depth as f64;
                 candidates.push(id);
                 efficiency.push(flops / memory);
@@ -740,6 +748,76 @@ impl PaperCache {
     }
 }
 
+/// A binary min-heap of `(ts, node)` compared by `ts` alone, laid out and sifted exactly as
+/// CPython's `heapq` does (`heapify` sifts positions `len/2 - 1` down to 0; a sift from a
+/// position first walks the smaller child (the right one unless the left is strictly smaller)
+/// down to a leaf, then moves the item back up while it is strictly smaller than its parent).
+/// The artifact heapifies its leaves in DFS order, so equal timestamps leave in the order this
+/// layout gives, which is neither DFS order nor insertion order; keeping the same algorithm keeps
+/// its tie-breaking.
+struct TimestampHeap {
+    items: Vec<(u64, u32)>,
+}
+
+impl TimestampHeap {
+    fn heapify(items: Vec<(u64, u32)>) -> Self {
+        let mut heap = Self { items };
+        for pos in (0..heap.items.len() / 2).rev() {
+            heap.sift_from(pos);
+        }
+        heap
+    }
+
+    fn push(&mut self, item: (u64, u32)) {
+        self.items.push(item);
+        self.sift_towards_root(0, self.items.len() - 1);
+    }
+
+    fn pop(&mut self) -> Option<u32> {
+        let last = self.items.pop()?;
+        if self.items.is_empty() {
+            return Some(last.1);
+        }
+        let top = std::mem::replace(&mut self.items[0], last);
+        self.sift_from(0);
+        Some(top.1)
+    }
+
+    /// Moves the item at `pos` up while it is strictly older than its parent, not above `start`.
+    fn sift_towards_root(&mut self, start: usize, mut pos: usize) {
+        let item = self.items[pos];
+        while pos > start {
+            let parent = (pos - 1) / 2;
+            if item.0 < self.items[parent].0 {
+                self.items[pos] = self.items[parent];
+                pos = parent;
+            } else {
+                break;
+            }
+        }
+        self.items[pos] = item;
+    }
+
+    /// Walks the item at `pos` down to a leaf along the smaller children, then back up.
+    fn sift_from(&mut self, start: usize) {
+        let end = self.items.len();
+        let item = self.items[start];
+        let mut pos = start;
+        let mut child = 2 * pos + 1;
+        while child < end {
+            let right = child + 1;
+            if right < end && self.items[child].0 >= self.items[right].0 {
+                child = right;
+            }
+            self.items[pos] = self.items[child];
+            pos = child;
+            child = 2 * pos + 1;
+        }
+        self.items[pos] = item;
+        self.sift_towards_root(start, pos);
+    }
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -754,5 +832,31 @@ fn normalise(values: &mut [f64]) {
         values
             .iter_mut()
             .for_each(|v| *v = (*v - min) / (max - min));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TimestampHeap;
+
+    fn drain(heap: &mut TimestampHeap) -> Vec<u32> {
+        std::iter::from_fn(|| heap.pop()).collect()
+    }
+
+    /// The orders CPython's `heapq` gives for the same operations (checked with CPython 3 on
+    /// objects compared by timestamp only).
+    #[test]
+    fn ties_leave_in_the_order_pythons_heapq_gives() {
+        let mut heap = TimestampHeap::heapify((0..4).map(|id| (6, id)).collect());
+        assert_eq!(drain(&mut heap), vec![2, 0, 3, 1]);
+
+        let ts = [5, 6, 6, 5, 7, 6];
+        let mut heap = TimestampHeap::heapify((0..6).map(|id| (ts[id as usize], id)).collect());
+        let mut order = vec![heap.pop().unwrap(), heap.pop().unwrap()];
+        heap.push((5, 6));
+        heap.push((6, 7));
+        order.extend(drain(&mut heap));
+        assert_eq!(order, vec![3, 0, 6, 7, 5, 2, 1, 4]);
+        assert_eq!(heap.pop(), None);
     }
 }

@@ -94,17 +94,19 @@ fn sglang_plus_evicts_the_least_recent_leaf_then_its_emptied_parent() {
 }
 
 #[test]
-fn sglang_plus_breaks_timestamp_ties_by_dfs_order() {
+fn sglang_plus_breaks_timestamp_ties_as_pythons_heapq_does() {
     let mut c = cache(PaperVersion::SglangPlus, 40);
     c.serve(&[1, 2, 3], &[]);
     c.serve(&[1, 2, 4], &[]);
-    // 34 + 11 - 40 = 5 to remove: [3] and [4] both have ts 6; [3] comes first.
+    // 34 + 11 - 40 = 5 to remove: [3] and [4] both have ts 6. Heapifying [[3], [4]] (DFS order)
+    // moves [4] to the top (the sift takes the only child, and [3] is not strictly older), so
+    // the artifact evicts [4], not the first in DFS order.
     c.serve(&[9], &[]);
     assert_eq!(
         c.nodes(),
         vec![
             node(2, &[1, 2], 6, 1),
-            node(3, &[4], 6, 0),
+            node(3, &[3], 6, 0),
             node(1, &[9], 10, 0),
         ]
     );
