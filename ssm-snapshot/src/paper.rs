@@ -56,8 +56,9 @@
 //! live node has a non-empty edge, `depth = parent depth + edge length`, and its first token is
 //! unique among its siblings; `node_count` and `token_count` are the live non-root nodes and
 //! the sum of their edge lengths; freed arena slots are on the free list and reachable from no
-//! node. The recorded call history is non-empty only for [`PaperVersion::Marconi`] before the
-//! bootstrap tuning.
+//! node. The recorded call history (every lookup and insert, for the replay) is non-empty only
+//! for [`PaperVersion::Marconi`] before the bootstrap replay and while the window can still be
+//! reached.
 
 use crate::cost::CostModel;
 use crate::error::SnapshotError;
@@ -357,8 +358,11 @@ impl PaperCache {
 
     /// The request's prefix match; returns its hit tokens (the artifact's count, quirk included).
     pub fn lookup(&mut self, input: &[u32]) -> u64 {
-        if self.records_history() {
+        if self.records_history(self.stats.lookups + 1) {
             self.history.push(Call::Lookup(input.to_vec()));
+        } else if !self.history.is_empty() {
+            // The window has passed without the replay (see `records_history`).
+            self.history = Vec::new();
         }
         let found = self.match_prefix(input);
         self.stats.lookups += 1;
@@ -375,7 +379,7 @@ impl PaperCache {
     pub fn insert(&mut self, tokens: &[u32]) {
         self.now += 1;
         self.stats.inserts += 1;
-        if self.records_history() {
+        if self.records_history(self.stats.lookups) {
             self.history.push(Call::Insert(tokens.to_vec()));
             if self.bootstrap_window == Some(self.stats.lookups) {
                 self.bootstrap();
@@ -412,8 +416,14 @@ impl PaperCache {
         }
     }
 
-    fn records_history(&self) -> bool {
-        self.config.version == PaperVersion::Marconi && self.tuning.is_none()
+    /// Whether calls made while `lookups` lookups have been seen can still be replayed: only for
+    /// [`PaperVersion::Marconi`], before its replay, and not past a known window. The window
+    /// check comes before the eviction that sets the window, so with a multiplier of 0 or 1 the
+    /// replay never runs (as in the artifact), and nothing needs to be kept.
+    fn records_history(&self, lookups: u64) -> bool {
+        self.config.version == PaperVersion::Marconi
+            && self.tuning.is_none()
+            && self.bootstrap_window.is_none_or(|window| lookups <= window)
     }
 
     fn is_sglang(&self) -> bool {

@@ -263,6 +263,16 @@ fn bootstrap_fires_once_at_the_window_and_takes_the_first_maximum() {
         c.serve(&fresh(i), &[]);
     }
     assert_eq!(c.tuning(), Some(&tuning));
+    // With a multiplier of 1 the window is the first eviction's own request, whose insert checked
+    // the window before evicting: the replay never runs (the artifact's behaviour).
+    let mut config = PaperConfig::new(PaperVersion::Marconi, 40, tiny_cost());
+    config.bootstrap_multiplier = 1;
+    let mut once = PaperCache::new(config).unwrap();
+    for i in 0..30 {
+        once.serve(&fresh(i), &[]);
+    }
+    assert_eq!(once.bootstrap_window(), Some(3));
+    assert_eq!(once.tuning(), None);
     assert_eq!(bootstrap_grid().len(), 21);
     assert_eq!(bootstrap_grid()[20], 2.0);
     assert_eq!(bootstrap_grid()[3], 0.3);
