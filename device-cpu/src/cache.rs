@@ -382,13 +382,22 @@ impl Caches {
         }
     }
 
-    /// A checkpoint slot to copy a state into (evicting cached checkpoints if the region is
-    /// full); `None` when the region is held entirely by running sequences.
-    pub fn take_checkpoint_slot(&mut self) -> Option<SlotId> {
+    /// A checkpoint slot to copy a state into for the sequence holding `pin` (evicting cached
+    /// checkpoints if the region is full); `None` when the region is held entirely by running
+    /// sequences, or when guarded admission refuses a sequence that missed the cache.
+    pub fn take_checkpoint_slot(&mut self, pin: Option<&Pin>) -> Option<SlotId> {
         let Index::Marconi(store, _) = &mut self.index else {
             return None;
         };
-        let slot = store.reserve_checkpoint(&mut self.delta);
+        let slot = match pin {
+            Some(pin) => store
+                .reserve_checkpoint_for(pin, &mut self.delta)
+                .unwrap_or_else(|err| {
+                    tracing::error!(%err, "checkpoint reserved under a stale pin");
+                    None
+                }),
+            None => store.reserve_checkpoint(&mut self.delta),
+        };
         Self::apply_delta(&mut self.kv, &mut self.delta);
         slot
     }

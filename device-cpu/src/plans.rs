@@ -385,7 +385,7 @@ pub(crate) fn take_checkpoint(
     inner: &mut Inner,
     seq: &CpuSeq,
 ) -> std::result::Result<Option<crate::cache::CheckpointSlot>, model::ModelError> {
-    let Some(checkpoint) = inner.cache.take_checkpoint_slot() else {
+    let Some(checkpoint) = inner.cache.take_checkpoint_slot(seq.pin.as_ref()) else {
         tracing::debug!(
             pos = seq.computed_len,
             "no checkpoint slot free; checkpoint skipped"

@@ -82,6 +82,7 @@ fn bench_request(c: &mut Criterion) {
             alpha,
             flop_basis: FlopBasis::Marginal,
             recency: Recency::Own,
+            guard: false,
             cost,
         };
         let mut store = SnapshotStore::new(config).expect("valid config");

@@ -17,10 +17,11 @@
 //! error).
 //!
 //! Tuning options for `marconi` (defaults in brackets; `--alpha` fixes α and disables tuning):
-//! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {recency,full,paper,basis}`
-//! [recency], `--window N` (shadow half-life or periodic window) [100], `--cooldown N` [300],
-//! `--margin F` [0.02], `--objective {flops,tokens}` [flops], `--recency {path,own}` (initial)
-//! [path], `--flop-basis {marginal,prefix}` (initial) [marginal].
+//! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {default,legacy,paper,wide}`
+//! [default], `--window N` (shadow half-life or periodic window) [100], `--cooldown N` [300],
+//! `--margin F` [0.02], `--objective {flops,tokens}` [flops]; the initial setting:
+//! `--recency {path,own,shared,adaptive}` [adaptive], `--flop-basis {marginal,prefix}`
+//! [marginal], `--guard {off,on}` (guarded admission) [off].
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -32,14 +33,15 @@ use ssm_snapshot::paper::{PaperCache, PaperConfig, PaperVersion};
 use ssm_snapshot::sim::{
     generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
 };
-use ssm_snapshot::tuning::{default_grid, grid};
+use ssm_snapshot::tuning::{default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS};
 use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, SnapshotError, TuningMode};
 
 const USAGE: &str = "usage:
   simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [--block-size B] \
 [--model nvidia-hybrid-7b] [--alpha A] [--tuning {shadow,periodic,bootstrap}] \
-[--grid {recency,full,paper,basis}] [--window N] [--cooldown N] [--margin F] \
-[--objective {flops,tokens}] [--recency {path,own}] [--flop-basis {marginal,prefix}]
+[--grid {default,legacy,paper,wide}] [--window N] [--cooldown N] [--margin F] \
+[--objective {flops,tokens}] [--recency {path,own,shared,adaptive}] \
+[--flop-basis {marginal,prefix}] [--guard {off,on}]
   simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi} \
 [--model nvidia-hybrid-7b] [--alpha A] [--bootstrap-multiplier M]
   simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE";
@@ -254,6 +256,7 @@ fn run() -> Result<(), SnapshotError> {
         "tuning",
         "window",
         "flop-basis",
+        "guard",
     ];
     if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
         return Err(SnapshotError::BadArgument(format!(
@@ -284,16 +287,23 @@ fn run() -> Result<(), SnapshotError> {
         }
     }
     let grid = match flags.get("grid").map(String::as_str) {
-        None | Some("recency") => default_grid(),
-        Some("full") => grid(
-            &[Recency::Path, Recency::Own],
-            &[FlopBasis::Prefix, FlopBasis::Marginal],
-        ),
+        None | Some("default") => default_grid(),
+        Some("legacy") => legacy_grid(),
         Some("paper") => grid(&[Recency::Path], &[FlopBasis::Prefix]),
-        Some("basis") => grid(&[Recency::Path], &[FlopBasis::Prefix, FlopBasis::Marginal]),
+        Some("wide") => grid_of(
+            DEFAULT_ALPHAS,
+            &[
+                Recency::Path,
+                Recency::Own,
+                Recency::Shared,
+                Recency::Adaptive,
+            ],
+            &[FlopBasis::Prefix, FlopBasis::Marginal],
+            &[false, true],
+        ),
         Some(other) => {
             return Err(SnapshotError::BadArgument(format!(
-                "--grid `{other}` (expected recency, full, paper or basis)"
+                "--grid `{other}` (expected default, legacy, paper or wide)"
             )))
         }
     };
@@ -327,11 +337,22 @@ fn run() -> Result<(), SnapshotError> {
     };
 
     config.recency = match flags.get("recency").map(String::as_str) {
-        None | Some("path") => Recency::Path,
+        Some("path") => Recency::Path,
         Some("own") => Recency::Own,
+        Some("shared") => Recency::Shared,
+        None | Some("adaptive") => Recency::Adaptive,
         Some(other) => {
             return Err(SnapshotError::BadArgument(format!(
-                "--recency `{other}` (expected own or path)"
+                "--recency `{other}` (expected path, own, shared or adaptive)"
+            )))
+        }
+    };
+    config.guard = match flags.get("guard").map(String::as_str) {
+        None | Some("off") => false,
+        Some("on") => true,
+        Some(other) => {
+            return Err(SnapshotError::BadArgument(format!(
+                "--guard `{other}` (expected on or off)"
             )))
         }
     };
@@ -352,7 +373,15 @@ fn run() -> Result<(), SnapshotError> {
     if !history.is_empty() {
         let text: Vec<String> = history
             .iter()
-            .map(|(at, s)| format!("{at}:{}/{:?}/{:?}", s.alpha, s.recency, s.flop_basis))
+            .map(|(at, s)| {
+                format!(
+                    "{at}:{}/{:?}/{:?}{}",
+                    s.alpha,
+                    s.recency,
+                    s.flop_basis,
+                    if s.guard { "/guard" } else { "" }
+                )
+            })
             .collect();
         println!("tuning (request:alpha/recency): {}", text.join(" "));
     }
@@ -360,7 +389,15 @@ fn run() -> Result<(), SnapshotError> {
     if !shadows.is_empty() {
         let text: Vec<String> = shadows
             .iter()
-            .map(|(s, hits)| format!("{}/{:?}/{:?}:{hits}", s.alpha, s.recency, s.flop_basis))
+            .map(|(s, hits)| {
+                format!(
+                    "{}/{:?}/{:?}{}:{hits}",
+                    s.alpha,
+                    s.recency,
+                    s.flop_basis,
+                    if s.guard { "/guard" } else { "" }
+                )
+            })
             .collect();
         println!(
             "shadow hit tokens (alpha/recency:tokens): {}",
@@ -369,7 +406,9 @@ fn run() -> Result<(), SnapshotError> {
     }
     let stats = sim.store().stats();
     println!(
-        "evicted leaves {}, checkpoint-only evictions {}, checkpoints admitted {}, dropped {}",
+        "hits {} (mid-sequence {}), evicted leaves {}, checkpoint-only evictions {}, checkpoints admitted {}, dropped {}",
+        stats.hits,
+        stats.mid_hits,
         stats.evicted_leaves,
         stats.evicted_checkpoints_only,
         stats.admitted_checkpoints,

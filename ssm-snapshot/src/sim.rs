@@ -151,14 +151,14 @@ pub fn serve_request(
         flops_saved: store.config().cost.prefix_flops(hit.hit_tokens as u64),
     };
     if let Some(pos) = hit.branch_at {
-        if let Some(slot) = store.reserve_checkpoint(delta) {
+        if let Some(slot) = store.reserve_checkpoint_for(&hit.pin, delta)? {
             store.commit_branch(&hit.pin, input, pos, slot, delta)?;
         }
     }
     let block = store.config().block_size as usize;
     let mut checkpoints: Vec<(usize, SlotId)> = Vec::new();
     for index in store.finish_positions(hit.hit_tokens, full.len()).rev() {
-        match store.reserve_checkpoint(delta) {
+        match store.reserve_checkpoint_for(&hit.pin, delta)? {
             Some(slot) => checkpoints.push((index * block, slot)),
             None => break,
         }
@@ -226,13 +226,16 @@ pub struct SimConfig {
     pub flop_basis: FlopBasis,
     /// For `marconi`: which time the recency term uses.
     pub recency: Recency,
+    /// For `marconi`: guarded admission (initial setting; see [`crate::StoreConfig::guard`]).
+    pub guard: bool,
     /// For `marconi` with tuning: what the replays maximise.
     pub objective: Objective,
 }
 
 impl SimConfig {
-    /// The defaults for `policy`: periodic retuning and marginal FLOPs for `marconi` (what
-    /// measured best; see the crate report).
+    /// The defaults for `policy`; for `marconi`: shadow tuning over the default grid
+    /// ([`default_tuning`]), starting at α = 0, adaptive recency, marginal FLOPs, plain admission
+    /// (what measured best; see the crate report).
     pub fn new(policy: Policy, capacity_bytes: u64, block_size: u32, cost: CostModel) -> Self {
         Self {
             policy,
@@ -242,7 +245,8 @@ impl SimConfig {
             alpha: None,
             tuning: default_tuning(),
             flop_basis: FlopBasis::Marginal,
-            recency: Recency::Path,
+            recency: Recency::Adaptive,
+            guard: false,
             objective: Objective::Flops,
         }
     }
@@ -316,6 +320,7 @@ impl Simulation {
             alpha,
             flop_basis: basis,
             recency,
+            guard: config.policy == Policy::Marconi && config.guard,
             cost: config.cost.clone(),
         })?;
         let mode = match (config.policy, config.alpha) {

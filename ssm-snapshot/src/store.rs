@@ -126,6 +126,16 @@ pub enum Recency {
     /// of a conversation is only useful to a request that diverges exactly there, so the turns
     /// that go through it to a deeper hit do not refresh it.
     Own,
+    /// [`Recency::Own`], and a request going through the node while it is a branch point (two
+    /// or more children) refreshes it too: a prefix that several conversations share (a system
+    /// prompt, a repository) stays as fresh as its use, a checkpoint in the middle of one
+    /// conversation does not.
+    Shared,
+    /// [`Recency::Shared`] while few hits land in the middle of cached sequences, [`Recency::Path`]
+    /// while many do (more than 5% of recent hits, an exponential average over about 64 hits):
+    /// workloads that edit or regenerate their history reuse middle checkpoints, chat that only
+    /// extends it does not.
+    Adaptive,
 }
 
 /// What the byte budget covers.
@@ -157,14 +167,23 @@ pub struct StoreConfig {
     pub flop_basis: FlopBasis,
     /// Which time the recency term uses.
     pub recency: Recency,
+    /// Guarded admission, against LRU thrashing when the working set is larger than memory: a
+    /// sequence that missed (a new conversation, or one evicted since) may take the place of
+    /// dead entries only, those not used for longer than reuses take (1.5 times the 90th
+    /// percentile of recent hit ages), never of live ones. Its checkpoints are refused or are the first
+    /// victims. Sequences that hit (conversations the cache serves) are admitted as usual.
+    /// A stable part of the working set then stays cached instead of all of it cycling through.
+    /// With fewer than 16 hits observed everything counts as dead (plain admission).
+    /// A tuner chooses it per workload.
+    pub guard: bool,
     /// Costs of the model served.
     pub cost: CostModel,
 }
 
 impl StoreConfig {
     /// An engine configuration: Marconi admission, a checkpoint-only budget of `budget_bytes`, as
-    /// many slots as the budget holds, plain LRU (α = 0, path recency) until an
-    /// [`AlphaTuner`](crate::AlphaTuner) changes the setting.
+    /// many slots as the budget holds, α = 0 with [`Recency::Adaptive`], plain admission, until
+    /// an [`AlphaTuner`](crate::AlphaTuner) changes the setting.
     pub fn engine(cost: CostModel, block_size: u32, budget_bytes: u64) -> Self {
         let slots = (budget_bytes / cost.checkpoint_bytes()).min(u64::from(MAX_SLOTS)) as u32;
         Self {
@@ -175,7 +194,8 @@ impl StoreConfig {
             admission: Admission::Marconi,
             alpha: 0.0,
             flop_basis: FlopBasis::Marginal,
-            recency: Recency::Path,
+            recency: Recency::Adaptive,
+            guard: false,
             cost,
         }
     }
@@ -296,6 +316,9 @@ pub struct StoreStats {
     pub hits: u64,
     /// Sum of hit lengths.
     pub hit_tokens: u64,
+    /// Hits on a node with exactly one child: a checkpoint in the middle of a cached sequence,
+    /// reached by a request that diverges there (an edited history, a regenerated turn).
+    pub mid_hits: u64,
     /// Leaves evicted (checkpoint and KV freed).
     pub evicted_leaves: u64,
     /// Single-child nodes evicted (checkpoint freed, node merged into its child).
@@ -337,6 +360,8 @@ struct Node {
     last_hit: u64,
     /// The node's key in `candidates`, present iff it is a candidate.
     candidate: Option<(u64, usize, u32)>,
+    /// When the checkpoint was attached (the store's clock).
+    admitted: u64,
     live: bool,
 }
 
@@ -400,6 +425,22 @@ pub struct SnapshotStore {
     scratch_path: Vec<u32>,
     scratch_scores: Vec<(u32, u64, f64)>,
     scratch_slots: Vec<SlotId>,
+    /// Guarded admission: nodes that got a checkpoint from a sequence that missed, since the
+    /// latest lookup (may hold stale ids; `admitted > lookup_clock` tells which are current).
+    newcomers: Vec<u32>,
+    /// The clock at the latest lookup.
+    lookup_clock: u64,
+    /// While inserting for a sequence that missed under guarded admission.
+    guarding: bool,
+    /// The ages (clock ticks since last use) of the latest hits, a ring.
+    hit_ages: Vec<u64>,
+    /// Next slot of `hit_ages` to write.
+    hit_age_at: usize,
+    /// Entries unused for longer than this are dead (1.5 times the 90th percentile of
+    /// `hit_ages`).
+    dead_after: u64,
+    /// Exponential average of the fraction of hits on a node with one child.
+    mid_rate: f64,
 }
 
 /// Hash of one block of tokens: the key of a child under its parent.
@@ -450,6 +491,13 @@ impl SnapshotStore {
             scratch_path: Vec::new(),
             scratch_scores: Vec::new(),
             scratch_slots: Vec::new(),
+            newcomers: Vec::new(),
+            lookup_clock: 0,
+            guarding: false,
+            hit_ages: Vec::new(),
+            hit_age_at: 0,
+            dead_after: 0,
+            mid_rate: 0.0,
         })
     }
 
@@ -465,9 +513,25 @@ impl SnapshotStore {
         Ok(())
     }
 
+    /// Turns guarded admission on or off (see [`StoreConfig::guard`]).
+    pub fn set_guard(&mut self, guard: bool) {
+        self.config.guard = guard;
+        self.newcomers.clear();
+    }
+
     /// Sets which time the recency term of eviction scores uses.
     pub fn set_recency(&mut self, recency: Recency) {
         self.config.recency = recency;
+    }
+
+    /// Which nodes a request going through refreshes in `last_hit`: (branch points, all).
+    fn refresh_rule(&self) -> (bool, bool) {
+        match self.config.recency {
+            Recency::Shared => (true, false),
+            Recency::Adaptive if self.mid_rate > 0.05 => (true, true),
+            Recency::Adaptive => (true, false),
+            Recency::Path | Recency::Own => (false, false),
+        }
     }
 
     /// Sets how the FLOP-efficiency term counts FLOPs saved.
@@ -536,6 +600,8 @@ impl SnapshotStore {
     ) -> Hit {
         blocks_out.clear();
         let now = self.tick();
+        self.lookup_clock = now;
+        self.newcomers.clear();
         let root = self.root_for(namespace, now);
         let n = self.full_len(tokens.len());
         let walk = self.walk(root, &tokens[..n]);
@@ -581,9 +647,21 @@ impl SnapshotStore {
             path.push(at);
             at = self.nodes[at as usize].parent;
         }
+        if hit != root {
+            let age = now - self.nodes[hit as usize].last_access;
+            self.note_hit_age(age);
+            let mid = self.nodes[hit as usize].children.len() == 1;
+            self.stats.mid_hits += u64::from(mid);
+            self.mid_rate += (f64::from(u8::from(mid)) - self.mid_rate) / 64.0;
+        }
+        let (shared, whole) = self.refresh_rule();
         for &id in path.iter().rev() {
-            blocks_out.extend_from_slice(&self.nodes[id as usize].blocks);
-            self.nodes[id as usize].last_access = now;
+            let node = &mut self.nodes[id as usize];
+            blocks_out.extend_from_slice(&node.blocks);
+            node.last_access = now;
+            if whole || (shared && node.children.len() >= 2) {
+                node.last_hit = now;
+            }
             self.pin_node(id);
         }
         self.scratch_path = path;
@@ -614,6 +692,23 @@ impl SnapshotStore {
     /// hold the memory. Give the slot back with [`commit_branch`](Self::commit_branch),
     /// [`finish`](Self::finish) or [`cancel_checkpoint`](Self::cancel_checkpoint).
     pub fn reserve_checkpoint(&mut self, delta: &mut StoreDelta) -> Option<SlotId> {
+        self.reserve(true, delta)
+    }
+
+    /// [`SnapshotStore::reserve_checkpoint`] for the sequence holding `pin`: under guarded
+    /// admission ([`StoreConfig::guard`]) a sequence that missed may only take the room of dead
+    /// entries, so this returns `None` rather than evict a live one.
+    pub fn reserve_checkpoint_for(
+        &mut self,
+        pin: &Pin,
+        delta: &mut StoreDelta,
+    ) -> Result<Option<SlotId>, SnapshotError> {
+        let record = self.pin_record(pin)?;
+        let members = !self.config.guard || record.node != record.root;
+        Ok(self.reserve(members, delta))
+    }
+
+    fn reserve(&mut self, members: bool, delta: &mut StoreDelta) -> Option<SlotId> {
         let checkpoint_bytes = self.config.cost.checkpoint_bytes();
         let least_checkpoints =
             self.pinned_checkpoints + u64::from(self.slots.reserved_count()) + 1;
@@ -630,7 +725,7 @@ impl SnapshotStore {
         while self.slots.free_count() == 0
             || self.bytes() + checkpoint_bytes > self.config.budget_bytes
         {
-            let victim = self.pick_victim(false)?;
+            let victim = self.pick_victim(false, members)?;
             self.evict(victim, delta);
         }
         self.slots.reserve()
@@ -676,7 +771,9 @@ impl SnapshotStore {
         };
         let outcome = match target {
             Some(node) if self.nodes[node as usize].checkpoint.is_none() => {
+                self.guarding = self.config.guard && record.node == record.root;
                 self.attach(node, slot, now);
+                self.guarding = false;
                 self.stats.admitted_checkpoints += 1;
                 BranchOutcome::Admitted
             }
@@ -761,6 +858,7 @@ impl SnapshotStore {
         let now = self.tick();
         let mut report = FinishReport::default();
         if let Some(&(last, _)) = checkpoints.last() {
+            self.guarding = self.config.guard && record.node == record.root;
             let end = self.insert(
                 record.root,
                 tokens,
@@ -771,9 +869,14 @@ impl SnapshotStore {
                 &mut report,
                 delta,
             );
+            self.guarding = false;
+            let (_, whole) = self.refresh_rule();
             let mut at = end;
             while at != NONE {
                 self.nodes[at as usize].last_access = now;
+                if whole {
+                    self.nodes[at as usize].last_hit = now;
+                }
                 self.refresh(at);
                 at = self.nodes[at as usize].parent;
             }
@@ -801,7 +904,7 @@ impl SnapshotStore {
     pub fn evict_for_kv(&mut self, blocks: usize, delta: &mut StoreDelta) -> usize {
         let mut released = 0;
         while released < blocks {
-            let Some(victim) = self.pick_victim(true) else {
+            let Some(victim) = self.pick_victim(true, true) else {
                 break;
             };
             released += self.nodes[victim as usize].blocks.len();
@@ -812,7 +915,7 @@ impl SnapshotStore {
 
     /// Evicts everything no pin holds (for shutdown, or to check that references balance).
     pub fn clear_unpinned(&mut self, delta: &mut StoreDelta) {
-        while let Some(victim) = self.pick_victim(false) {
+        while let Some(victim) = self.pick_victim(false, true) {
             self.evict(victim, delta);
         }
     }
@@ -1036,6 +1139,7 @@ impl SnapshotStore {
             last_access: now,
             last_hit: now,
             candidate: None,
+            admitted: 0,
             live: true,
         });
         self.roots.insert(namespace, root);
@@ -1232,6 +1336,7 @@ impl SnapshotStore {
             last_access,
             last_hit: last_access,
             candidate: None,
+            admitted: 0,
             live: true,
         });
         self.nodes[child as usize].parent = upper;
@@ -1255,6 +1360,10 @@ impl SnapshotStore {
         node.checkpoint = Some(slot);
         node.last_access = now;
         node.last_hit = now;
+        node.admitted = now;
+        if self.guarding {
+            self.newcomers.push(id);
+        }
         if node.pins > 0 {
             self.pinned_checkpoints += 1;
         }
@@ -1321,6 +1430,7 @@ impl SnapshotStore {
                         last_access: now,
                         last_hit: now,
                         candidate: None,
+                        admitted: 0,
                         live: true,
                     });
                     self.children.insert((node, key), id);
@@ -1365,7 +1475,7 @@ impl SnapshotStore {
 
     fn enforce_budget(&mut self, delta: &mut StoreDelta) {
         while self.bytes() > self.config.budget_bytes {
-            let Some(victim) = self.pick_victim(false) else {
+            let Some(victim) = self.pick_victim(false, true) else {
                 tracing::warn!(
                     bytes = self.bytes(),
                     budget = self.config.budget_bytes,
@@ -1399,10 +1509,60 @@ impl SnapshotStore {
         saved / bytes as f64
     }
 
+    /// Records the age of a hit; every 16 hits, `dead_after` becomes 1.5 times the 90th
+    /// percentile of the latest 128 (measured best of 1, 1.5 and 2 times; 0 until 16 hits were
+    /// seen: everything unused counts as dead).
+    fn note_hit_age(&mut self, age: u64) {
+        const RING: usize = 128;
+        if self.hit_ages.len() < RING {
+            self.hit_ages.push(age);
+        } else {
+            self.hit_ages[self.hit_age_at] = age;
+        }
+        self.hit_age_at = (self.hit_age_at + 1) % RING;
+        if self.hit_ages.len() >= 16 && self.hit_age_at % 16 == 0 {
+            let mut ages = self.hit_ages.clone();
+            let k = ages.len() * 9 / 10;
+            let (_, &mut p90, _) = ages.select_nth_unstable(k);
+            self.dead_after = p90 + p90 / 2;
+        }
+    }
+
     /// The candidate with the lowest score `recency + α · efficiency` (both min-max normalised
-    /// over the candidates considered); ties go to the least recent, then the deepest.
-    fn pick_victim(&mut self, leaf_only: bool) -> Option<u32> {
-        let own = self.config.recency == Recency::Own;
+    /// over the candidates considered); ties go to the least recent, then the deepest. Under
+    /// guarded admission dead entries go first, then the checkpoints a missed sequence brought;
+    /// with `members` false nothing else goes.
+    fn pick_victim(&mut self, leaf_only: bool, members: bool) -> Option<u32> {
+        if self.config.guard {
+            // Dead entries first, oldest first.
+            let dead = self
+                .candidates
+                .iter()
+                .take_while(|&&(t, _, _)| self.clock - t > self.dead_after)
+                .map(|&(_, _, id)| id)
+                .find(|&id| !leaf_only || self.nodes[id as usize].children.is_empty());
+            if dead.is_some() {
+                return dead;
+            }
+            // Then what a sequence that missed brought, newest first.
+            for &id in self.newcomers.iter().rev() {
+                let node = &self.nodes[id as usize];
+                if node.live
+                    && node.candidate.is_some()
+                    && node.admitted > self.lookup_clock
+                    && (!leaf_only || node.children.is_empty())
+                {
+                    return Some(id);
+                }
+            }
+            if !members {
+                return None;
+            }
+        }
+        let own = matches!(
+            self.config.recency,
+            Recency::Own | Recency::Shared | Recency::Adaptive
+        );
         if self.config.alpha == 0.0 && !own {
             return self
                 .candidates
@@ -1567,6 +1727,7 @@ mod tests {
             alpha,
             flop_basis: FlopBasis::Prefix,
             recency: Recency::Path,
+            guard: false,
             cost: cost(),
         })
         .unwrap()
@@ -2038,5 +2199,147 @@ mod tests {
         s.config.admission = Admission::Marconi;
         assert_eq!(s.finish_positions(2, 7), 3..=3);
         assert_eq!(s.finish_positions(0, 1).count(), 0);
+    }
+
+    /// Serves `tokens` (input = output = `tokens`) reserving through the pin, as the simulator
+    /// does; returns the hit length.
+    fn serve_pinned(s: &mut SnapshotStore, tokens: &[u32], delta: &mut StoreDelta) -> usize {
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, tokens, &mut blocks);
+        let mut checkpoints = Vec::new();
+        if let Some(slot) = s.reserve_checkpoint_for(&hit.pin, delta).unwrap() {
+            checkpoints.push((tokens.len(), slot));
+        }
+        let hit_tokens = hit.hit_tokens;
+        s.finish(hit.pin, tokens, &table(tokens, 1), &checkpoints, delta)
+            .unwrap();
+        s.check_invariants().unwrap();
+        hit_tokens
+    }
+
+    #[test]
+    fn guarded_admission_keeps_live_entries_from_missed_sequences() {
+        // Room for three 5-token sequences (15 bytes each) and one checkpoint more.
+        let (a, b, c, d, e) = (
+            [1u32; 5].to_vec(),
+            [2u32; 5].to_vec(),
+            [3u32; 5].to_vec(),
+            [4u32; 5].to_vec(),
+            [5u32; 5].to_vec(),
+        );
+        for guard in [false, true] {
+            let mut s = store(1, 55, BudgetScope::CheckpointsAndKv, 0.0);
+            s.set_guard(guard);
+            let mut dl = StoreDelta::default();
+            for seq in [&a, &b, &c] {
+                assert_eq!(serve_pinned(&mut s, seq, &mut dl), 0);
+            }
+            // 18 round-robin hits: every hit is 5 clock ticks old (a lookup and a finish tick
+            // per request), the 90th percentile of hit ages; entries unused for more than 7
+            // ticks are dead.
+            for _ in 0..6 {
+                for seq in [&a, &b, &c] {
+                    assert_eq!(serve_pinned(&mut s, seq, &mut dl), 5);
+                }
+            }
+            // A new sequence misses. Plain admission evicts the least recently used (a);
+            // guarded admission evicts its own checkpoint instead: a, b, c are all live.
+            assert_eq!(serve_pinned(&mut s, &d, &mut dl), 0);
+            let expected = if guard {
+                vec![a.clone(), b.clone(), c.clone()]
+            } else {
+                vec![b.clone(), c.clone(), d.clone()]
+            };
+            assert_eq!(prefixes(&s), expected, "guard {guard}");
+            if guard {
+                // b and c stay in use, a goes stale: the next newcomer takes a's place.
+                for _ in 0..2 {
+                    for seq in [&b, &c] {
+                        assert_eq!(serve_pinned(&mut s, seq, &mut dl), 5);
+                    }
+                }
+                assert_eq!(serve_pinned(&mut s, &e, &mut dl), 0);
+                assert_eq!(prefixes(&s), vec![b.clone(), c.clone(), e.clone()]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_guarded_reservation_for_a_missed_sequence_evicts_no_live_entry() {
+        let mut s = store(1, 30, BudgetScope::CheckpointsAndKv, 0.0);
+        s.set_guard(true);
+        let mut dl = StoreDelta::default();
+        let (a, b) = ([1u32; 5].to_vec(), [2u32; 5].to_vec());
+        serve_pinned(&mut s, &a, &mut dl);
+        for _ in 0..16 {
+            assert_eq!(serve_pinned(&mut s, &a, &mut dl), 5);
+        }
+        // 15 bytes held; a second checkpoint fits, a third would need a's room.
+        let mut blocks = Vec::new();
+        let miss = s.lookup(NS, &b, &mut blocks);
+        let first = s.reserve_checkpoint_for(&miss.pin, &mut dl).unwrap();
+        assert!(first.is_some());
+        assert_eq!(s.reserve_checkpoint_for(&miss.pin, &mut dl).unwrap(), None);
+        assert_eq!(prefixes(&s), vec![a.clone()]);
+        // A sequence that hit may take the room of live entries.
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &a, &mut blocks);
+        assert_eq!(hit.hit_tokens, 5);
+        s.release(hit.pin).unwrap();
+        s.cancel_checkpoint(first.unwrap()).unwrap();
+        s.release(miss.pin).unwrap();
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn recency_bases_differ_on_checkpoints_in_the_middle_of_a_sequence() {
+        // x = [1,1] becomes the middle of the sequence [1,1,5,5]; z = [3,3] the middle of
+        // [3,3,6,6], and `edits` lookups diverge right after z (hits in the middle); then a
+        // request goes through x to [1,1,5,5]. One slot is then needed: who goes?
+        let run = |recency: Recency, edits: usize| {
+            let mut s = SnapshotStore::new(StoreConfig {
+                checkpoint_slots: 5,
+                budget_bytes: 1000,
+                budget_scope: BudgetScope::Checkpoints,
+                recency,
+                ..store(1, 1000, BudgetScope::Checkpoints, 0.0)
+                    .config()
+                    .clone()
+            })
+            .unwrap();
+            let mut dl = StoreDelta::default();
+            serve(&mut s, NS, &[1], &[1, 1], &mut dl);
+            serve(&mut s, NS, &[1, 1, 5], &[1, 1, 5, 5], &mut dl);
+            serve(&mut s, NS, &[3], &[3, 3], &mut dl);
+            serve(&mut s, NS, &[3, 3, 6], &[3, 3, 6, 6], &mut dl);
+            serve(&mut s, NS, &[2], &[2, 2], &mut dl);
+            for _ in 0..edits {
+                assert_eq!(peek(&mut s, NS, &[3, 3, 8]).0, 2);
+            }
+            assert_eq!(peek(&mut s, NS, &[1, 1, 5, 5, 7]).0, 4);
+            assert_eq!(s.stats().mid_hits, edits as u64);
+            let slot = s.reserve_checkpoint(&mut dl).unwrap();
+            s.cancel_checkpoint(slot).unwrap();
+            s.check_invariants().unwrap();
+            let all = [
+                vec![1, 1],
+                vec![1, 1, 5, 5],
+                vec![2, 2],
+                vec![3, 3],
+                vec![3, 3, 6, 6],
+            ];
+            let kept = prefixes(&s);
+            let gone: Vec<Vec<u32>> = all.into_iter().filter(|p| !kept.contains(p)).collect();
+            gone
+        };
+        // Path: going through x refreshed it; [3,3,6,6] is the least recently used.
+        assert_eq!(run(Recency::Path, 4), vec![vec![3, 3, 6, 6]]);
+        // Own and Shared: x was last hit itself before anything else happened.
+        assert_eq!(run(Recency::Own, 4), vec![vec![1, 1]]);
+        assert_eq!(run(Recency::Shared, 4), vec![vec![1, 1]]);
+        // Adaptive: three middle hits of the last ones (4.7%) keep it shared; four (6.1%)
+        // make going through refresh, as Path does.
+        assert_eq!(run(Recency::Adaptive, 3), vec![vec![1, 1]]);
+        assert_eq!(run(Recency::Adaptive, 4), vec![vec![3, 3, 6, 6]]);
     }
 }

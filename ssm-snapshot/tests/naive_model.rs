@@ -216,6 +216,7 @@ fn run(
         } else {
             FlopBasis::Prefix
         },
+        guard: false,
         cost: unit_cost(),
     })
     .expect("valid config");
