@@ -3,7 +3,9 @@
 //! Checked after every call: lookups give exactly the longest prefix the model holds a checkpoint
 //! for, with the model's blocks and slot; branch points and branch outcomes match the model's
 //! prediction; block references balance (never two, never released unheld); the byte budget holds
-//! and equals the model's byte count; the store's own invariants hold.
+//! and equals the model's byte count; the store's own invariants hold. The model does not predict
+//! eviction victims, so every eviction setting is covered: α, FLOP basis, the four recency bases,
+//! guarded admission (reservations through the sequence's pin).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -191,7 +193,8 @@ fn run(
     alpha: f64,
     every_block: bool,
     marginal: bool,
-    own_recency: bool,
+    recency: Recency,
+    guard: bool,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let block = block_size as usize;
@@ -206,17 +209,13 @@ fn run(
             Admission::Marconi
         },
         alpha,
-        recency: if own_recency {
-            Recency::Own
-        } else {
-            Recency::Path
-        },
+        recency,
         flop_basis: if marginal {
             FlopBasis::Marginal
         } else {
             FlopBasis::Prefix
         },
-        guard: false,
+        guard,
         cost: unit_cost(),
     })
     .expect("valid config");
@@ -272,7 +271,14 @@ fn run(
                 let Some(pos) = running[i].branch_at.take() else {
                     continue;
                 };
-                let Some(slot) = store.reserve_checkpoint(&mut delta) else {
+                let slot = if guard {
+                    store
+                        .reserve_checkpoint_for(&running[i].pin, &mut delta)
+                        .expect("held pin")
+                } else {
+                    store.reserve_checkpoint(&mut delta)
+                };
+                let Some(slot) = slot else {
                     model.apply(&delta, &[])?;
                     model.check_store(&store)?;
                     continue;
@@ -303,7 +309,13 @@ fn run(
                 let mut checkpoints = Vec::new();
                 for index in store.finish_positions(r.hit_tokens, r.full.len()).rev() {
                     delta.clear();
-                    let slot = store.reserve_checkpoint(&mut delta);
+                    let slot = if guard {
+                        store
+                            .reserve_checkpoint_for(&r.pin, &mut delta)
+                            .expect("held pin")
+                    } else {
+                        store.reserve_checkpoint(&mut delta)
+                    };
                     model.apply(&delta, &[])?;
                     match slot {
                         Some(slot) => {
@@ -401,9 +413,33 @@ proptest! {
         alpha in prop_oneof![Just(0.0), 0.0f64..4.0],
         every_block in proptest::bool::weighted(0.25),
         marginal in any::<bool>(),
-        own_recency in any::<bool>(),
+        recency in prop_oneof![
+            Just(Recency::Path),
+            Just(Recency::Own),
+            Just(Recency::Shared),
+            Just(Recency::Adaptive),
+        ],
+        guard in any::<bool>(),
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        run(block_size, slots, budget, alpha, every_block, marginal, own_recency, ops)?;
+        run(block_size, slots, budget, alpha, every_block, marginal, recency, guard, ops)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Long runs under guarded admission: enough hits for the store to measure hit ages, so that
+    /// live entries are protected and missed sequences are refused or evicted first.
+    #[test]
+    fn guarded_store_agrees_with_the_naive_model(
+        block_size in 1u32..3,
+        slots in 3u32..8,
+        budget in 40u64..120,
+        alpha in prop_oneof![Just(0.0), 0.0f64..4.0],
+        recency in prop_oneof![Just(Recency::Path), Just(Recency::Adaptive)],
+        ops in proptest::collection::vec(op(), 150..300),
+    ) {
+        run(block_size, slots, budget, alpha, false, true, recency, true, ops)?;
     }
 }
