@@ -12,14 +12,24 @@
 //! reference changes each call reports in a [`StoreDelta`] ([`StoreDelta::apply_to_pool`] does
 //! it for a [`kv_cache::BlockPool`]).
 //!
+//! Beyond Marconi: guarded admission ([`StoreConfig::guard`]: when the working set is larger
+//! than memory, a sequence that missed may only replace dead entries, so a stable part of the
+//! working set stays cached instead of all of it cycling through), adaptive recency
+//! ([`Recency::Adaptive`]: mid-sequence checkpoints count as used when requests go through them
+//! only while the workload actually hits them), and a tuner that follows the best of 40 shadow
+//! stores ([`tuning`]).
+//!
 //! # Modules
 //! - [`store`]: the tree, the hit rule, admission, eviction, the byte budget (invariants there);
 //! - [`cost`]: FLOPs and bytes per prefix from layer counts and widths ([`CostModel`]);
 //! - [`slots`]: the checkpoint slot pool;
-//! - [`tuning`]: choosing α and the recency basis (Marconi's bootstrap replay, periodic replay,
-//!   and shadow stores, the default);
+//! - [`tuning`]: choosing α, the recency basis, the FLOP basis and guarded admission
+//!   (Marconi's bootstrap replay, periodic replay, and shadow stores, the default);
 //! - [`sim`]: the Marconi JSONL trace format, generators, and the replay behind the `simulate`
-//!   example.
+//!   example;
+//! - [`paper`]: a model of the Marconi artifact's own simulator (its SGLang+ and Marconi
+//!   policies, with their exact tie orders and their capacity overshoot), the reference the
+//!   `simulate` example scores our policies against.
 //!
 //! # How a router uses it
 //!

@@ -43,6 +43,13 @@
 //! checkpoints every block boundary after the hit, as vLLM's align mode does; it floods memory
 //! with states that are never hit and is there for comparison.
 //!
+//! Guarded admission ([`StoreConfig::guard`]) restricts what a sequence that missed may
+//! displace: only dead entries (unused for longer than 1.5 times the 90th percentile of recent
+//! hit ages). Its reservations ([`SnapshotStore::reserve_checkpoint_for`]) are refused rather
+//! than evict a live entry, and the checkpoints it brings (the `newcomers` since the latest
+//! lookup) are the first victims when room is needed. Against LRU thrashing: when the working
+//! set is larger than memory, a stable part of it stays cached.
+//!
 //! # Eviction
 //!
 //! Candidates (see the invariants) get the score `recency + α · efficiency`, both min-max
@@ -51,7 +58,11 @@
 //! holds (its checkpoint plus the KV of its edge). The lowest score goes: a leaf frees its
 //! checkpoint and KV; a node with one child frees its checkpoint and merges into the child. With
 //! α = 0 and [`Recency::Path`] this is SGLang's LRU, served from the ordered candidate set in
-//! O(log n); otherwise one pass over the candidates. Eviction runs when a checkpoint slot is
+//! O(log n); otherwise one pass over the candidates. The recency term is the last time a path
+//! went through the node ([`Recency::Path`]) or the last time the node itself was hit
+//! ([`Recency::Own`]; [`Recency::Shared`] and [`Recency::Adaptive`] add some pass-throughs).
+//! Under guarded admission dead entries go first, then newcomers, then the score order.
+//! Eviction runs when a checkpoint slot is
 //! reserved and the budget (or the slot pool) is full, after a finish adds KV under a budget
 //! that covers KV, and on [`SnapshotStore::evict_for_kv`] (leaves only: only they free KV).
 //!
