@@ -41,7 +41,10 @@ fn serve(
     delta.clear();
     let hit = store.lookup(Namespace::default(), &input[..input.len() - 1], table);
     if let Some(pos) = hit.branch_at {
-        if let Some(slot) = store.reserve_checkpoint(delta) {
+        if let Some(slot) = store
+            .reserve_checkpoint_for(&hit.pin, delta)
+            .expect("held pin")
+        {
             store
                 .commit_branch(&hit.pin, input, pos, slot, delta)
                 .expect("valid branch");
@@ -54,7 +57,10 @@ fn serve(
         *next_block = next_block.wrapping_add(1);
     }
     let hit_tokens = hit.hit_tokens;
-    match store.reserve_checkpoint(delta) {
+    match store
+        .reserve_checkpoint_for(&hit.pin, delta)
+        .expect("held pin")
+    {
         Some(slot) => store
             .finish(hit.pin, full, table, &[(n * block, slot)], delta)
             .expect("valid finish"),
@@ -69,7 +75,14 @@ fn serve(
 fn bench_request(c: &mut Criterion) {
     let requests = requests();
     let mut group = c.benchmark_group("request_2k");
-    for (block_size, alpha) in [(16u32, 0.0f64), (16, 1.0), (1, 0.0), (1, 1.0)] {
+    for (block_size, alpha, guard) in [
+        (16u32, 0.0f64, false),
+        (16, 1.0, false),
+        (16, 1.0, true),
+        (1, 0.0, false),
+        (1, 1.0, false),
+        (1, 1.0, true),
+    ] {
         let cost = CostModel::nvidia_hybrid_7b();
         // Room for about 40 requests' unique parts: every request evicts.
         let budget = 40 * (1024 * cost.kv_bytes_per_token() + 2 * cost.checkpoint_bytes());
@@ -81,8 +94,8 @@ fn bench_request(c: &mut Criterion) {
             admission: Admission::Marconi,
             alpha,
             flop_basis: FlopBasis::Marginal,
-            recency: Recency::Own,
-            guard: false,
+            recency: Recency::Adaptive,
+            guard,
             cost,
         };
         let mut store = SnapshotStore::new(config).expect("valid config");
@@ -100,7 +113,8 @@ fn bench_request(c: &mut Criterion) {
             );
         }
         let mut i = 0;
-        let id = BenchmarkId::new(format!("B={block_size}"), format!("alpha={alpha}"));
+        let guarded = if guard { "/guard" } else { "" };
+        let id = BenchmarkId::new(format!("B={block_size}"), format!("alpha={alpha}{guarded}"));
         group.bench_function(id, |b| {
             b.iter(|| {
                 let (input, full) = &requests[i % requests.len()];
