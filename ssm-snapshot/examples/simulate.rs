@@ -18,7 +18,7 @@
 //!
 //! Tuning options for `marconi` (defaults in brackets; `--alpha` fixes α and disables tuning):
 //! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {default,legacy,paper,wide}`
-//! [default], `--window N` (shadow half-life or periodic window) [100], `--cooldown N` [300],
+//! [default], `--window N` (shadow half-life [200] or periodic window [100]), `--cooldown N` [300],
 //! `--margin F` [0.02], `--objective {flops,tokens}` [flops]; the initial setting:
 //! `--recency {path,own,shared,adaptive}` [adaptive], `--flop-basis {marginal,prefix}`
 //! [marginal], `--guard {off,on}` (guarded admission) [off].
@@ -33,7 +33,10 @@ use ssm_snapshot::paper::{PaperCache, PaperConfig, PaperVersion};
 use ssm_snapshot::sim::{
     generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
 };
-use ssm_snapshot::tuning::{default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS};
+use ssm_snapshot::tuning::{
+    default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS, DEFAULT_COOLDOWN, DEFAULT_HALF_LIFE,
+    DEFAULT_MARGIN,
+};
 use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, SnapshotError, TuningMode};
 
 const USAGE: &str = "usage:
@@ -307,15 +310,18 @@ fn run() -> Result<(), SnapshotError> {
             )))
         }
     };
-    let window: usize = number(&flags, "window")?.unwrap_or(100);
+    let window: Option<usize> = number(&flags, "window")?;
     config.tuning = match flags.get("tuning").map(String::as_str) {
         None | Some("shadow") => TuningMode::Shadow {
             grid,
-            half_life: window,
-            margin: number(&flags, "margin")?.unwrap_or(0.02),
-            cooldown: number(&flags, "cooldown")?.unwrap_or(3 * window),
+            half_life: window.unwrap_or(DEFAULT_HALF_LIFE),
+            margin: number(&flags, "margin")?.unwrap_or(DEFAULT_MARGIN),
+            cooldown: number(&flags, "cooldown")?.unwrap_or(DEFAULT_COOLDOWN),
         },
-        Some("periodic") => TuningMode::Periodic { grid, window },
+        Some("periodic") => TuningMode::Periodic {
+            grid,
+            window: window.unwrap_or(100),
+        },
         Some("bootstrap") => TuningMode::Bootstrap {
             grid,
             window_factor: 3,
