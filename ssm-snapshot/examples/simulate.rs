@@ -37,7 +37,7 @@ use ssm_snapshot::tuning::{
     default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS, DEFAULT_COOLDOWN, DEFAULT_HALF_LIFE,
     DEFAULT_MARGIN,
 };
-use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, SnapshotError, TuningMode};
+use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, Setting, SnapshotError, TuningMode};
 
 const USAGE: &str = "usage:
   simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [--block-size B] \
@@ -98,6 +98,36 @@ fn required<'a>(flags: &'a HashMap<String, String>, name: &str) -> Result<&'a st
         .get(name)
         .map(String::as_str)
         .ok_or_else(|| SnapshotError::BadArgument(format!("--{name} is required")))
+}
+
+/// The value of enumerated flag `--name` (`default` when absent); an unknown value is named
+/// with the accepted ones.
+fn choice<T: Copy>(
+    flags: &HashMap<String, String>,
+    name: &str,
+    default: T,
+    options: &[(&str, T)],
+) -> Result<T, SnapshotError> {
+    let Some(given) = flags.get(name) else {
+        return Ok(default);
+    };
+    options
+        .iter()
+        .find(|(text, _)| text == given)
+        .map(|&(_, value)| value)
+        .ok_or_else(|| {
+            let accepted: Vec<&str> = options.iter().map(|(text, _)| *text).collect();
+            SnapshotError::BadArgument(format!(
+                "--{name} `{given}` (expected {})",
+                accepted.join(", ")
+            ))
+        })
+}
+
+/// A tuning setting as `alpha/recency/basis[/guard]`.
+fn label(s: &Setting) -> String {
+    let guard = if s.guard { "/guard" } else { "" };
+    format!("{}/{:?}/{:?}{guard}", s.alpha, s.recency, s.flop_basis)
 }
 
 fn io_error(path: &str) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
@@ -332,45 +362,36 @@ fn run() -> Result<(), SnapshotError> {
             )))
         }
     };
-    config.flop_basis = match flags.get("flop-basis").map(String::as_str) {
-        None | Some("marginal") => FlopBasis::Marginal,
-        Some("prefix") => FlopBasis::Prefix,
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--flop-basis `{other}` (expected marginal or prefix)"
-            )))
-        }
-    };
-
-    config.recency = match flags.get("recency").map(String::as_str) {
-        Some("path") => Recency::Path,
-        Some("own") => Recency::Own,
-        Some("shared") => Recency::Shared,
-        None | Some("adaptive") => Recency::Adaptive,
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--recency `{other}` (expected path, own, shared or adaptive)"
-            )))
-        }
-    };
-    config.guard = match flags.get("guard").map(String::as_str) {
-        None | Some("off") => false,
-        Some("on") => true,
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--guard `{other}` (expected on or off)"
-            )))
-        }
-    };
-    config.objective = match flags.get("objective").map(String::as_str) {
-        None | Some("flops") => Objective::Flops,
-        Some("tokens") => Objective::HitTokens,
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--objective `{other}` (expected flops or tokens)"
-            )))
-        }
-    };
+    config.flop_basis = choice(
+        &flags,
+        "flop-basis",
+        FlopBasis::Marginal,
+        &[
+            ("marginal", FlopBasis::Marginal),
+            ("prefix", FlopBasis::Prefix),
+        ],
+    )?;
+    config.recency = choice(
+        &flags,
+        "recency",
+        Recency::Adaptive,
+        &[
+            ("path", Recency::Path),
+            ("own", Recency::Own),
+            ("shared", Recency::Shared),
+            ("adaptive", Recency::Adaptive),
+        ],
+    )?;
+    config.guard = choice(&flags, "guard", false, &[("off", false), ("on", true)])?;
+    config.objective = choice(
+        &flags,
+        "objective",
+        Objective::Flops,
+        &[
+            ("flops", Objective::Flops),
+            ("tokens", Objective::HitTokens),
+        ],
+    )?;
 
     let mut sim = Simulation::new(config)?;
     let file = File::open(trace).map_err(io_error(trace))?;
@@ -379,36 +400,17 @@ fn run() -> Result<(), SnapshotError> {
     if !history.is_empty() {
         let text: Vec<String> = history
             .iter()
-            .map(|(at, s)| {
-                format!(
-                    "{at}:{}/{:?}/{:?}{}",
-                    s.alpha,
-                    s.recency,
-                    s.flop_basis,
-                    if s.guard { "/guard" } else { "" }
-                )
-            })
+            .map(|(at, s)| format!("{at}:{}", label(s)))
             .collect();
-        println!("tuning (request:alpha/recency): {}", text.join(" "));
+        println!("tuning (request:setting): {}", text.join(" "));
     }
     let shadows = sim.tuner().shadow_hit_tokens();
     if !shadows.is_empty() {
         let text: Vec<String> = shadows
             .iter()
-            .map(|(s, hits)| {
-                format!(
-                    "{}/{:?}/{:?}{}:{hits}",
-                    s.alpha,
-                    s.recency,
-                    s.flop_basis,
-                    if s.guard { "/guard" } else { "" }
-                )
-            })
+            .map(|(s, hits)| format!("{}:{hits}", label(s)))
             .collect();
-        println!(
-            "shadow hit tokens (alpha/recency:tokens): {}",
-            text.join(" ")
-        );
+        println!("shadow hit tokens (setting:tokens): {}", text.join(" "));
     }
     let stats = sim.store().stats();
     println!(
