@@ -196,12 +196,15 @@ impl Caches {
                 u64::from(slots) * cost.checkpoint_bytes(),
             );
             store_config.checkpoint_slots = slots;
-            // α starts at 0 (LRU); `marconi: false` keeps it there (SGLang's policy).
+            // α starts at 0; `marconi: false` keeps it there with path recency (SGLang's LRU).
             store_config.alpha = 0.0;
+            if !config.marconi {
+                store_config.recency = ssm_snapshot::Recency::Path;
+            }
             let cache_err = |err: ssm_snapshot::SnapshotError| RouterError::Cache(err.to_string());
             let store = SnapshotStore::new(store_config).map_err(cache_err)?;
-            // `marconi: true` tunes the eviction score the way `ssm-snapshot` measured best:
-            // shadow stores over a grid of α and recency settings, following the leader.
+            // `marconi: true` tunes the eviction the way `ssm-snapshot` measured best: shadow
+            // stores over a grid of α, FLOP basis and guarded admission, following the leader.
             let tuner = if config.marconi {
                 let mode = ssm_snapshot::tuning::default_tuning();
                 Some(Box::new(AlphaTuner::new(mode, &store).map_err(cache_err)?))

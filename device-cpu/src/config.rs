@@ -35,9 +35,10 @@ pub struct CpuRouterConfig {
     /// Whether finished sequences are offered to a prefix cache and new ones look it up.
     pub prefix_cache: bool,
     /// On a hybrid model, whether the full Marconi policy runs the checkpoint store: FLOP-aware
-    /// eviction whose weight α (and recency basis) `ssm-snapshot`'s tuner keeps choosing from
-    /// the requests served. `false` keeps Marconi's admission (branch points, ends of input and
-    /// output) but evicts by recency only (α = 0, SGLang's LRU). Attention-only models ignore it
+    /// eviction whose weight α, FLOP basis and guarded admission `ssm-snapshot`'s tuner keeps
+    /// choosing from the requests served (adaptive recency). `false` keeps Marconi's admission
+    /// (branch points, ends of input and output) but evicts by recency only (α = 0, path
+    /// recency: SGLang's LRU). Attention-only models ignore it
     /// (they use the hash-chain prefix cache).
     pub marconi: bool,
     /// The longest sequence (prompt plus generated tokens) the router accepts.
