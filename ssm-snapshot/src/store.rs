@@ -447,6 +447,8 @@ pub struct SnapshotStore {
     hit_ages: Vec<u64>,
     /// Next slot of `hit_ages` to write.
     hit_age_at: usize,
+    /// Reused buffer for the percentile of `hit_ages`.
+    scratch_ages: Vec<u64>,
     /// Entries unused for longer than this are dead (1.5 times the 90th percentile of
     /// `hit_ages`).
     dead_after: u64,
@@ -507,6 +509,7 @@ impl SnapshotStore {
             guarding: false,
             hit_ages: Vec::new(),
             hit_age_at: 0,
+            scratch_ages: Vec::new(),
             dead_after: 0,
             mid_rate: 0.0,
         })
@@ -1532,10 +1535,13 @@ impl SnapshotStore {
         }
         self.hit_age_at = (self.hit_age_at + 1) % RING;
         if self.hit_ages.len() >= 16 && self.hit_age_at % 16 == 0 {
-            let mut ages = self.hit_ages.clone();
+            let mut ages = std::mem::take(&mut self.scratch_ages);
+            ages.clear();
+            ages.extend_from_slice(&self.hit_ages);
             let k = ages.len() * 9 / 10;
             let (_, &mut p90, _) = ages.select_nth_unstable(k);
             self.dead_after = p90 + p90 / 2;
+            self.scratch_ages = ages;
         }
     }
 
