@@ -100,6 +100,14 @@ fn required<'a>(flags: &'a HashMap<String, String>, name: &str) -> Result<&'a st
         .ok_or_else(|| SnapshotError::BadArgument(format!("--{name} is required")))
 }
 
+/// Refuses a flag outside `known`, naming it: `--NAME <why>`.
+fn only(flags: &HashMap<String, String>, known: &[&str], why: &str) -> Result<(), SnapshotError> {
+    match flags.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(extra) => Err(SnapshotError::BadArgument(format!("--{extra} {why}"))),
+        None => Ok(()),
+    }
+}
+
 /// The value of enumerated flag `--name` (`default` when absent); an unknown value is named
 /// with the accepted ones.
 fn choice<T: Copy>(
@@ -166,11 +174,11 @@ fn run_paper(flags: &HashMap<String, String>, policy: &str) -> Result<(), Snapsh
         "alpha",
         "bootstrap-multiplier",
     ];
-    if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(SnapshotError::BadArgument(format!(
-            "--{extra} does not apply to --policy {policy}"
-        )));
-    }
+    only(
+        flags,
+        &known,
+        &format!("does not apply to --policy {policy}"),
+    )?;
     let trace = required(flags, "trace")?;
     let capacity_bytes = byte_count(required(flags, "capacity-bytes")?)?;
     let cost = CostModel::by_name(
@@ -249,11 +257,7 @@ fn run() -> Result<(), SnapshotError> {
     let flags = parse_flags()?;
     if let Some(kind) = flags.get("generate") {
         let known = ["generate", "sessions", "seed", "out"];
-        if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
-            return Err(SnapshotError::BadArgument(format!(
-                "--{extra} does not apply to --generate"
-            )));
-        }
+        only(&flags, &known, "does not apply to --generate")?;
         let kind = TraceKind::parse(kind)?;
         let sessions: usize = number(&flags, "sessions")?.unwrap_or(100);
         let seed: u64 = number(&flags, "seed")?.unwrap_or(0);
@@ -291,11 +295,7 @@ fn run() -> Result<(), SnapshotError> {
         "flop-basis",
         "guard",
     ];
-    if let Some(extra) = flags.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(SnapshotError::BadArgument(format!(
-            "unknown flag --{extra}"
-        )));
-    }
+    only(&flags, &known, "is not a flag of this command")?;
     let trace = required(&flags, "trace")?;
     let capacity_bytes = byte_count(required(&flags, "capacity-bytes")?)?;
     let policy = Policy::parse(required(&flags, "policy")?)?;
