@@ -140,7 +140,7 @@ fn unsupported_plans_readbacks_and_effects() {
     let cases = [
         (
             StepPlan::DecodeFed {
-                sources: &[0],
+                sources: &[device_io::Feed::Row(0)],
                 masks: &[],
             },
             "DecodeFed",

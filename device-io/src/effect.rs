@@ -59,7 +59,8 @@ pub enum Effect<'a, S, P> {
         /// Where the image comes from.
         reader: &'a mut dyn std::io::Read,
     },
-    /// Copy `rows` rows of a step's logits from the device to the host; answers
+    /// Copy the first `rows` rows of a step's logits from the device to the host (valid until
+    /// `max_depth()` newer steps have been launched; see [`StepResult::logits`](crate::StepResult::logits)); answers
     /// [`EffectOutcome::HostLogits`] with the element width written to `into`.
     ReadLogits {
         /// The step's logits handle ([`StepResult::logits`](crate::StepResult::logits)).
@@ -108,18 +109,45 @@ pub enum Effect<'a, S, P> {
         /// The stream to drain.
         stream: u64,
     },
-    /// Make sure the KV block for the sequence's next decode position exists before a step is
-    /// launched ahead of the host; answers [`EffectOutcome::Reserved`] with the blocks it added (0
-    /// when the block was already there) or [`EffectOutcome::Exhausted`].
+    /// Opens a run-ahead of the sequence: makes sure the KV block for its next position (its
+    /// `computed_len`) exists, and records that position and the blocks it added in the
+    /// sequence's *reservation ledger*. The next launched step that computes that position is the
+    /// run-ahead [`Effect::Rollback`] undoes.
+    ///
+    /// Answers [`EffectOutcome::Reserved`] with the blocks it added (0 when the block was already
+    /// there), or [`EffectOutcome::Exhausted`] when the pool is dry (nothing changed, the ledger
+    /// keeps what it had). A new reservation replaces the sequence's earlier ledger entry, which
+    /// becomes permanent: at depth 2 the core reserves for step t+1 only for a row whose step-t
+    /// position it will keep, so at most the latest run-ahead can ever be undone.
+    /// [`Effect::ReleaseSeq`] closes the ledger entry (what the run-ahead computed counts as the
+    /// sequence's own then). Any router may support it; a router that reserves nothing answers
+    /// `Reserved { blocks: 0 }` only when the block exists.
     ReserveKv {
         /// The sequence to reserve for.
         seq: &'a mut S,
     },
-    /// The over-run of a fed step was discarded for this sequence: release the blocks the latest
-    /// `ReserveKv` added for it. Only a router that reserves ahead supports it; the synchronous
-    /// router returns [`DeviceError::Unsupported`](crate::DeviceError::Unsupported).
+    /// Undoes the sequence's latest reservation exactly, because the core discards what the
+    /// run-ahead computed (the row had stopped, or was cancelled, before the host read it):
+    ///
+    /// - the reserved position, if a launched step computed it, is dropped: the sequence's
+    ///   `computed_len` goes back to it, its KV there is forgotten, and no later prefix-cache
+    ///   insert of the sequence covers it;
+    /// - a Marconi checkpoint taken at or after that position is discarded, and the one it
+    ///   replaced (if any) is the sequence's again, so no checkpoint remembers the over-run token;
+    /// - the blocks the reservation added return to the pool;
+    /// - the ledger entry is removed.
+    ///
+    /// Mamba state cannot step back: after a rollback that dropped a position, the live state is
+    /// past the sequence's length, so the router refuses to decode, spill or checkpoint the
+    /// sequence again ([`DeviceError::Invalid`](crate::DeviceError::Invalid)); the core releases
+    /// it. The rollback is ordered after the step that computed the position (it need not have
+    /// been awaited).
+    ///
+    /// A sequence with no ledger entry (never reserved, already rolled back, or released since)
+    /// is [`DeviceError::Invalid`](crate::DeviceError::Invalid) and nothing changes. A router
+    /// with `max_depth() == 1` answers [`DeviceError::Unsupported`](crate::DeviceError::Unsupported).
     Rollback {
-        /// The sequence whose reservation is undone.
+        /// The sequence whose latest reservation is undone.
         seq: &'a mut S,
     },
 }
@@ -164,7 +192,8 @@ pub enum EffectOutcome {
         /// Bytes per element (4 for f32).
         elem_bytes: usize,
     },
-    /// `ReserveKv` made sure the next block exists, adding `blocks` blocks (0 when it was there).
+    /// `ReserveKv` made sure the next block exists and opened a ledger entry, adding `blocks`
+    /// blocks (0 when it was there).
     Reserved {
         /// How many blocks the reservation added.
         blocks: usize,

@@ -43,8 +43,12 @@ impl Label for StepPlan<'_> {
                 format!("Decode{{n={}, readback={}}}", tokens.len(), readback.name())
             }
             StepPlan::DecodeFed { sources, masks } => {
+                let fed = sources
+                    .iter()
+                    .filter(|source| matches!(source, crate::Feed::Row(_)))
+                    .count();
                 format!(
-                    "DecodeFed{{n={}, masked={}}}",
+                    "DecodeFed{{n={}, fed={fed}, masked={}}}",
                     sources.len(),
                     !masks.is_empty()
                 )
@@ -205,11 +209,15 @@ mod tests {
             ),
             (
                 StepPlan::DecodeFed {
-                    sources: &[0, 1],
+                    sources: &[
+                        crate::Feed::Row(0),
+                        crate::Feed::Row(1),
+                        crate::Feed::Host(7),
+                    ],
                     masks: &[],
                 }
                 .label(),
-                "DecodeFed{n=2, masked=false}",
+                "DecodeFed{n=3, fed=2, masked=false}",
             ),
             (
                 EffectOutcome::Reserved { blocks: 1 }.label(),

@@ -30,10 +30,23 @@
 //!
 //! [`DeviceIo::max_depth`] is how many launched steps may be unsettled at once. At depth 1 every
 //! launch completes before the next one starts (the host router completes it before `launch`
-//! returns). At depth 2 the core may launch step t+1 (a [`StepPlan::DecodeFed`] whose inputs are the
-//! device argmax of step t) before it awaits step t; before doing so it applies
-//! [`Effect::ReserveKv`] to every row, and [`Effect::Rollback`] to a row whose over-run it discards.
-//! Each ticket is awaited exactly once, in launch order.
+//! returns). At depth 2 the core may launch step t+1 before it awaits step t: a
+//! [`StepPlan::DecodeFed`] whose rows take their input on the device from step t's argmax
+//! ([`Feed::Row`]) or from a token the host already knows ([`Feed::Host`]). The protocol:
+//!
+//! 1. [`Effect::ReserveKv`] for every row of step t+1 (its next KV block exists, and the position
+//!    is recorded in the sequence's reservation ledger);
+//! 2. launch step t+1, then await step t and do the host work for it while t+1 computes;
+//! 3. for a row found finished at step t (or cancelled before its step-t output was read), the
+//!    output of its run-ahead is discarded, never emitted, and [`Effect::Rollback`] undoes the
+//!    run-ahead exactly before the row is released.
+//!
+//! Each ticket is awaited exactly once, in launch order; launching while `max_depth()` steps are
+//! unsettled is [`DeviceError::Invalid`]. A step that fails (at launch, or when awaited) holds
+//! nothing afterwards: its rows are in an unspecified state and are released with
+//! `ReleaseSeq { cache: false }`, and a fed step whose source step failed fails too. Effects are
+//! ordered after every step launched before them, as on one device stream; an effect that needs
+//! data from the device (`SaveSequenceState`, `ReadLogits`) waits for them.
 //!
 //! # LoRA and teardown
 //!
@@ -56,7 +69,7 @@ pub use effect::{Effect, EffectOutcome};
 pub use error::{DeviceError, Phase, Result};
 pub use facts::DeviceFacts;
 pub use label::{Label, LoraCommand};
-pub use plan::{PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket};
+pub use plan::{Feed, PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket};
 pub use sequence::{SeqSpec, Sequence};
 
 /// A router: owns device memory and executes the core's plans and effects.

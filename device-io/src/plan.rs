@@ -18,7 +18,10 @@ pub enum Readback<'a> {
     /// The device takes the argmax of each row's logits ([`RowOutput::token`]).
     Argmax,
     /// The device takes the argmax over the allowed ids of each row: `masks[i][t]` says whether
-    /// token `t` is allowed for row `i` (one mask per row, each `vocab_size` long).
+    /// token `t` is allowed for row `i` (one mask per row, each `vocab_size` long and allowing at
+    /// least one token; a prefill row that reaches no token position ignores its). The token is the one the
+    /// host would get by setting every disallowed logit to minus infinity and taking the argmax
+    /// (the first index on ties).
     ArgmaxMasked {
         /// One mask per row.
         masks: &'a [&'a [bool]],
@@ -66,15 +69,41 @@ pub enum StepPlan<'a> {
         /// How the result comes back.
         readback: Readback<'a>,
     },
-    /// Run-ahead decode: row `i`'s input is the device argmax of row `sources[i]` of the previous
-    /// step, which the host has not read yet. `masks`, when not empty, restricts each row's argmax
-    /// as in [`Readback::ArgmaxMasked`]. Only a router with `max_depth() >= 2` supports it.
+    /// Run-ahead decode: like [`StepPlan::Decode`], but row `i`'s input is named by `sources[i]`
+    /// instead of a host token, so the step can be launched before the host has read the
+    /// previous one. Only a router with `max_depth() >= 2` supports it (others answer
+    /// [`DeviceError::Unsupported`](crate::DeviceError::Unsupported)).
+    ///
+    /// [`Feed::Row`] takes the input on the device from a *feed cell*: every step that reaches
+    /// a token position leaves each such row's argmax there (the masked argmax when its readback
+    /// was [`Readback::ArgmaxMasked`] or it was a fed step with masks), and the host never reads it
+    /// first. [`Feed::Host`] joins a row with a token the host knows (a row new to the pipeline,
+    /// or one whose last token the host chose, e.g. a forced one).
+    ///
+    /// The router refuses with [`DeviceError::Invalid`](crate::DeviceError::Invalid), changing
+    /// nothing, a `Feed::Row(r)` whose row `r` of the previous launched step does not exist, was
+    /// another sequence, or reached no token position; a host token outside the vocabulary; and
+    /// masks of the wrong count or length, or with no allowed token.
+    ///
+    /// Every row reaches a token position; row `i`'s token comes back in
+    /// [`RowOutput::token`] and its logits are row `i` of the step's logits
+    /// ([`StepResult::logits`]).
     DecodeFed {
-        /// For each row, the row of the previous step whose argmax is its input.
-        sources: &'a [usize],
-        /// Empty, or one mask per row.
+        /// Where each row's input token comes from.
+        sources: &'a [Feed],
+        /// Empty, or one mask per row restricting its argmax as in [`Readback::ArgmaxMasked`].
         masks: &'a [&'a [bool]],
     },
+}
+
+/// Where a row of a [`StepPlan::DecodeFed`] takes its input token from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Feed {
+    /// The argmax that row `r` of the previous launched step left in its device-side feed
+    /// cell; that row must be the same sequence.
+    Row(usize),
+    /// A token the host knows.
+    Host(u32),
 }
 
 impl StepPlan<'_> {
@@ -118,6 +147,9 @@ pub struct StepResult<P> {
     pub ticket: Ticket,
     /// One output per row, in row order.
     pub rows: Vec<RowOutput>,
-    /// The device's handle to the step's logits, when the router keeps them.
+    /// The device's handle to the step's logits (one row per row that reached a token position,
+    /// in row order), when the router keeps them. They stay readable with
+    /// [`Effect::ReadLogits`](crate::Effect::ReadLogits) until `max_depth()` newer steps have
+    /// been launched, so at depth 2 the host can copy step t's logits while step t+1 computes.
     pub logits: Option<P>,
 }

@@ -4,19 +4,39 @@
 //! exhaustion, compaction, spills and leaks are observable through [`DeviceFacts`]), answers each
 //! token position with a token from its script (or, once the script is empty, a deterministic
 //! function of the sequence id and position), records every effect's label, and can inject a
-//! fault into the next launch or into the next effect of a given name.
+//! fault into the next launch, the next await or the next effect of a given name.
+//!
+//! At `max_depth: 2` it models the pipelined contract: [`StepPlan::DecodeFed`] takes each row's
+//! input from the previous launched step's answer for that row ([`Feed::Row`], validated: same
+//! sequence, a token position) or from the host ([`Feed::Host`]); `ReserveKv` opens a ledger
+//! entry and `Rollback` undoes exactly the latest one (the position it computed and the blocks it
+//! added), refusing a sequence with no entry. [`ScriptedRouter::inputs`] records every input
+//! token a sequence consumed (dropped again by a rollback), and [`ScriptedRouter::rollbacks`]
+//! names the sequences rolled back, so a test can check that the device fed exactly what the host
+//! emitted. With [`ScriptedRouter::with_step_time`] it simulates a device that takes that long per
+//! step: steps run one after another on a simulated device timeline from their launch, and
+//! `await_result` sleeps until its step is done, so host work between a launch and its await
+//! overlaps the simulated compute as it would on an accelerator.
 //!
 //! Invariants of its state: a slot is owned by at most one sequence; `blocks_used` equals the sum
 //! of the blocks every live sequence holds; a settled ticket is removed, so it cannot be claimed
-//! twice.
+//! twice; at most `max_depth` steps are unsettled, and they are awaited in launch order.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, LoraCommand, Phase,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, Label, LoraCommand, Phase,
     PrefillReport, Readback, Result, RowOutput, SeqSpec, Sequence, StepPlan, StepResult, Ticket,
 };
+
+/// A reservation ledger entry: the position reserved and the blocks the reservation added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reservation {
+    at: usize,
+    blocks: usize,
+}
 
 /// The per-sequence bookkeeping of a [`ScriptedRouter`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +46,9 @@ pub struct ScriptedSeq {
     computed: usize,
     slot: Option<usize>,
     blocks: usize,
-    reserved: usize,
+    reservation: Option<Reservation>,
+    /// A rollback dropped a position: the (modelled) live state is past `computed`.
+    state_ahead: bool,
 }
 
 impl ScriptedSeq {
@@ -44,7 +66,8 @@ impl Sequence for ScriptedSeq {
             computed: 0,
             slot: None,
             blocks: 0,
-            reserved: 0,
+            reservation: None,
+            state_ahead: false,
         }
     }
     fn id(&self) -> u64 {
@@ -72,7 +95,7 @@ pub struct ScriptedConfig {
     pub num_slots: usize,
     /// Vocabulary size (tokens answered are below it).
     pub vocab_size: usize,
-    /// 1, or 2 to accept `DecodeFed` and keep a reservation ledger.
+    /// 1, or 2 to accept `DecodeFed` and `Rollback` and keep two steps in flight.
     pub max_depth: usize,
 }
 
@@ -91,10 +114,24 @@ impl Default for ScriptedConfig {
 /// Where the next injected fault strikes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FaultAt {
-    /// The next `launch`.
+    /// The next `launch` (it changes nothing).
     Launch,
+    /// The next `await_result`: that step is lost (its ticket is consumed and its rows are left
+    /// as launched, for the core to release), and so is a fed step launched after it that took
+    /// inputs from it.
+    Await,
     /// The next effect with this name (`"ReleaseSeq"`, `"CompactSlot"`, ...).
     Effect(&'static str),
+}
+
+/// A launched, unclaimed step.
+#[derive(Debug)]
+struct Unsettled {
+    result: StepResult<u64>,
+    /// When the simulated device finishes it.
+    ready_at: Option<Instant>,
+    /// The step it took fed inputs from, if any.
+    fed_from: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -102,17 +139,31 @@ struct State {
     slots: Vec<bool>,
     blocks_used: usize,
     next_ticket: u64,
-    settled: BTreeMap<u64, StepResult<u64>>,
+    unsettled: BTreeMap<u64, Unsettled>,
+    /// Steps whose await failed: a fed step that took inputs from one fails too.
+    lost: BTreeSet<u64>,
+    /// The sequence and answer of each row of the latest launched step.
+    last_rows: Vec<(u64, Option<u32>)>,
+    /// When the simulated device is free again.
+    device_free_at: Option<Instant>,
     script: VecDeque<u32>,
     faults: Vec<(FaultAt, DeviceError)>,
     effects: Vec<String>,
+    /// Every decode input a sequence consumed, by id and position.
+    inputs: BTreeMap<u64, BTreeMap<usize, u32>>,
+    rollbacks: Vec<u64>,
 }
 
 /// A router that answers from a script; see the module docs.
 #[derive(Debug)]
 pub struct ScriptedRouter {
     config: ScriptedConfig,
+    step_time: Duration,
     state: Mutex<State>,
+}
+
+fn invalid(what: &'static str, detail: String) -> DeviceError {
+    DeviceError::Invalid { what, detail }
 }
 
 impl ScriptedRouter {
@@ -122,15 +173,27 @@ impl ScriptedRouter {
             slots: vec![false; config.num_slots],
             blocks_used: 0,
             next_ticket: 1,
-            settled: BTreeMap::new(),
+            unsettled: BTreeMap::new(),
+            lost: BTreeSet::new(),
+            last_rows: Vec::new(),
+            device_free_at: None,
             script: VecDeque::new(),
             faults: Vec::new(),
             effects: Vec::new(),
+            inputs: BTreeMap::new(),
+            rollbacks: Vec::new(),
         };
         ScriptedRouter {
             config,
+            step_time: Duration::ZERO,
             state: Mutex::new(state),
         }
+    }
+
+    /// Simulates a device that computes each step for `step_time` (see the module docs).
+    pub fn with_step_time(mut self, step_time: Duration) -> Self {
+        self.step_time = step_time;
+        self
     }
 
     /// Queues tokens to answer, in order, before the deterministic fallback.
@@ -151,6 +214,22 @@ impl ScriptedRouter {
     /// Takes the labels of the effects applied so far, leaving the record empty.
     pub fn take_effects(&self) -> Vec<String> {
         std::mem::take(&mut self.lock().effects)
+    }
+
+    /// Every decode input token the sequence with id `id` consumed, as `(position, token)` in
+    /// position order (a later tenure of the same id overwrites; a rollback removes what it
+    /// dropped).
+    pub fn inputs(&self, id: u64) -> Vec<(usize, u32)> {
+        self.lock()
+            .inputs
+            .get(&id)
+            .map(|inputs| inputs.iter().map(|(&pos, &token)| (pos, token)).collect())
+            .unwrap_or_default()
+    }
+
+    /// The ids of the sequences whose reservation a successful `Rollback` undid, in order.
+    pub fn rollbacks(&self) -> Vec<u64> {
+        self.lock().rollbacks.clone()
     }
 
     /// The token answered when the script is empty: a fixed function of id and position.
@@ -176,11 +255,129 @@ impl ScriptedRouter {
         Some(state.faults.remove(index).1)
     }
 
-    fn answer(&self, state: &mut State, seq: &ScriptedSeq) -> u32 {
-        state
+    /// The answer at the row's token position, masked: the first allowed id at or after the
+    /// unmasked answer (cyclically), a deterministic stand-in for a masked argmax.
+    fn answer(&self, state: &mut State, seq: &ScriptedSeq, mask: Option<&[bool]>) -> u32 {
+        let token = state
             .script
             .pop_front()
-            .unwrap_or_else(|| self.fallback_token(seq.id, seq.computed))
+            .unwrap_or_else(|| self.fallback_token(seq.id, seq.computed));
+        let Some(mask) = mask else {
+            return token;
+        };
+        let vocab = self.config.vocab_size as u32;
+        (0..vocab)
+            .map(|offset| (token + offset) % vocab)
+            .find(|&candidate| mask[candidate as usize])
+            .unwrap_or(token)
+    }
+
+    fn check_masks(&self, masks: &[&[bool]], rows: usize, what: &'static str) -> Result<()> {
+        if masks.len() != rows {
+            let detail = format!("{} masks for {rows} rows", masks.len());
+            return Err(invalid(what, detail));
+        }
+        for (i, mask) in masks.iter().enumerate() {
+            if mask.len() != self.config.vocab_size {
+                let detail = format!(
+                    "mask {i} has {} entries, the vocabulary {}",
+                    mask.len(),
+                    self.config.vocab_size
+                );
+                return Err(invalid(what, detail));
+            }
+            if !mask.iter().any(|allowed| *allowed) {
+                return Err(invalid(what, format!("mask {i} allows no token")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each decode row's input token (`None` for prefill), validated against the plan.
+    fn inputs_of(
+        &self,
+        state: &State,
+        plan: &StepPlan<'_>,
+        rows: &[&mut ScriptedSeq],
+    ) -> Result<Vec<Option<u32>>> {
+        let vocab = self.config.vocab_size;
+        let check_decode_row = |i: usize, seq: &ScriptedSeq, what: &'static str| {
+            if seq.state_ahead {
+                let detail = format!("row {i} (sequence {}) was rolled back; release it", seq.id);
+                return Err(invalid(what, detail));
+            }
+            if seq.slot.is_none() || seq.computed < seq.prompt_len {
+                let detail = format!("row {i} (sequence {}) has no complete prompt", seq.id);
+                return Err(invalid(what, detail));
+            }
+            Ok(())
+        };
+        match plan {
+            StepPlan::Prefill { readback, .. } => {
+                if let Readback::ArgmaxMasked { masks } = readback {
+                    self.check_masks(masks, rows.len(), "Prefill")?;
+                }
+                Ok(vec![None; rows.len()])
+            }
+            StepPlan::Decode { tokens, readback } => {
+                if let Readback::ArgmaxMasked { masks } = readback {
+                    self.check_masks(masks, rows.len(), "Decode")?;
+                }
+                let mut inputs = Vec::with_capacity(rows.len());
+                for (i, (seq, &token)) in rows.iter().zip(tokens.iter()).enumerate() {
+                    check_decode_row(i, seq, "Decode")?;
+                    if token as usize >= vocab {
+                        let detail = format!("row {i} feeds token {token}, vocabulary {vocab}");
+                        return Err(invalid("Decode", detail));
+                    }
+                    inputs.push(Some(token));
+                }
+                Ok(inputs)
+            }
+            StepPlan::DecodeFed { sources, masks } => {
+                if !masks.is_empty() {
+                    self.check_masks(masks, rows.len(), "DecodeFed")?;
+                }
+                let mut inputs = Vec::with_capacity(rows.len());
+                for (i, (seq, source)) in rows.iter().zip(sources.iter()).enumerate() {
+                    check_decode_row(i, seq, "DecodeFed")?;
+                    let token = match *source {
+                        Feed::Host(token) if (token as usize) < vocab => token,
+                        Feed::Host(token) => {
+                            let detail = format!("row {i} feeds token {token}, vocabulary {vocab}");
+                            return Err(invalid("DecodeFed", detail));
+                        }
+                        Feed::Row(r) => match state.last_rows.get(r) {
+                            Some(&(id, Some(token))) if id == seq.id => token,
+                            Some(&(id, _)) if id != seq.id => {
+                                let detail = format!(
+                                    "row {i} (sequence {}) feeds from row {r} of the previous \
+                                     step, which was sequence {id}",
+                                    seq.id
+                                );
+                                return Err(invalid("DecodeFed", detail));
+                            }
+                            Some(_) => {
+                                let detail = format!(
+                                    "row {i} feeds from row {r} of the previous step, which \
+                                     reached no token position"
+                                );
+                                return Err(invalid("DecodeFed", detail));
+                            }
+                            None => {
+                                let detail = format!(
+                                    "row {i} feeds from row {r}; the previous step had {} rows",
+                                    state.last_rows.len()
+                                );
+                                return Err(invalid("DecodeFed", detail));
+                            }
+                        },
+                    };
+                    inputs.push(Some(token));
+                }
+                Ok(inputs)
+            }
+        }
     }
 }
 
@@ -226,27 +423,42 @@ impl DeviceIo for ScriptedRouter {
                 plan.rows(),
                 rows.len()
             );
-            return Err(DeviceError::Invalid {
-                what: "launch",
-                detail,
-            });
+            return Err(invalid("launch", detail));
         }
         if let StepPlan::DecodeFed { .. } = plan {
             if self.config.max_depth < 2 {
                 return Err(DeviceError::Unsupported { what: "DecodeFed" });
             }
         }
-        if let StepPlan::Prefill {
-            readback: Readback::HostLogits { .. },
-            ..
+        if state.unsettled.len() >= self.config.max_depth.max(1) {
+            let detail = format!(
+                "{} steps are unsettled and max_depth is {}",
+                state.unsettled.len(),
+                self.config.max_depth
+            );
+            return Err(invalid("launch", detail));
         }
-        | StepPlan::Decode {
-            readback: Readback::HostLogits { .. },
-            ..
-        } = plan
-        {
-            return Err(DeviceError::Unsupported { what: "HostLogits" });
-        }
+        let masks: &[&[bool]] = match &plan {
+            StepPlan::Prefill {
+                readback: Readback::HostLogits { .. },
+                ..
+            }
+            | StepPlan::Decode {
+                readback: Readback::HostLogits { .. },
+                ..
+            } => return Err(DeviceError::Unsupported { what: "HostLogits" }),
+            StepPlan::Prefill {
+                readback: Readback::ArgmaxMasked { masks },
+                ..
+            }
+            | StepPlan::Decode {
+                readback: Readback::ArgmaxMasked { masks },
+                ..
+            }
+            | StepPlan::DecodeFed { masks, .. } => masks,
+            _ => &[],
+        };
+        let inputs = self.inputs_of(&state, &plan, rows)?;
         // Work out every row's new length and the blocks and slots it needs before changing
         // anything, so that a dry pool leaves the router as it was.
         let advance: Vec<usize> = match &plan {
@@ -277,7 +489,8 @@ impl DeviceIo for ScriptedRouter {
             });
         }
         let mut outputs = Vec::with_capacity(rows.len());
-        for (seq, add) in rows.iter_mut().zip(advance) {
+        let mut last_rows = Vec::with_capacity(rows.len());
+        for (i, ((seq, add), input)) in rows.iter_mut().zip(advance).zip(inputs).enumerate() {
             if seq.slot.is_none() {
                 let slot = state
                     .slots
@@ -286,6 +499,14 @@ impl DeviceIo for ScriptedRouter {
                     .unwrap_or_default();
                 state.slots[slot] = true;
                 seq.slot = Some(slot);
+                state.inputs.remove(&seq.id);
+            }
+            if let Some(token) = input {
+                state
+                    .inputs
+                    .entry(seq.id)
+                    .or_default()
+                    .insert(seq.computed, token);
             }
             let was_prefill = !seq.prefill_done();
             seq.computed += add;
@@ -293,7 +514,8 @@ impl DeviceIo for ScriptedRouter {
             state.blocks_used += blocks.saturating_sub(seq.blocks);
             seq.blocks = seq.blocks.max(blocks);
             let reached_token = seq.prefill_done();
-            let token = reached_token.then(|| self.answer(&mut state, seq));
+            let mask = masks.get(i).copied();
+            let token = reached_token.then(|| self.answer(&mut state, seq, mask));
             let prefill = was_prefill.then_some(PrefillReport {
                 cached: 0,
                 computed: add,
@@ -304,25 +526,73 @@ impl DeviceIo for ScriptedRouter {
                 logits_row: None,
                 prefill,
             });
+            last_rows.push((seq.id, token));
         }
+        let fed_from = match &plan {
+            StepPlan::DecodeFed { sources, .. }
+                if sources.iter().any(|s| matches!(s, Feed::Row(_))) =>
+            {
+                Some(state.next_ticket - 1)
+            }
+            _ => None,
+        };
+        state.last_rows = last_rows;
         let ticket = Ticket(state.next_ticket);
         state.next_ticket += 1;
-        state.settled.insert(
+        let ready_at = (!self.step_time.is_zero()).then(|| {
+            let now = Instant::now();
+            let start = state.device_free_at.map_or(now, |free| free.max(now));
+            start + self.step_time
+        });
+        if ready_at.is_some() {
+            state.device_free_at = ready_at;
+        }
+        state.unsettled.insert(
             ticket.0,
-            StepResult {
-                ticket,
-                rows: outputs,
-                logits: Some(ticket.0),
+            Unsettled {
+                result: StepResult {
+                    ticket,
+                    rows: outputs,
+                    logits: Some(ticket.0),
+                },
+                ready_at,
+                fed_from,
             },
         );
         Ok(ticket)
     }
 
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>> {
-        self.lock()
-            .settled
-            .remove(&ticket.0)
-            .ok_or(DeviceError::UnknownTicket(ticket))
+        let (step, ready_at) = {
+            let mut state = self.lock();
+            let Some(&oldest) = state.unsettled.keys().next() else {
+                return Err(DeviceError::UnknownTicket(ticket));
+            };
+            if !state.unsettled.contains_key(&ticket.0) {
+                return Err(DeviceError::UnknownTicket(ticket));
+            }
+            if oldest != ticket.0 {
+                let detail = format!("{ticket} awaited before ticket {oldest}");
+                return Err(invalid("await_result", detail));
+            }
+            let step = state.unsettled.remove(&ticket.0).expect("checked above");
+            if let Some(err) = Self::take_fault(&mut state, &FaultAt::Await) {
+                state.lost.insert(ticket.0);
+                return Err(err);
+            }
+            if let Some(source) = step.fed_from.filter(|source| state.lost.contains(source)) {
+                state.lost.insert(ticket.0);
+                return Err(DeviceError::Failed {
+                    phase: Phase::Forward,
+                    message: format!("its inputs came from ticket {source}, which failed"),
+                });
+            }
+            (step.result, step.ready_at)
+        };
+        if let Some(wait) = ready_at.and_then(|at| at.checked_duration_since(Instant::now())) {
+            std::thread::sleep(wait);
+        }
+        Ok(step)
     }
 
     fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome> {
@@ -338,24 +608,19 @@ impl DeviceIo for ScriptedRouter {
                 }
                 state.blocks_used -= seq.blocks;
                 seq.blocks = 0;
-                seq.reserved = 0;
+                seq.reservation = None;
+                seq.state_ahead = false;
                 Ok(EffectOutcome::Unit)
             }
             Effect::CompactSlot { seq, target } => {
                 let Some(from) = seq.slot else {
-                    return Err(DeviceError::Invalid {
-                        what: "CompactSlot",
-                        detail: "sequence has no slot".into(),
-                    });
+                    return Err(invalid("CompactSlot", "sequence has no slot".into()));
                 };
                 match state.slots.get(target) {
                     Some(false) => {}
                     _ => {
                         let detail = format!("target slot {target} is not free");
-                        return Err(DeviceError::Invalid {
-                            what: "CompactSlot",
-                            detail,
-                        });
+                        return Err(invalid("CompactSlot", detail));
                     }
                 }
                 state.slots[from] = false;
@@ -379,19 +644,37 @@ impl DeviceIo for ScriptedRouter {
                 }
                 state.blocks_used += blocks;
                 seq.blocks += blocks;
-                seq.reserved = blocks;
+                seq.reservation = Some(Reservation {
+                    at: seq.computed,
+                    blocks,
+                });
                 Ok(EffectOutcome::Reserved { blocks })
             }
             Effect::Rollback { seq } => {
                 if self.config.max_depth < 2 {
                     return Err(DeviceError::Unsupported { what: "Rollback" });
                 }
-                state.blocks_used -= seq.reserved;
-                seq.blocks -= seq.reserved;
-                seq.reserved = 0;
+                let Some(reservation) = seq.reservation.take() else {
+                    let detail = format!("sequence {} has no reservation to undo", seq.id);
+                    return Err(invalid("Rollback", detail));
+                };
+                if seq.computed > reservation.at {
+                    seq.computed = reservation.at;
+                    seq.state_ahead = true;
+                    if let Some(inputs) = state.inputs.get_mut(&seq.id) {
+                        inputs.retain(|&pos, _| pos < reservation.at);
+                    }
+                }
+                state.blocks_used -= reservation.blocks;
+                seq.blocks -= reservation.blocks;
+                state.rollbacks.push(seq.id);
                 Ok(EffectOutcome::Unit)
             }
             Effect::SaveSequenceState { writer, seq } => {
+                if seq.state_ahead {
+                    let detail = format!("sequence {} was rolled back; release it", seq.id);
+                    return Err(invalid("SaveSequenceState", detail));
+                }
                 let image = format!("{} {} {}\n", seq.id, seq.prompt_len, seq.computed);
                 writer
                     .write_all(image.as_bytes())
@@ -441,9 +724,14 @@ impl DeviceIo for ScriptedRouter {
                     computed,
                     slot: Some(slot),
                     blocks,
-                    reserved: 0,
+                    reservation: None,
+                    state_ahead: false,
                 };
                 Ok(EffectOutcome::Unit)
+            }
+            Effect::MarconiCheckpoint { seq } if seq.state_ahead => {
+                let detail = format!("sequence {} was rolled back; release it", seq.id);
+                Err(invalid("MarconiCheckpoint", detail))
             }
             Effect::MarconiCheckpoint { .. }
             | Effect::SsmSnapshotSave { .. }
@@ -465,8 +753,12 @@ impl DeviceIo for ScriptedRouter {
     fn teardown(self: Box<Self>) -> Result<()> {
         let state = self.lock();
         let live = state.slots.iter().filter(|used| **used).count();
-        if live > 0 || state.blocks_used > 0 {
-            let message = format!("{live} slots and {} blocks still held", state.blocks_used);
+        let unsettled = state.unsettled.len();
+        if live > 0 || state.blocks_used > 0 || unsettled > 0 {
+            let message = format!(
+                "{live} slots, {} blocks and {unsettled} unsettled steps still held",
+                state.blocks_used
+            );
             return Err(DeviceError::Failed {
                 phase: Phase::Teardown,
                 message,
@@ -517,6 +809,23 @@ mod tests {
         );
     }
 
+    fn depth_two() -> ScriptedRouter {
+        ScriptedRouter::new(ScriptedConfig {
+            max_depth: 2,
+            ..ScriptedConfig::default()
+        })
+    }
+
+    /// Prefills `seq` completely; answers its first token.
+    fn prefilled(router: &ScriptedRouter, seq: &mut ScriptedSeq) -> u32 {
+        let plan = StepPlan::Prefill {
+            budgets: &[64],
+            readback: Readback::Argmax,
+        };
+        let ticket = router.launch(plan, &mut [seq]).unwrap();
+        router.await_result(ticket).unwrap().rows[0].token.unwrap()
+    }
+
     #[test]
     fn rollback_is_unsupported_at_depth_one_and_exact_at_depth_two() {
         let sync = ScriptedRouter::new(ScriptedConfig::default());
@@ -524,19 +833,11 @@ mod tests {
         let err = sync.apply(Effect::Rollback { seq: &mut a }).unwrap_err();
         assert_eq!(err, DeviceError::Unsupported { what: "Rollback" });
 
-        let config = ScriptedConfig {
-            max_depth: 2,
-            ..ScriptedConfig::default()
-        };
-        let ahead = ScriptedRouter::new(config);
-        let plan = StepPlan::Prefill {
-            budgets: &[4],
-            readback: Readback::Argmax,
-        };
+        // A reservation that no step used: the rollback gives its block back.
+        let ahead = depth_two();
         let mut b = seq(2, &[1, 2, 3, 4]);
-        let ticket = ahead.launch(plan, &mut [&mut b]).unwrap();
-        ahead.await_result(ticket).unwrap();
-        let before = ahead.facts();
+        let first = prefilled(&ahead, &mut b);
+        let before = (ahead.facts(), b.clone());
         assert_eq!(
             ahead.apply(Effect::ReserveKv { seq: &mut b }).unwrap(),
             EffectOutcome::Reserved { blocks: 1 }
@@ -545,7 +846,200 @@ mod tests {
             ahead.apply(Effect::Rollback { seq: &mut b }).unwrap(),
             EffectOutcome::Unit
         );
-        assert_eq!(ahead.facts(), before);
+        assert_eq!((ahead.facts(), b.clone()), before);
+
+        // A run-ahead that computed its position: the position and its block go, and the
+        // sequence can only be released afterwards.
+        ahead.apply(Effect::ReserveKv { seq: &mut b }).unwrap();
+        let plan = StepPlan::DecodeFed {
+            sources: &[Feed::Host(first)],
+            masks: &[],
+        };
+        let ticket = ahead.launch(plan, &mut [&mut b]).unwrap();
+        ahead.await_result(ticket).unwrap();
+        assert_eq!(ahead.inputs(2), vec![(4, first)]);
+        assert_eq!(b.computed_len(), 5);
+        ahead.apply(Effect::Rollback { seq: &mut b }).unwrap();
+        assert_eq!((ahead.facts(), b.computed_len()), (before.0, 4));
+        assert_eq!(ahead.inputs(2), vec![]);
+        assert_eq!(ahead.rollbacks(), vec![2, 2]);
+        let plan = StepPlan::Decode {
+            tokens: &[first],
+            readback: Readback::Argmax,
+        };
+        let err = ahead.launch(plan, &mut [&mut b]).unwrap_err();
+        assert!(
+            matches!(err, DeviceError::Invalid { what: "Decode", .. }),
+            "{err}"
+        );
+
+        // A second rollback has nothing to undo: a typed error that changes nothing.
+        let before = (ahead.facts(), b.clone());
+        let err = ahead.apply(Effect::Rollback { seq: &mut b }).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DeviceError::Invalid {
+                    what: "Rollback",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!((ahead.facts(), b.clone()), before);
+        assert_eq!(ahead.rollbacks(), vec![2, 2]);
+        ahead
+            .apply(Effect::ReleaseSeq {
+                seq: &mut b,
+                cache: true,
+                what: "finish",
+            })
+            .unwrap();
+        Box::new(ahead).teardown().unwrap();
+    }
+
+    #[test]
+    fn fed_rows_take_the_previous_steps_answers_on_the_device() {
+        let router = depth_two();
+        let (mut a, mut b) = (seq(1, &[1, 2, 3]), seq(2, &[4, 5]));
+        let plan = StepPlan::Prefill {
+            budgets: &[8, 8],
+            readback: Readback::Argmax,
+        };
+        let t1 = router.launch(plan, &mut [&mut a, &mut b]).unwrap();
+        // Step 2 runs ahead of step 1: b first, fed from row 1 of step 1, and a from row 0.
+        for s in [&mut a, &mut b] {
+            router.apply(Effect::ReserveKv { seq: s }).unwrap();
+        }
+        let plan = StepPlan::DecodeFed {
+            sources: &[Feed::Row(1), Feed::Row(0)],
+            masks: &[],
+        };
+        let t2 = router.launch(plan, &mut [&mut b, &mut a]).unwrap();
+        // A third step would exceed the depth.
+        let plan = StepPlan::DecodeFed {
+            sources: &[Feed::Row(0)],
+            masks: &[],
+        };
+        let err = router.launch(plan, &mut [&mut b]).unwrap_err();
+        assert!(
+            matches!(err, DeviceError::Invalid { what: "launch", .. }),
+            "{err}"
+        );
+        // Tickets are awaited in launch order.
+        let err = router.await_result(t2).unwrap_err();
+        assert!(matches!(err, DeviceError::Invalid { .. }), "{err}");
+        let first = router.await_result(t1).unwrap();
+        let second = router.await_result(t2).unwrap();
+        let (a1, b1) = (first.rows[0].token.unwrap(), first.rows[1].token.unwrap());
+        assert_eq!(router.inputs(1), vec![(3, a1)]);
+        assert_eq!(router.inputs(2), vec![(2, b1)]);
+        assert_eq!(second.rows[0].token, Some(router.fallback_token(2, 3)));
+
+        // A source row of another sequence, a missing row and a foreign token are refused.
+        let bad: [(&[Feed], &str); 3] = [
+            (&[Feed::Row(1)], "which was sequence 1"),
+            (&[Feed::Row(2)], "the previous step had 2 rows"),
+            (&[Feed::Host(999)], "vocabulary"),
+        ];
+        for (sources, needle) in bad {
+            let before = (router.facts(), b.clone());
+            let plan = StepPlan::DecodeFed {
+                sources,
+                masks: &[],
+            };
+            let err = router.launch(plan, &mut [&mut b]).unwrap_err();
+            assert!(err.to_string().contains(needle), "{err}");
+            assert_eq!((router.facts(), b.clone()), before);
+        }
+    }
+
+    #[test]
+    fn masks_restrict_the_answer_and_must_allow_a_token() {
+        let router = depth_two();
+        let mut a = seq(1, &[1, 2]);
+        prefilled(&router, &mut a);
+        let natural = router.fallback_token(1, 3);
+        let mut mask = vec![false; 256];
+        mask[(natural as usize + 5) % 256] = true;
+        let masks: [&[bool]; 1] = [&mask];
+        let plan = StepPlan::DecodeFed {
+            sources: &[Feed::Row(0)],
+            masks: &masks,
+        };
+        let ticket = router.launch(plan, &mut [&mut a]).unwrap();
+        let step = router.await_result(ticket).unwrap();
+        assert_eq!(step.rows[0].token, Some((natural + 5) % 256));
+        let none = vec![false; 256];
+        let masks: [&[bool]; 1] = [&none];
+        let plan = StepPlan::Decode {
+            tokens: &[0],
+            readback: Readback::ArgmaxMasked { masks: &masks },
+        };
+        let err = router.launch(plan, &mut [&mut a]).unwrap_err();
+        assert!(err.to_string().contains("allows no token"), "{err}");
+    }
+
+    #[test]
+    fn a_lost_step_takes_the_fed_step_after_it_along() {
+        let router = depth_two();
+        let mut a = seq(1, &[1, 2]);
+        let token = prefilled(&router, &mut a);
+        let plan = StepPlan::Decode {
+            tokens: &[token],
+            readback: Readback::Argmax,
+        };
+        let t1 = router.launch(plan, &mut [&mut a]).unwrap();
+        router.apply(Effect::ReserveKv { seq: &mut a }).unwrap();
+        let plan = StepPlan::DecodeFed {
+            sources: &[Feed::Row(0)],
+            masks: &[],
+        };
+        let t2 = router.launch(plan, &mut [&mut a]).unwrap();
+        router.inject(FaultAt::Await, DeviceError::DeviceLost("test".into()));
+        assert!(matches!(
+            router.await_result(t1),
+            Err(DeviceError::DeviceLost(_))
+        ));
+        let err = router.await_result(t2).unwrap_err();
+        assert!(err.to_string().contains("ticket 2"), "{err}");
+        router
+            .apply(Effect::ReleaseSeq {
+                seq: &mut a,
+                cache: false,
+                what: "fault",
+            })
+            .unwrap();
+        Box::new(router).teardown().unwrap();
+    }
+
+    #[test]
+    fn a_simulated_step_time_holds_await_back_from_launch_on() {
+        let step_time = Duration::from_millis(3);
+        let router = ScriptedRouter::new(ScriptedConfig::default()).with_step_time(step_time);
+        let mut a = seq(1, &[1, 2]);
+        let launched = Instant::now();
+        let plan = StepPlan::Prefill {
+            budgets: &[8],
+            readback: Readback::Argmax,
+        };
+        let ticket = router.launch(plan, &mut [&mut a]).unwrap();
+        router.await_result(ticket).unwrap();
+        // A lower bound only: the simulated device never finishes early.
+        assert!(launched.elapsed() >= step_time);
+    }
+
+    #[test]
+    fn teardown_reports_an_unsettled_step() {
+        let router = ScriptedRouter::new(ScriptedConfig::default());
+        let mut a = seq(1, &[1, 2]);
+        let plan = StepPlan::Prefill {
+            budgets: &[8],
+            readback: Readback::Argmax,
+        };
+        router.launch(plan, &mut [&mut a]).unwrap();
+        let err = Box::new(router).teardown().unwrap_err();
+        assert!(err.to_string().contains("1 unsettled steps"), "{err}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
-    DeviceError, DeviceIo, Effect, EffectOutcome, LoraCommand, Readback, SeqSpec, Sequence,
+    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Readback, SeqSpec, Sequence,
     StepPlan,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
@@ -65,12 +65,24 @@ fn scripted_scenario_matches_its_golden_trace() {
         EffectOutcome::HostLogits { elem_bytes: 4 }
     );
 
-    // Run-ahead: reserve, then the over-run is discarded.
+    // Run-ahead: reserve both rows, launch the fed step (a from its argmax on the device, b
+    // from a host token), then a turns out to have stopped: its over-run is rolled back.
+    assert_eq!(
+        router.apply(Effect::ReserveKv { seq: &mut a }).unwrap(),
+        EffectOutcome::Reserved { blocks: 0 }
+    );
     assert_eq!(
         router.apply(Effect::ReserveKv { seq: &mut b }).unwrap(),
         EffectOutcome::Reserved { blocks: 1 }
     );
-    router.apply(Effect::Rollback { seq: &mut b }).unwrap();
+    let plan = StepPlan::DecodeFed {
+        sources: &[Feed::Row(0), Feed::Host(5)],
+        masks: &[],
+    };
+    let ticket = router.launch(plan, &mut [&mut a, &mut b]).unwrap();
+    router.await_result(ticket).unwrap();
+    router.apply(Effect::Rollback { seq: &mut a }).unwrap();
+    assert_eq!(a.computed_len(), 7);
 
     // A fault strikes one launch; the next succeeds.
     router.inner().inject(
@@ -117,7 +129,7 @@ fn scripted_scenario_matches_its_golden_trace() {
             reader: &mut image.as_slice(),
         })
         .unwrap();
-    assert_eq!(b.computed_len(), 4);
+    assert_eq!(b.computed_len(), 5);
     router
         .apply(Effect::ReleaseSeq {
             seq: &mut b,
