@@ -132,6 +132,10 @@ impl Sequence for CpuSeq {
         self.prompt_len
     }
 
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
     fn computed_len(&self) -> usize {
         self.computed_len
     }

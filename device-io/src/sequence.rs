@@ -26,6 +26,10 @@ pub trait Sequence: Send + Sized {
     fn id(&self) -> u64;
     /// The prompt's length in tokens.
     fn prompt_len(&self) -> usize;
+    /// The prompt, then every token fed to the sequence since: `tokens()[..computed_len()]` are
+    /// the tokens whose KV and state exist. The core checks a restored sequence against what it
+    /// spilled with it.
+    fn tokens(&self) -> &[u32];
     /// Positions whose KV and state exist on the device (cached, computed or decoded).
     fn computed_len(&self) -> usize;
     /// Whether the whole prompt has been computed (or served from cache).

@@ -23,6 +23,7 @@
 //! twice; at most `max_depth` steps are unsettled, and they are awaited in launch order.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::io::Read;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,8 @@ struct Reservation {
 pub struct ScriptedSeq {
     id: u64,
     prompt_len: usize,
+    /// The prompt, then every token fed since (`tokens[..computed]` are the computed positions').
+    tokens: Vec<u32>,
     computed: usize,
     slot: Option<usize>,
     blocks: usize,
@@ -63,6 +66,7 @@ impl Sequence for ScriptedSeq {
         ScriptedSeq {
             id: spec.id,
             prompt_len: spec.prompt.len(),
+            tokens: spec.prompt.to_vec(),
             computed: 0,
             slot: None,
             blocks: 0,
@@ -76,12 +80,24 @@ impl Sequence for ScriptedSeq {
     fn prompt_len(&self) -> usize {
         self.prompt_len
     }
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
     fn computed_len(&self) -> usize {
         self.computed
     }
     fn slot(&self) -> Option<usize> {
         self.slot
     }
+}
+
+/// A decoded spill image of a [`ScriptedSeq`].
+#[derive(Debug)]
+struct ScriptedImage {
+    id: u64,
+    prompt_len: usize,
+    computed: usize,
+    tokens: Vec<u32>,
 }
 
 /// The shape of a [`ScriptedRouter`].
@@ -253,6 +269,65 @@ impl ScriptedRouter {
             .iter()
             .position(|(fault_at, _)| fault_at == at)?;
         Some(state.faults.remove(index).1)
+    }
+
+    /// Reads and checks a spill image (`id prompt_len computed token...`, decimal, one line):
+    /// every field a number, the lengths consistent, the tokens inside the vocabulary and the
+    /// whole no longer than a sequence of the pool's size needs.
+    fn read_image(&self, reader: &mut dyn std::io::Read) -> Result<ScriptedImage> {
+        let max_tokens = self.config.num_blocks * self.config.block_size;
+        // Each field is at most 20 digits and a separator.
+        let limit = 21 * (3 + max_tokens as u64);
+        let mut text = String::new();
+        reader
+            .take(limit + 1)
+            .read_to_string(&mut text)
+            .map_err(|err| DeviceError::BadImage(format!("reading failed: {err}")))?;
+        if text.len() as u64 > limit {
+            return Err(DeviceError::BadImage(format!(
+                "the image is longer than {limit} bytes"
+            )));
+        }
+        let mut fields = text.split_ascii_whitespace().map(|field| {
+            field
+                .parse::<u64>()
+                .map_err(|_| DeviceError::BadImage(format!("{field:?} is not a number")))
+        });
+        let mut next = |name: &str| {
+            fields
+                .next()
+                .unwrap_or_else(|| Err(DeviceError::BadImage(format!("no {name}"))))
+        };
+        let id = next("sequence id")?;
+        let prompt_len = next("prompt length")? as usize;
+        let computed = next("computed length")? as usize;
+        let tokens = fields
+            .map(|field| {
+                let token = field?;
+                u32::try_from(token)
+                    .ok()
+                    .filter(|&token| (token as usize) < self.config.vocab_size)
+                    .ok_or_else(|| {
+                        DeviceError::BadImage(format!(
+                            "token {token} is outside the vocabulary of {}",
+                            self.config.vocab_size
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        let want = prompt_len.max(computed);
+        if prompt_len == 0 || computed > max_tokens || tokens.len() != want {
+            return Err(DeviceError::BadImage(format!(
+                "lengths are inconsistent: prompt {prompt_len}, computed {computed}, {} tokens",
+                tokens.len()
+            )));
+        }
+        Ok(ScriptedImage {
+            id,
+            prompt_len,
+            computed,
+            tokens,
+        })
     }
 
     /// The answer at the row's token position, masked: the first allowed id at or after the
@@ -507,6 +582,8 @@ impl DeviceIo for ScriptedRouter {
                     .entry(seq.id)
                     .or_default()
                     .insert(seq.computed, token);
+                seq.tokens.truncate(seq.computed.max(seq.prompt_len));
+                seq.tokens.push(token);
             }
             let was_prefill = !seq.prefill_done();
             seq.computed += add;
@@ -660,6 +737,7 @@ impl DeviceIo for ScriptedRouter {
                 };
                 if seq.computed > reservation.at {
                     seq.computed = reservation.at;
+                    seq.tokens.truncate(seq.computed.max(seq.prompt_len));
                     seq.state_ahead = true;
                     if let Some(inputs) = state.inputs.get_mut(&seq.id) {
                         inputs.retain(|&pos, _| pos < reservation.at);
@@ -675,7 +753,11 @@ impl DeviceIo for ScriptedRouter {
                     let detail = format!("sequence {} was rolled back; release it", seq.id);
                     return Err(invalid("SaveSequenceState", detail));
                 }
-                let image = format!("{} {} {}\n", seq.id, seq.prompt_len, seq.computed);
+                let mut image = format!("{} {} {}", seq.id, seq.prompt_len, seq.computed);
+                for token in &seq.tokens {
+                    image.push_str(&format!(" {token}"));
+                }
+                image.push('\n');
                 writer
                     .write_all(image.as_bytes())
                     .map_err(|err| DeviceError::Failed {
@@ -685,26 +767,23 @@ impl DeviceIo for ScriptedRouter {
                 Ok(EffectOutcome::Unit)
             }
             Effect::RestoreSequenceState { seq, reader } => {
-                let mut image = String::new();
-                reader
-                    .read_to_string(&mut image)
-                    .map_err(|err| DeviceError::BadImage(err.to_string()))?;
-                let fields: Vec<usize> = image
-                    .split_whitespace()
-                    .filter_map(|field| field.parse().ok())
-                    .collect();
-                let [id, prompt_len, computed] = fields[..] else {
+                if seq.slot.is_some() || seq.blocks != 0 {
+                    return Err(DeviceError::Invalid {
+                        what: "RestoreSequenceState",
+                        detail: format!(
+                            "sequence {} still holds resources; release it first",
+                            seq.id
+                        ),
+                    });
+                }
+                let image = self.read_image(reader)?;
+                if image.id != seq.id {
                     return Err(DeviceError::BadImage(format!(
-                        "expected 3 numbers, got {image:?}"
-                    )));
-                };
-                if id as u64 != seq.id || seq.slot.is_some() || seq.blocks != 0 {
-                    return Err(DeviceError::BadImage(format!(
-                        "image of sequence {id} does not fit sequence {}",
-                        seq.id
+                        "the image is of sequence {}, not {}",
+                        image.id, seq.id
                     )));
                 }
-                let blocks = self.blocks_for(computed);
+                let blocks = self.blocks_for(image.computed);
                 let Some(slot) = state.slots.iter().position(|used| !*used) else {
                     return Err(DeviceError::SlotsExhausted {
                         total: self.config.num_slots,
@@ -719,9 +798,10 @@ impl DeviceIo for ScriptedRouter {
                 state.slots[slot] = true;
                 state.blocks_used += blocks;
                 *seq = ScriptedSeq {
-                    id: id as u64,
-                    prompt_len,
-                    computed,
+                    id: image.id,
+                    prompt_len: image.prompt_len,
+                    tokens: image.tokens,
+                    computed: image.computed,
                     slot: Some(slot),
                     blocks,
                     reservation: None,

@@ -21,6 +21,7 @@ const VOCAB: usize = 32_000;
 struct NullSeq {
     id: u64,
     prompt_len: usize,
+    tokens: Vec<u32>,
     computed: usize,
     slot: Option<usize>,
 }
@@ -30,6 +31,7 @@ impl Sequence for NullSeq {
         NullSeq {
             id: spec.id,
             prompt_len: spec.prompt.len(),
+            tokens: spec.prompt.to_vec(),
             computed: 0,
             slot: None,
         }
@@ -39,6 +41,9 @@ impl Sequence for NullSeq {
     }
     fn prompt_len(&self) -> usize {
         self.prompt_len
+    }
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
     fn computed_len(&self) -> usize {
         self.computed
@@ -129,6 +134,11 @@ impl DeviceIo for NullRouter {
                         computed: add,
                         done: seq.computed >= seq.prompt_len,
                     })
+                }
+                StepPlan::Decode { tokens, .. } => {
+                    seq.tokens.push(tokens[index]);
+                    seq.computed += 1;
+                    None
                 }
                 _ => {
                     seq.computed += 1;

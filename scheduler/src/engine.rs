@@ -57,7 +57,7 @@ use crate::handle::{Command, EngineClient, RequestHandle, ShutdownMode};
 use crate::metrics::{Metrics, StepReport};
 use crate::request::{Limits, Request, RequestError};
 use crate::sampling::Sampler;
-use crate::spill::{SpillStore, SpillTarget};
+use crate::spill::{token_digest, ImageTag, SpillError, SpillStore, SpillTarget};
 
 /// How a preempted sequence comes back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,9 +118,9 @@ pub enum EngineError {
         /// The rule it breaks.
         rule: &'static str,
     },
-    /// The spill directory could not be created.
-    #[error("spill directory: {0}")]
-    SpillDirectory(#[source] std::io::Error),
+    /// The spill directory given is unusable, or the engine's own could not be created in it.
+    #[error(transparent)]
+    SpillDirectory(SpillError),
     /// A shutdown effect failed (the remaining shutdown steps still ran).
     #[error("shutdown effect {effect} failed: {source}")]
     Shutdown {
@@ -287,7 +287,14 @@ struct Active<S> {
 struct Waiting<S> {
     req: Tracked,
     /// The released sequence whose image is in the spill store, when it was spilled.
-    spilled: Option<S>,
+    spilled: Option<Spilled<S>>,
+}
+
+/// A spilled request's released sequence and what its image holds.
+#[derive(Debug)]
+struct Spilled<S> {
+    seq: S,
+    tag: ImageTag,
 }
 
 /// Buffers reused by every step, so a steady state allocates nothing of its own.
@@ -705,7 +712,7 @@ where
                 req.resumed_at = Some(self.step_no);
             }
             let seq = match spilled {
-                Some(seq) => match self.restore(seq, &mut req) {
+                Some(spilled) => match self.restore(spilled, &mut req) {
                     Restored::Yes(seq) => seq,
                     // With nothing running, waiting cannot help: prefill it again instead (and
                     // if even that cannot fit, the request fails rather than waits forever).
@@ -717,10 +724,10 @@ where
                         self.metrics.recomputes += 1;
                         D::Seq::create(req.spec())
                     }
-                    Restored::Later(seq) => {
+                    Restored::Later(spilled) => {
                         self.waiting.push_front(Waiting {
                             req,
-                            spilled: Some(seq),
+                            spilled: Some(spilled),
                         });
                         break;
                     }
@@ -739,12 +746,13 @@ where
         admitted
     }
 
-    fn restore(&mut self, mut seq: D::Seq, req: &mut Tracked) -> Restored<D::Seq> {
+    fn restore(&mut self, spilled: Spilled<D::Seq>, req: &mut Tracked) -> Restored<D::Seq> {
+        let Spilled { mut seq, tag } = spilled;
         let Some(store) = &mut self.spill else {
             return Restored::Recompute;
         };
         let router = &self.router;
-        let loaded = store.load(req.id, |reader| {
+        let loaded = store.load(&tag, |reader| {
             router.apply(Effect::RestoreSequenceState {
                 seq: &mut seq,
                 reader,
@@ -753,27 +761,42 @@ where
         match loaded {
             Ok(Ok(_)) => {
                 store.remove(req.id);
-                self.metrics.restores += 1;
-                Restored::Yes(seq)
+                match check_restored(&seq, &tag) {
+                    Ok(()) => {
+                        self.metrics.restores += 1;
+                        return Restored::Yes(seq);
+                    }
+                    Err(problem) => {
+                        // The router restored something other than what was spilled: give its
+                        // resources back and prefill again.
+                        tracing::warn!(
+                            id = req.id,
+                            problem,
+                            "restored sequence refused; recomputing instead"
+                        );
+                        self.metrics.spill_images_rejected += 1;
+                        let _ = self.release(seq, false, "fault");
+                    }
+                }
             }
             Ok(Err(DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. })) => {
-                Restored::Later(seq)
+                return Restored::Later(Spilled { seq, tag });
             }
             Ok(Err(err)) => {
                 tracing::warn!(id = req.id, %err, "restore failed; recomputing instead");
                 store.remove(req.id);
-                self.metrics.spill_fallbacks += 1;
-                self.metrics.recomputes += 1;
-                Restored::Recompute
             }
             Err(err) => {
-                tracing::warn!(id = req.id, %err, "spill image unreadable; recomputing instead");
+                tracing::warn!(id = req.id, %err, "spill image refused; recomputing instead");
                 store.remove(req.id);
-                self.metrics.spill_fallbacks += 1;
-                self.metrics.recomputes += 1;
-                Restored::Recompute
+                if matches!(err, SpillError::Refused { .. }) {
+                    self.metrics.spill_images_rejected += 1;
+                }
             }
         }
+        self.metrics.spill_fallbacks += 1;
+        self.metrics.recomputes += 1;
+        Restored::Recompute
     }
 
     /// Builds, launches and settles one plan of `kind`, preempting on exhaustion and relaunching
@@ -1019,15 +1042,23 @@ where
                 self.recompute(seq, req);
                 return;
             }
+            // The engine's tokens must cover what the sequence computed; if they do not, its
+            // image could not be checked at restore.
+            Some(_) if seq.computed_len() > req.tokens.len() => {
+                self.recompute(seq, req);
+                return;
+            }
             Some(store) => {
                 let router = &self.router;
-                let saved = store.save(req.id, |writer| {
+                let covered = &req.tokens[..seq.computed_len()];
+                let saved = store.save(req.id, covered, |writer| {
                     router
                         .apply(Effect::SaveSequenceState { seq: &seq, writer })
                         .map(|_| ())
                 });
+                self.metrics.spill_directory_recreations = store.directory_recreations();
                 match saved {
-                    Ok(Ok(())) => Some(seq),
+                    Ok(Ok(tag)) => Some((seq, tag)),
                     Ok(Err(err)) => {
                         tracing::warn!(id = req.id, %err, "spill failed; recomputing instead");
                         self.metrics.spill_fallbacks += 1;
@@ -1047,7 +1078,7 @@ where
                 return;
             }
         };
-        let Some(seq) = seq else { return };
+        let Some((seq, tag)) = seq else { return };
         // The image holds everything the sequence needs; offering its blocks to the cache too
         // would only compete with other entries.
         match self.release(seq, false, "preempt") {
@@ -1055,7 +1086,7 @@ where
                 self.metrics.spills += 1;
                 self.waiting.push_front(Waiting {
                     req,
-                    spilled: Some(seq),
+                    spilled: Some(Spilled { seq, tag }),
                 });
             }
             Err(source) => {
@@ -1280,9 +1311,36 @@ enum Restored<S> {
     /// Restored; the sequence runs again.
     Yes(S),
     /// The pool or the slots are dry; try again later.
-    Later(S),
+    Later(Spilled<S>),
     /// The image could not be restored; prefill prompt plus generated tokens again.
     Recompute,
+}
+
+/// Whether a restored sequence is the one that was spilled: same request, same computed length,
+/// same tokens over it.
+fn check_restored<S: Sequence>(seq: &S, tag: &ImageTag) -> Result<(), String> {
+    if seq.id() != tag.id {
+        return Err(format!(
+            "restored sequence {} for request {}",
+            seq.id(),
+            tag.id
+        ));
+    }
+    let computed = seq.computed_len();
+    if computed as u64 != tag.computed_len {
+        return Err(format!(
+            "restored {computed} computed positions, {} were spilled",
+            tag.computed_len
+        ));
+    }
+    match seq.tokens().get(..computed) {
+        Some(tokens) if token_digest(tokens) == tag.token_digest => Ok(()),
+        Some(_) => Err("the restored tokens differ from the spilled ones".to_string()),
+        None => Err(format!(
+            "the restored sequence has {} tokens for {computed} computed positions",
+            seq.tokens().len()
+        )),
+    }
 }
 
 fn protocol(kind: PlanKind, detail: &str) -> ServeError {

@@ -65,7 +65,7 @@ mod metrics;
 pub mod replay;
 mod request;
 pub mod sampling;
-mod spill;
+pub mod spill;
 pub mod workload;
 
 pub use engine::{Engine, EngineConfig, EngineError, Preemption};
@@ -73,4 +73,4 @@ pub use event::{Event, FinishReason, ServeError, Usage};
 pub use handle::{Completion, EngineClient, EngineThread, RequestHandle, ShutdownMode};
 pub use metrics::{Metrics, StepReport};
 pub use request::{Limits, RandomSampling, Request, RequestError, Sampling};
-pub use spill::SpillTarget;
+pub use spill::{SpillError, SpillTarget};

@@ -41,6 +41,14 @@ pub struct Metrics {
     pub recomputes: u64,
     /// Spills or restores that failed and fell back to recompute.
     pub spill_fallbacks: u64,
+    /// Spilled images refused at restore because they were not what the engine spilled (an
+    /// earlier image of the same request, another store's, a file replaced or of the wrong
+    /// kind, a corrupt envelope, or a restored sequence whose length or tokens differ); each
+    /// fell back to recompute (also counted in `spill_fallbacks`).
+    pub spill_images_rejected: u64,
+    /// Times the spill directory had disappeared (or been replaced) and a fresh private one was
+    /// created for the next spill.
+    pub spill_directory_recreations: u64,
     /// `CompactSlot` effects applied.
     pub compactions: u64,
     /// `MarconiCheckpoint` effects applied.
@@ -73,6 +81,9 @@ impl Metrics {
             restores: self.restores - earlier.restores,
             recomputes: self.recomputes - earlier.recomputes,
             spill_fallbacks: self.spill_fallbacks - earlier.spill_fallbacks,
+            spill_images_rejected: self.spill_images_rejected - earlier.spill_images_rejected,
+            spill_directory_recreations: self.spill_directory_recreations
+                - earlier.spill_directory_recreations,
             compactions: self.compactions - earlier.compactions,
             marconi_checkpoints: self.marconi_checkpoints - earlier.marconi_checkpoints,
             marconi_checkpoint_failures: self.marconi_checkpoint_failures
