@@ -17,7 +17,7 @@
 //! | 8 | token digest: xxh3-64 of those positions' token ids (each `u32`, little-endian) |
 //! | 8 | xxh3-64 of the 52 bytes before it |
 //!
-//! The engine records the [`ImageTag`] (id, generation, computed length, token digest) of each
+//! The engine records the tag (id, generation, computed length, token digest) of each
 //! spill and, at restore, refuses an image whose envelope says anything else (an earlier image of
 //! the same request, another store's image, a corrupt header) before the router sees a byte; after
 //! the router restored it, it checks the sequence itself (length and token digest) the same way.
