@@ -19,8 +19,9 @@
 //!    `cache: false` when failed) and their final event is sent. A release the router refuses is
 //!    retried without caching; if that fails too, the sequence becomes an *orphan* that is
 //!    released again at every later step and before teardown.
-//! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders) move
-//!    down with `CompactSlot`, so live sequences occupy slots `0..n`.
+//! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders,
+//!    orphans included) move down with `CompactSlot` into slots below `n` that neither a survivor
+//!    nor an orphan holds, so live sequences occupy slots `0..n`.
 //!
 //! A launch that finds the KV pool (or the slots) dry changed nothing; the engine first releases
 //! requests that ended earlier in the step, else preempts a victim (fewest generated tokens, not
@@ -1244,22 +1245,28 @@ where
 
     /// Moves slot holders at or above `n` into the free slots below it; answers `false` when a
     /// move failed (its request is marked failed and must be retired).
+    ///
+    /// Orphans still hold their slots (the router would not take them back): they count as
+    /// holders and their slots as taken, so no survivor is moved into one. Orphans themselves are
+    /// never moved; once released, the next compaction fills their slots.
     fn compact(&mut self) -> bool {
         let Engine {
             router,
             running,
+            orphans,
             scratch,
             metrics,
             ..
         } = self;
-        let holders = running.iter().filter(|a| a.seq.slot().is_some()).count();
+        let orphan_slots = || orphans.iter().filter_map(|seq| seq.slot());
+        let holders =
+            running.iter().filter(|a| a.seq.slot().is_some()).count() + orphan_slots().count();
         scratch.slot_used.clear();
         scratch.slot_used.resize(holders, false);
-        for active in running.iter() {
-            if let Some(slot) = active.seq.slot() {
-                if slot < holders {
-                    scratch.slot_used[slot] = true;
-                }
+        let held = running.iter().filter_map(|a| a.seq.slot());
+        for slot in held.chain(orphan_slots()) {
+            if slot < holders {
+                scratch.slot_used[slot] = true;
             }
         }
         let mut all_moved = true;
