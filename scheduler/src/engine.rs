@@ -54,7 +54,7 @@ use device_io::{
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::event::{Event, FinishReason, ServeError, Usage};
-use crate::handle::{Command, EngineClient, RequestHandle, ShutdownMode};
+use crate::handle::{Command, EngineClient, Intake, RequestHandle, ShutdownMode};
 use crate::metrics::{Metrics, StepReport};
 use crate::request::{Limits, Request, RequestError};
 use crate::sampling::Sampler;
@@ -345,6 +345,8 @@ pub struct Engine<D: DeviceIo> {
     running: Vec<Active<D::Seq>>,
     commands: Receiver<Command>,
     command_tx: Sender<Command>,
+    /// Closed when a shutdown begins; clients check it before queueing a submission.
+    intake: Intake,
     next_id: Arc<AtomicU64>,
     spill: Option<SpillStore>,
     /// Sequences whose release failed twice; released again every step until the router takes
@@ -426,6 +428,7 @@ where
             running: Vec::new(),
             commands,
             command_tx,
+            intake: Intake::default(),
             next_id: Arc::new(AtomicU64::new(1)),
             spill,
             orphans: Vec::new(),
@@ -492,6 +495,7 @@ where
             self.command_tx.clone(),
             Arc::clone(&self.limits),
             Arc::clone(&self.next_id),
+            self.intake.clone(),
         )
     }
 
@@ -573,6 +577,9 @@ where
     /// stage runs even if an earlier one failed; the first failure is the error.
     pub fn shutdown(mut self, mode: ShutdownMode) -> Result<Metrics, EngineError> {
         self.closed = true;
+        // After this every submission is either in the channel (and failed by the drain below)
+        // or refused at `submit`.
+        self.intake.close();
         self.drain_commands();
         if mode == ShutdownMode::Drain {
             while !self.is_idle() {
@@ -629,14 +636,16 @@ where
             Command::Submit(req) => {
                 let mut req = *req;
                 if self.closed || self.shutdown_requested.is_some() {
+                    // It arrived after the engine stopped taking requests.
                     self.metrics.failed += 1;
-                    req.send_final(End::Fail(ServeError::Shutdown));
+                    req.send_final(End::Fail(ServeError::EngineStopped));
                 } else {
                     self.waiting.push_back(Waiting { req, spilled: None });
                 }
             }
             Command::Cancel(id) => self.cancel(id),
             Command::Shutdown(mode) => {
+                self.intake.close();
                 self.shutdown_requested.get_or_insert(mode);
             }
         }

@@ -85,7 +85,8 @@ pub enum ServeError {
     /// The engine shut down before the request completed.
     #[error("the engine shut down before the request completed")]
     Shutdown,
-    /// The engine is gone (its thread ended) and the stream was cut.
-    #[error("the engine stopped; the request's stream was cut")]
+    /// The engine had stopped taking requests (a shutdown had begun) when the request reached
+    /// it, or the engine is gone and the stream was cut.
+    #[error("the engine stopped before serving the request")]
     EngineStopped,
 }

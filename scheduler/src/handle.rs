@@ -5,7 +5,7 @@
 //! commands at the start of each step (or blocks on them when idle, on its own thread).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -110,12 +110,40 @@ impl RequestHandle {
     }
 }
 
+/// The engine's door for new requests: open until a shutdown begins, then closed for good.
+///
+/// A client holds the read lock while it checks the door and queues its submission, and closing
+/// takes the write lock; so once [`Intake::close`] returns, every submission that got through is
+/// in the command channel (where the engine's next drain finds it and answers it with a final
+/// event), and every later one is refused at `submit`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Intake {
+    closed: Arc<RwLock<bool>>,
+}
+
+impl Intake {
+    /// Closes the door; waits for submissions already past it to finish queueing.
+    pub(crate) fn close(&self) {
+        *self.closed.write().unwrap_or_else(PoisonError::into_inner) = true;
+    }
+
+    /// Runs `queue` unless the door is closed (then answers `EngineStopped`).
+    fn admit<T>(&self, queue: impl FnOnce() -> Result<T, RequestError>) -> Result<T, RequestError> {
+        let closed = self.closed.read().unwrap_or_else(PoisonError::into_inner);
+        if *closed {
+            return Err(RequestError::EngineStopped);
+        }
+        queue()
+    }
+}
+
 /// A cloneable, `Send` client of an engine: submits requests, and nothing else.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
     commands: Sender<Command>,
     limits: Arc<Limits>,
     next_id: Arc<AtomicU64>,
+    intake: Intake,
 }
 
 impl EngineClient {
@@ -123,11 +151,13 @@ impl EngineClient {
         commands: Sender<Command>,
         limits: Arc<Limits>,
         next_id: Arc<AtomicU64>,
+        intake: Intake,
     ) -> Self {
         EngineClient {
             commands,
             limits,
             next_id,
+            intake,
         }
     }
 
@@ -137,15 +167,21 @@ impl EngineClient {
     }
 
     /// Validates `request` here (so a bad one is refused at once) and hands it to the engine.
+    ///
+    /// Once a shutdown has begun the request is refused with [`RequestError::EngineStopped`];
+    /// a request accepted here always gets exactly one final event, even when a shutdown
+    /// starts right after (then [`ServeError::EngineStopped`], unless it was already running).
     pub fn submit(&self, request: Request) -> Result<RequestHandle, RequestError> {
         self.limits.validate(&request)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (events_tx, events) = crossbeam_channel::unbounded();
-        let tracked = Tracked::new(id, request, events_tx);
-        self.commands
-            .send(Command::Submit(Box::new(tracked)))
-            .map_err(|_| RequestError::EngineStopped)?;
-        Ok(RequestHandle::new(id, events, self.commands.clone()))
+        self.intake.admit(|| {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let (events_tx, events) = crossbeam_channel::unbounded();
+            let tracked = Tracked::new(id, request, events_tx);
+            self.commands
+                .send(Command::Submit(Box::new(tracked)))
+                .map_err(|_| RequestError::EngineStopped)?;
+            Ok(RequestHandle::new(id, events, self.commands.clone()))
+        })
     }
 }
 
@@ -188,6 +224,8 @@ impl EngineThread {
         let Some(join) = self.join.take() else {
             return Err(EngineError::ThreadPanicked);
         };
+        // New submissions are refused from here on; those already queued get a final event.
+        self.client.intake.close();
         // A closed channel means the thread already ended; joining tells how.
         let _ = self.client.commands.send(Command::Shutdown(mode));
         join.join().map_err(|_| EngineError::ThreadPanicked)?

@@ -3,9 +3,16 @@
 //! case a failure costs the requests it hit and nothing else, and every accepted request gets
 //! exactly one final event.
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
-use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
-use scheduler::{Engine, EngineConfig, Request, ServeError};
+use crossbeam_channel::{Receiver, Sender};
+use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::{
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Phase, StepPlan,
+    StepResult, Ticket,
+};
+use scheduler::{
+    Engine, EngineConfig, EngineThread, Event, Request, RequestError, RequestHandle, ServeError,
+    ShutdownMode,
+};
 
 fn router(num_blocks: usize, num_slots: usize) -> ScriptedRouter {
     ScriptedRouter::new(ScriptedConfig {
@@ -88,4 +95,97 @@ fn a_twice_failed_release_fails_only_its_own_request() {
     assert_eq!(engine.metrics().orphaned_sequences, 1);
     assert_eq!(engine.orphans_len(), 0);
     assert_eq!(engine.router().facts(), idle_facts(engine.router()));
+}
+
+/// A router that forwards to a [`ScriptedRouter`] and, when armed, holds `EpShutdown` until the
+/// test lets it go (so a test can act while a shutdown is under way).
+#[derive(Debug)]
+struct Gated {
+    inner: ScriptedRouter,
+    /// Sends `()` when `EpShutdown` is reached.
+    reached: Sender<()>,
+    /// `EpShutdown` returns once this yields.
+    release: Receiver<()>,
+}
+
+impl DeviceIo for Gated {
+    type Seq = ScriptedSeq;
+    type Ptr = u64;
+    type Model = ScriptedConfig;
+    type LoraCmd = LoraCommand;
+    type LoraAck = ();
+
+    fn model(&self) -> &ScriptedConfig {
+        self.inner.model()
+    }
+    fn facts(&self) -> DeviceFacts {
+        self.inner.facts()
+    }
+    fn max_depth(&self) -> usize {
+        self.inner.max_depth()
+    }
+    fn launch(
+        &self,
+        plan: StepPlan<'_>,
+        rows: &mut [&mut ScriptedSeq],
+    ) -> Result<Ticket, DeviceError> {
+        self.inner.launch(plan, rows)
+    }
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
+        self.inner.await_result(ticket)
+    }
+    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
+        if let Effect::EpShutdown = effect {
+            self.reached.send(()).unwrap();
+            self.release.recv().unwrap();
+        }
+        self.inner.apply(effect)
+    }
+    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+        self.inner.lora(cmd)
+    }
+    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
+        Box::new(self.inner).teardown()
+    }
+}
+
+/// The events of a stream up to its end (the stream must end: the engine is gone).
+fn all_events(handle: &RequestHandle) -> Vec<Event> {
+    handle.events().iter().collect()
+}
+
+#[test]
+fn a_submit_while_shutdown_is_under_way_is_refused_or_gets_a_final_error() {
+    for mode in [ShutdownMode::Drain, ShutdownMode::Abort] {
+        let (reached_tx, reached) = crossbeam_channel::unbounded();
+        let (release, release_rx) = crossbeam_channel::unbounded();
+        let gated = Gated {
+            inner: router(64, 8),
+            reached: reached_tx,
+            release: release_rx,
+        };
+        let thread = EngineThread::spawn(Engine::new(gated, config()).unwrap()).unwrap();
+        let client = thread.client();
+        let first = client.submit(Request::greedy(prompt(4, 0), 3)).unwrap();
+        assert_eq!(first.wait().unwrap().tokens.len(), 3);
+        let shutting = std::thread::spawn(move || thread.shutdown(mode));
+        // The engine now sits inside EpShutdown: it has drained its commands for the last time.
+        reached.recv().unwrap();
+        let late = client.submit(Request::greedy(prompt(4, 1), 3));
+        release.send(()).unwrap();
+        shutting.join().unwrap().unwrap();
+        match late {
+            Err(err) => assert_eq!(err, RequestError::EngineStopped, "{mode:?}"),
+            Ok(handle) => assert_eq!(
+                all_events(&handle),
+                vec![Event::Error(ServeError::EngineStopped)],
+                "{mode:?}: the stream ended without a final event"
+            ),
+        }
+        // After the engine is gone, a submit is refused at once.
+        assert_eq!(
+            client.submit(Request::greedy(prompt(4, 2), 3)).unwrap_err(),
+            RequestError::EngineStopped
+        );
+    }
 }
