@@ -43,6 +43,10 @@ pub struct CpuRouterConfig {
     pub marconi: bool,
     /// The longest sequence (prompt plus generated tokens) the router accepts.
     pub max_context: usize,
+    /// 1: every step completes inside `launch` (the synchronous router). 2: the pipelined router:
+    /// device work runs in order on a worker thread, `launch` returns at once, and the core may
+    /// launch a `DecodeFed` step before it awaits the previous one.
+    pub max_depth: usize,
 }
 
 /// The default block size, as in vLLM.
@@ -53,7 +57,7 @@ pub const DEFAULT_SNAPSHOT_SLOTS: usize = 4;
 impl CpuRouterConfig {
     /// A config with `num_blocks` blocks of [`DEFAULT_BLOCK_SIZE`] tokens and `max_seqs` live slots;
     /// four checkpoint slots per live slot, [`DEFAULT_SNAPSHOT_SLOTS`] ring slots, prefix cache and
-    /// Marconi on, and `max_context` as large as the pool.
+    /// Marconi on, `max_context` as large as the pool, and depth 1.
     pub fn new(num_blocks: usize, max_seqs: usize) -> Self {
         CpuRouterConfig {
             block_size: DEFAULT_BLOCK_SIZE,
@@ -64,6 +68,7 @@ impl CpuRouterConfig {
             prefix_cache: true,
             marconi: true,
             max_context: num_blocks * DEFAULT_BLOCK_SIZE,
+            max_depth: 1,
         }
     }
 
@@ -127,6 +132,7 @@ impl CpuRouterConfig {
             prefix_cache: true,
             marconi: true,
             max_context,
+            max_depth: 1,
         })
     }
 

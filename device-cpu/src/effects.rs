@@ -1,5 +1,13 @@
 //! The host router's effects: each validates first and changes nothing when it refuses.
 //!
+//! Bookkeeping happens at once; device work (state copies) is queued behind the steps launched
+//! before it, and an effect that reads device data (`SaveSequenceState`, `ReadLogits`) or writes
+//! it from the host (`RestoreSequenceState`) first waits for that work (see [`crate::device`]).
+//!
+//! `ReserveKv` and `Rollback` keep the sequence's reservation ledger ([`crate::seq::Reservation`]):
+//! the position reserved, the block added, and the output checkpoint a `MarconiCheckpoint` taken
+//! past that position replaced, so a rollback restores exactly what the sequence had before.
+//!
 //! `SaveHiddenCatchup`, `SyncSecondary`, `EpShutdown` and `Quiesce` are deliberate no-ops here:
 //! this router keeps no MTP catch-up ring (the MTP issue adds one), runs on one host "stream" that
 //! is always drained when `launch` returns, and has no expert-parallel workers. They answer `Unit`
@@ -7,11 +15,15 @@
 
 use std::io::Read;
 
+use std::sync::Mutex;
+
 use device_io::{DeviceError, Effect, EffectOutcome, Result};
 use model::Model;
 
+use crate::device::{self, Device, Op};
 use crate::image::{self, ImageHeader};
-use crate::plans::take_checkpoint;
+use crate::plans::{take_checkpoint, FED_PLACEHOLDER};
+use crate::seq::Reservation;
 use crate::{CpuSeq, Inner, LogitsHandle, Namespace, RingEntry, Shape, SlotOwner, Tenure};
 
 fn invalid(what: &'static str, detail: String) -> DeviceError {
@@ -30,31 +42,64 @@ pub(crate) fn apply(
     model: &Model,
     shape: &Shape,
     inner: &mut Inner,
+    device: &Mutex<Device>,
     effect: Effect<'_, CpuSeq, LogitsHandle>,
 ) -> Result<EffectOutcome> {
+    let dev = Dev { model, device };
     match effect {
         Effect::ReleaseSeq { seq, cache, what } => {
+            inner.sync(seq);
             release(shape, inner, seq, cache, what)?;
             Ok(EffectOutcome::Unit)
         }
-        Effect::CompactSlot { seq, target } => compact(shape, inner, seq, target),
-        Effect::DetachSlot { seq } => detach(inner, seq),
-        Effect::SaveSequenceState { seq, writer } => save(shape, inner, seq, writer),
-        Effect::RestoreSequenceState { seq, reader } => restore(shape, inner, seq, reader),
-        Effect::ReadLogits { logits, rows, into } => read_logits(inner, logits, rows, into),
-        Effect::MarconiCheckpoint { seq } => marconi_checkpoint(shape, inner, seq),
-        Effect::SsmSnapshotSave { seq, slot } => snapshot_save(shape, inner, seq, slot),
-        Effect::SsmSnapshotRestore { seq, slot } => snapshot_restore(shape, inner, seq, slot),
-        Effect::ReserveKv { seq } => reserve_kv(shape, inner, seq),
-        Effect::Rollback { .. } => Err(DeviceError::Unsupported { what: "Rollback" }),
+        Effect::CompactSlot { seq, target } => {
+            inner.sync(seq);
+            compact(shape, inner, &dev, seq, target)
+        }
+        Effect::DetachSlot { seq } => {
+            inner.sync(seq);
+            detach(inner, seq)
+        }
+        Effect::SaveSequenceState { seq, writer } => save(shape, inner, &dev, seq, writer),
+        Effect::RestoreSequenceState { seq, reader } => restore(shape, inner, &dev, seq, reader),
+        Effect::ReadLogits { logits, rows, into } => read_logits(inner, &dev, logits, rows, into),
+        Effect::MarconiCheckpoint { seq } => {
+            inner.sync(seq);
+            marconi_checkpoint(shape, inner, &dev, seq)
+        }
+        Effect::SsmSnapshotSave { seq, slot } => snapshot_save(shape, inner, &dev, seq, slot),
+        Effect::SsmSnapshotRestore { seq, slot } => snapshot_restore(shape, inner, &dev, seq, slot),
+        Effect::ReserveKv { seq } => {
+            inner.sync(seq);
+            reserve_kv(shape, inner, seq)
+        }
+        Effect::Rollback { seq } => {
+            inner.sync(seq);
+            rollback(shape, inner, seq)
+        }
         // No MTP ring, one stream, no expert workers: see the module docs.
         Effect::SaveHiddenCatchup { .. }
         | Effect::SyncSecondary
         | Effect::EpShutdown
-        | Effect::Quiesce { .. } => {
-            let _ = model;
-            Ok(EffectOutcome::Unit)
-        }
+        | Effect::Quiesce { .. } => Ok(EffectOutcome::Unit),
+    }
+}
+
+/// The device side an effect may queue work on or read from.
+struct Dev<'a> {
+    model: &'a Model,
+    device: &'a Mutex<Device>,
+}
+
+impl Dev<'_> {
+    fn copy(&self, inner: &mut Inner, from: usize, to: usize) -> Result<()> {
+        inner.copies(self.model, self.device, vec![Op::CopySlot { from, to }])
+    }
+
+    /// Waits for every device work item submitted so far, then locks device memory.
+    fn fenced<'d>(&'d self, inner: &mut Inner) -> Result<std::sync::MutexGuard<'d, Device>> {
+        inner.fence(self.model, self.device)?;
+        device::lock(self.device)
     }
 }
 
@@ -74,10 +119,28 @@ fn release(
     check_tenure(inner, seq, "ReleaseSeq")?;
     seq.tenure = None;
     tracing::debug!(seq = seq.id, cache, what, "release");
-    let full_blocks = seq.computed_len / shape.block_size;
+    // A fed position whose step has not finished holds no known token: never cache it.
+    let known = inner
+        .pending
+        .get(&tenure)
+        .and_then(|pending| pending.iter().map(|p| p.pos).min())
+        .unwrap_or(seq.computed_len)
+        .min(seq.computed_len);
+    let full_blocks = known / shape.block_size;
+    if let Some(superseded) = seq.reservation.take().and_then(|r| r.superseded) {
+        inner.cache.free_checkpoint_slot(superseded.1);
+    }
+    seq.state_ahead = false;
     let checkpoints: Vec<_> = [seq.input_checkpoint.take(), seq.output_checkpoint.take()]
         .into_iter()
         .flatten()
+        .filter(|&(pos, slot)| {
+            // A checkpoint past the known tokens cannot be keyed; it is freed.
+            pos <= known || {
+                inner.cache.free_checkpoint_slot(slot);
+                false
+            }
+        })
         .collect();
     if cache && !seq.failed {
         // Register while the block ids are still valid (this sequence holds them). The
@@ -114,6 +177,7 @@ fn release(
         }
     }
     inner.tenures.remove(&tenure);
+    inner.forget(tenure);
     seq.computed_len = 0;
     seq.tokens.truncate(seq.prompt_len);
     seq.branch_point = None;
@@ -151,6 +215,7 @@ fn owned_slot(inner: &Inner, seq: &CpuSeq, what: &'static str) -> Result<usize> 
 fn compact(
     shape: &Shape,
     inner: &mut Inner,
+    dev: &Dev<'_>,
     seq: &mut CpuSeq,
     target: usize,
 ) -> Result<EffectOutcome> {
@@ -173,10 +238,7 @@ fn compact(
             format!("target slot {target} is not free"),
         ));
     }
-    inner
-        .states
-        .copy_slot(from, target)
-        .map_err(effect_failed)?;
+    dev.copy(inner, from, target)?;
     inner.slots[target] = inner.slots[from].take();
     seq.slot = Some(target);
     Ok(EffectOutcome::Unit)
@@ -194,20 +256,50 @@ fn detach(inner: &mut Inner, seq: &mut CpuSeq) -> Result<EffectOutcome> {
 fn save(
     shape: &Shape,
     inner: &mut Inner,
+    dev: &Dev<'_>,
     seq: &CpuSeq,
     writer: &mut dyn std::io::Write,
 ) -> Result<EffectOutcome> {
     let slot = owned_slot(inner, seq, "SaveSequenceState")?;
-    if seq.failed {
+    let device = dev.fenced(inner)?;
+    // The image needs the fed tokens; the fence has resolved every one that can be. The sequence
+    // is borrowed shared here, so they are read from what the router resolved.
+    let tenure = seq.tenure.expect("owned_slot checked it");
+    let failed = seq.failed || inner.failed.contains(&tenure);
+    if failed {
         return Err(invalid(
             "SaveSequenceState",
             format!("sequence {} failed; its state is unspecified", seq.id),
         ));
     }
+    if seq.state_ahead {
+        return Err(invalid(
+            "SaveSequenceState",
+            format!(
+                "sequence {} was rolled back; its state is past its length",
+                seq.id
+            ),
+        ));
+    }
+    let mut tokens = seq.tokens.clone();
+    for &(pos, token) in inner.resolved.get(&tenure).into_iter().flatten() {
+        if let Some(slot) = tokens.get_mut(pos) {
+            *slot = token;
+        }
+    }
+    if tokens.contains(&FED_PLACEHOLDER) {
+        return Err(invalid(
+            "SaveSequenceState",
+            format!(
+                "sequence {} has a fed token no finished step produced",
+                seq.id
+            ),
+        ));
+    }
     let num_blocks = seq.computed_len.div_ceil(shape.block_size);
     let mut kv = Vec::with_capacity(num_blocks * shape.layout.floats_per_block);
     for &block in &seq.blocks[..num_blocks] {
-        inner
+        device
             .kv
             .export_block(block, &mut kv)
             .map_err(effect_failed)?;
@@ -227,11 +319,12 @@ fn save(
     let bytes = image::encode(
         &shape.layout,
         &header,
-        &seq.tokens[..token_count],
+        &tokens[..token_count],
         num_blocks,
         &kv,
-        inner.states.slot(slot).map_err(effect_failed)?,
+        device.states.slot(slot).map_err(effect_failed)?,
     );
+    drop(device);
     writer
         .write_all(&bytes)
         .and_then(|()| writer.flush())
@@ -245,6 +338,7 @@ fn save(
 fn restore(
     shape: &Shape,
     inner: &mut Inner,
+    dev: &Dev<'_>,
     seq: &mut CpuSeq,
     reader: &mut dyn std::io::Read,
 ) -> Result<EffectOutcome> {
@@ -300,10 +394,19 @@ fn restore(
             }
         }
     }
+    let mut device = match dev.fenced(inner) {
+        Ok(device) => device,
+        Err(err) => {
+            for block in blocks {
+                inner.cache.release(block);
+            }
+            return Err(err);
+        }
+    };
     let per_block = shape.layout.floats_per_block;
     for (i, &block) in blocks.iter().enumerate() {
         let data = &image.kv[i * per_block..(i + 1) * per_block];
-        if let Err(err) = inner.kv.import_block(block, data) {
+        if let Err(err) = device.kv.import_block(block, data) {
             // The sizes were validated against this pool, so this is a router bug; undo.
             for block in blocks {
                 inner.cache.release(block);
@@ -311,7 +414,7 @@ fn restore(
             return Err(effect_failed(err));
         }
     }
-    if let Err(err) = inner.states.import_slot(slot, &image.state) {
+    if let Err(err) = device.states.import_slot(slot, &image.state) {
         for block in blocks {
             inner.cache.release(block);
         }
@@ -336,61 +439,104 @@ fn restore(
     seq.output_checkpoint = None;
     seq.checkpoint_due = false;
     seq.failed = false;
+    seq.reservation = None;
+    seq.state_ahead = false;
     Ok(EffectOutcome::Unit)
 }
 
 fn read_logits(
     inner: &mut Inner,
+    dev: &Dev<'_>,
     handle: LogitsHandle,
     rows: usize,
     into: &mut Vec<u8>,
 ) -> Result<EffectOutcome> {
-    if inner.logits_step != Some(handle.step) {
+    // The logits of a step still computing are read once it finishes.
+    if inner.unsettled.contains(&handle.step) {
+        inner.wait_for(handle.step)?;
+    }
+    let device = device::lock(dev.device)?;
+    let Some((held_rows, logits)) = device.logits_of(handle.step) else {
+        let held = device.logits_steps();
         return Err(invalid(
             "ReadLogits",
-            match inner.logits_step {
-                Some(step) => format!(
-                    "the handle names step {}, the router holds the logits of step {step}",
-                    handle.step
-                ),
-                None => format!(
+            if held.is_empty() {
+                format!(
                     "the handle names step {}, the router holds no logits",
                     handle.step
-                ),
+                )
+            } else {
+                let held: Vec<String> = held.iter().map(u64::to_string).collect();
+                format!(
+                    "the handle names step {}, the router holds the logits of step {}",
+                    handle.step,
+                    held.join(" and ")
+                )
             },
         ));
-    }
-    if rows > inner.logits_rows {
+    };
+    if rows > held_rows {
         return Err(invalid(
             "ReadLogits",
-            format!(
-                "{rows} rows asked, step {} has {}",
-                handle.step, inner.logits_rows
-            ),
+            format!("{rows} rows asked, step {} has {held_rows}", handle.step),
         ));
     }
-    let vocab = inner.logits.len() / inner.logits_rows.max(1);
+    let vocab = logits.len() / held_rows.max(1);
     into.clear();
     into.reserve(rows * vocab * 4);
-    for value in &inner.logits[..rows * vocab] {
+    for value in &logits[..rows * vocab] {
         into.extend_from_slice(&value.to_le_bytes());
     }
     Ok(EffectOutcome::HostLogits { elem_bytes: 4 })
 }
 
-fn marconi_checkpoint(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<EffectOutcome> {
+fn refuse_rolled_back(seq: &CpuSeq, what: &'static str) -> Result<()> {
+    if seq.state_ahead {
+        return Err(invalid(
+            what,
+            format!(
+                "sequence {} was rolled back; its state is past its length, release it",
+                seq.id
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn marconi_checkpoint(
+    shape: &Shape,
+    inner: &mut Inner,
+    dev: &Dev<'_>,
+    seq: &mut CpuSeq,
+) -> Result<EffectOutcome> {
     owned_slot(inner, seq, "MarconiCheckpoint")?;
+    refuse_rolled_back(seq, "MarconiCheckpoint")?;
     if !seq.checkpoint_due {
         // The policy did not ask for one (or the boundary has passed): nothing to take.
         return Ok(EffectOutcome::Unit);
     }
     seq.checkpoint_due = false;
     if seq.computed_len % shape.block_size == 0 && inner.cache.wants_end_checkpoints() {
-        if let Some((_, old)) = seq.output_checkpoint.take() {
-            inner.cache.free_checkpoint_slot(old);
+        let mut ops = Vec::new();
+        let Some(taken) = take_checkpoint(shape, inner, seq, &mut ops) else {
+            return Ok(EffectOutcome::Unit);
+        };
+        if let Err(err) = inner.copies(dev.model, dev.device, ops) {
+            inner.cache.free_checkpoint_slot(taken);
+            return Err(err);
         }
-        let taken = take_checkpoint(shape, inner, seq).map_err(effect_failed)?;
-        seq.output_checkpoint = taken.map(|slot| (seq.computed_len, slot));
+        let old = seq.output_checkpoint.replace((seq.computed_len, taken));
+        // Inside a run-ahead whose position is computed, the checkpoint it replaces is kept
+        // until the run-ahead is kept (a rollback gives it back).
+        match (&mut seq.reservation, old) {
+            (Some(reservation), Some(old)) if seq.computed_len > reservation.at => {
+                if let Some((_, older)) = reservation.superseded.replace(old) {
+                    inner.cache.free_checkpoint_slot(older);
+                }
+            }
+            (_, Some((_, old))) => inner.cache.free_checkpoint_slot(old),
+            (_, None) => {}
+        }
     }
     Ok(EffectOutcome::Unit)
 }
@@ -411,15 +557,14 @@ fn ring_slot(shape: &Shape, slot: usize, what: &'static str) -> Result<()> {
 fn snapshot_save(
     shape: &Shape,
     inner: &mut Inner,
+    dev: &Dev<'_>,
     seq: &CpuSeq,
     slot: usize,
 ) -> Result<EffectOutcome> {
     ring_slot(shape, slot, "SsmSnapshotSave")?;
     let live = owned_slot(inner, seq, "SsmSnapshotSave")?;
-    inner
-        .states
-        .copy_slot(live, shape.ring_row(slot))
-        .map_err(effect_failed)?;
+    refuse_rolled_back(seq, "SsmSnapshotSave")?;
+    dev.copy(inner, live, shape.ring_row(slot))?;
     inner.ring[slot] = Some(RingEntry {
         tenure: seq.tenure.expect("owned_slot checked it"),
         pos: seq.computed_len,
@@ -432,6 +577,7 @@ fn snapshot_save(
 fn snapshot_restore(
     shape: &Shape,
     inner: &mut Inner,
+    dev: &Dev<'_>,
     seq: &CpuSeq,
     slot: usize,
 ) -> Result<EffectOutcome> {
@@ -439,10 +585,7 @@ fn snapshot_restore(
     let live = owned_slot(inner, seq, "SsmSnapshotRestore")?;
     match inner.ring[slot] {
         Some(entry) if Some(entry.tenure) == seq.tenure => {
-            inner
-                .states
-                .copy_slot(shape.ring_row(slot), live)
-                .map_err(effect_failed)?;
+            dev.copy(inner, shape.ring_row(slot), live)?;
             Ok(EffectOutcome::Unit)
         }
         Some(_) => Err(invalid(
@@ -456,8 +599,10 @@ fn snapshot_restore(
     }
 }
 
+/// Opens a ledger entry for the sequence's next position (committing the one before).
 fn reserve_kv(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<EffectOutcome> {
     owned_slot(inner, seq, "ReserveKv")?;
+    refuse_rolled_back(seq, "ReserveKv")?;
     if seq.computed_len + 1 > shape.max_context {
         return Err(invalid(
             "ReserveKv",
@@ -469,14 +614,67 @@ fn reserve_kv(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<Effe
             ),
         ));
     }
-    if seq.blocks.len() * shape.block_size > seq.computed_len {
-        return Ok(EffectOutcome::Reserved { blocks: 0 });
-    }
-    match inner.cache.allocate() {
-        Some(block) => {
-            seq.blocks.push(block);
-            Ok(EffectOutcome::Reserved { blocks: 1 })
+    let block = if seq.blocks.len() * shape.block_size > seq.computed_len {
+        None
+    } else {
+        match inner.cache.allocate() {
+            Some(block) => Some(block),
+            None => return Ok(EffectOutcome::Exhausted),
         }
-        None => Ok(EffectOutcome::Exhausted),
+    };
+    if let Some(superseded) = seq.reservation.take().and_then(|r| r.superseded) {
+        inner.cache.free_checkpoint_slot(superseded.1);
     }
+    seq.blocks.extend(block);
+    seq.reservation = Some(Reservation {
+        at: seq.computed_len,
+        block,
+        superseded: None,
+    });
+    Ok(EffectOutcome::Reserved {
+        blocks: usize::from(block.is_some()),
+    })
+}
+
+/// Undoes the sequence's latest reservation exactly (see `Effect::Rollback`).
+fn rollback(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<EffectOutcome> {
+    if shape.max_depth < 2 {
+        return Err(DeviceError::Unsupported { what: "Rollback" });
+    }
+    check_tenure(inner, seq, "Rollback")?;
+    let (Some(tenure), Some(reservation)) = (seq.tenure, seq.reservation) else {
+        return Err(invalid(
+            "Rollback",
+            format!("sequence {} has no reservation to undo", seq.id),
+        ));
+    };
+    seq.reservation = None;
+    let at = reservation.at;
+    if seq.computed_len > at {
+        seq.computed_len = at;
+        seq.tokens.truncate(at.max(seq.prompt_len));
+        if let Some(pending) = inner.pending.get_mut(&tenure) {
+            pending.retain(|p| p.pos < at);
+        }
+        if let Some(resolved) = inner.resolved.get_mut(&tenure) {
+            resolved.retain(|&(pos, _)| pos < at);
+        }
+        seq.state_ahead = true;
+        seq.checkpoint_due = false;
+    }
+    if seq.output_checkpoint.is_some_and(|(pos, _)| pos > at) {
+        if let Some((_, slot)) = seq.output_checkpoint.take() {
+            inner.cache.free_checkpoint_slot(slot);
+        }
+        seq.output_checkpoint = reservation.superseded;
+    } else if let Some((_, slot)) = reservation.superseded {
+        inner.cache.free_checkpoint_slot(slot);
+    }
+    if let Some(block) = reservation.block {
+        if let Some(index) = seq.blocks.iter().rposition(|&b| b == block) {
+            seq.blocks.remove(index);
+            inner.cache.release(block);
+        }
+    }
+    Ok(EffectOutcome::Unit)
 }

@@ -9,15 +9,31 @@
 //!   `ssm-snapshot` on a hybrid one, whose SSM checkpoint is copied into the row's live slot), then
 //!   computes up to the row's budget, splitting the computation where the tree asked for a
 //!   checkpoint (the branch point) and at the prompt's last block boundary to take those
-//!   checkpoints. `Decode` feeds one token per row through one batched `Model::decode`. Readback is
-//!   `Argmax` or `HostLogits`; `ArgmaxMasked` and `DecodeFed` answer
-//!   [`DeviceError::Unsupported`]. `max_depth() == 1`: `launch` completes the step, `await_result`
-//!   hands over its result once.
+//!   checkpoints. `Decode` feeds one token per row through one batched `Model::decode`; `DecodeFed`
+//!   does the same with each row's input taken from a feed cell of the previous step or a host
+//!   token. Readback is `Argmax`, `ArgmaxMasked` (the argmax over the allowed ids, as masking the
+//!   logits on the host would give) or `HostLogits`.
 //! - **Effects.** Every effect of the contract does what it says (see [`CpuRouter`]'s `apply`):
 //!   release (caching first), compaction, detaching, spill images ([`image`] documents the format),
-//!   logits readback, Marconi checkpoints, the snapshot ring, KV reservation. `Rollback` answers
-//!   `Unsupported` (there is no ledger on a synchronous router), and the MTP / stream / expert
-//!   effects are no-ops because this router has no catch-up ring, one stream and no expert workers.
+//!   logits readback, Marconi checkpoints, the snapshot ring, KV reservation and rollback (the
+//!   reservation ledger; `Rollback` answers `Unsupported` at depth 1). The MTP / stream / expert
+//!   effects are no-ops because this router has no catch-up ring, one stream and no expert
+//!   workers.
+//!
+//! # Depth
+//!
+//! [`CpuRouterConfig::max_depth`] picks the mode; both share every line of bookkeeping and
+//! device work (see the `device` module) and one ticket sequence:
+//!
+//! - **1, synchronous**: `launch` runs the step before it returns; `await_result` hands over its
+//!   result once. `DecodeFed` and `Rollback` answer [`DeviceError::Unsupported`].
+//! - **2, pipelined**: device work runs in order on a worker thread fed by a `crossbeam-channel`;
+//!   `launch` does the step's bookkeeping and returns its ticket at once, `await_result` blocks
+//!   for it, so the core can launch step t+1 (a `DecodeFed`) and then read step t while t+1
+//!   computes. A `HostLogits` step is a synchronisation point (its logits are in `into` when
+//!   `launch` returns). The logits of the latest two steps stay readable with `ReadLogits`.
+//!   `teardown` lets the worker finish what was submitted, joins it, and reports unclaimed steps
+//!   with the sequences still holding resources.
 //!
 //! # Exactness
 //!
@@ -30,24 +46,31 @@
 //! Every plan validates all rows and reserves all blocks and slots before it changes anything; a
 //! dry pool is [`DeviceError::KvExhausted`] with nothing changed. Only an error inside the model
 //! after validation ([`DeviceError::Failed`] in phase `Forward`) leaves the step's rows marked
-//! failed; they are then never cached.
+//! failed; they are then never cached. At depth 2 that error comes from `await_result` (or from
+//! `launch` for a synchronous step); the router marks the rows failed the next time it is handed
+//! them, fails every later step that has one of them as a row or feeds from the failed step, and
+//! holds nothing for the step itself. A worker thread that panicked makes every later call answer
+//! [`DeviceError::DeviceLost`].
 #![forbid(unsafe_code)]
 
 mod cache;
 mod config;
+mod device;
 mod effects;
 pub mod image;
 mod plans;
 mod seq;
 
-use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Result, StepPlan,
-    StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Readback, Result,
+    StepPlan, StepResult, Ticket,
 };
 use model::{KvPool, MambaStates, Model, Scratch};
+
+use crate::device::{Device, Done, Executor, Work};
 
 pub use cache::CacheStats;
 pub use config::{CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_SNAPSHOT_SLOTS};
@@ -76,6 +99,9 @@ pub enum RouterError {
         /// What did not fit.
         what: &'static str,
     },
+    /// The worker thread of a pipelined router could not be started.
+    #[error("could not start the router's worker thread: {0}")]
+    Worker(String),
     /// The model refused the memory layout.
     #[error("model: {0}")]
     Model(#[from] model::ModelError),
@@ -113,31 +139,153 @@ pub(crate) struct RingEntry {
     pub pos: usize,
 }
 
-/// The router's mutable state, behind one mutex.
+/// A fed position whose token the host has not resolved yet: the token is the argmax of `row`
+/// of step `ticket`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PendingFeed {
+    pub pos: usize,
+    pub ticket: u64,
+    pub row: usize,
+}
+
+/// The router's bookkeeping, behind one mutex (device memory is behind its own, see
+/// [`device`]).
 ///
 /// Invariants:
 /// - `slots[i]` is `Some(owner)` exactly when a sequence with tenure `owner.tenure` holds live slot
 ///   `i`, and that tenure is in `tenures`.
-/// - Live slot `i` is state row `i` of `states`; checkpoint slot `c` is row `max_seqs + c`; ring slot
-///   `r` is row `max_seqs + checkpoint_slots + r`.
-/// - `pending` holds at most one settled, unclaimed step (depth 1); `logits` holds the latest step's
-///   token-position rows, `logits_rows` of them, named by `logits_step`.
+/// - Live slot `i` is state row `i` of the device's states; checkpoint slot `c` is row
+///   `max_seqs + c`; ring slot `r` is row `max_seqs + checkpoint_slots + r`.
+/// - `unsettled` lists the launched, unclaimed tickets in launch order (at most the router's
+///   depth); `stash` holds the results of those the device finished.
+/// - `last_rows` is the tenure of each row of the latest launched step and whether it reached a
+///   token position (what a `Feed::Row` may name).
+/// - `pending` holds, per tenure, the fed positions whose step has not finished; when it does,
+///   they move to `resolved` (or, when it failed, the tenure goes to `failed`) until the sequence
+///   is next seen, which copies them into it.
 pub(crate) struct Inner {
-    pub kv: KvPool,
-    pub states: MambaStates,
-    pub scratch: Scratch,
     pub cache: cache::Caches,
     pub slots: Vec<Option<SlotOwner>>,
     pub tenures: BTreeMap<u64, Tenure>,
     pub ring: Vec<Option<RingEntry>>,
     pub next_step: u64,
-    pub pending: Option<StepResult<LogitsHandle>>,
-    pub logits: Vec<f32>,
-    pub logits_rows: usize,
-    pub logits_step: Option<u64>,
-    pub row_logits: Vec<f32>,
     /// Blocks a plan reserved and has not handed to its rows yet (empty between calls).
     pub fresh: Vec<u32>,
+    pub executor: Executor,
+    pub unsettled: VecDeque<u64>,
+    pub stash: BTreeMap<u64, Result<StepResult<LogitsHandle>>>,
+    pub last_rows: Vec<(u64, bool)>,
+    pub pending: BTreeMap<u64, Vec<PendingFeed>>,
+    pub resolved: BTreeMap<u64, Vec<(usize, u32)>>,
+    pub failed: BTreeSet<u64>,
+    /// The host logits of the latest synchronous step, until `launch` hands them over.
+    pub host_logits: Option<(u64, Vec<f32>)>,
+    /// The argmax of each row of the latest step the device finished (for a fed step launched
+    /// after its source finished).
+    pub last_argmax: Option<(u64, Vec<Option<u32>>)>,
+}
+
+impl Inner {
+    /// Takes in one answer of the device: resolves the fed tokens a finished step produced, or
+    /// marks the rows of a failed one.
+    fn take_in(&mut self, mut done: device::Completed) {
+        if let Some(buffer) = done.host_logits.take() {
+            self.host_logits = Some((done.ticket, buffer));
+        }
+        match &done.result {
+            Ok(_) => {
+                let mut argmax = self
+                    .last_argmax
+                    .take()
+                    .map(|(_, buffer)| buffer)
+                    .unwrap_or_default();
+                argmax.clear();
+                argmax.extend_from_slice(&done.argmax);
+                self.last_argmax = Some((done.ticket, argmax));
+                for (row, (&tenure, token)) in done.tenures.iter().zip(&done.argmax).enumerate() {
+                    let Some(pending) = self.pending.get_mut(&tenure) else {
+                        continue;
+                    };
+                    let (hits, rest): (Vec<PendingFeed>, Vec<PendingFeed>) = pending
+                        .iter()
+                        .partition(|p| p.ticket == done.ticket && p.row == row);
+                    *pending = rest;
+                    if pending.is_empty() {
+                        self.pending.remove(&tenure);
+                    }
+                    if let Some(token) = token {
+                        let resolved = self.resolved.entry(tenure).or_default();
+                        resolved.extend(hits.iter().map(|p| (p.pos, *token)));
+                    }
+                }
+            }
+            Err(_) => {
+                for &tenure in &done.tenures {
+                    if self.tenures.contains_key(&tenure) {
+                        self.failed.insert(tenure);
+                    }
+                }
+            }
+        }
+        self.stash.insert(done.ticket, done.result);
+    }
+
+    /// Waits for the device's answer for `ticket` (already submitted).
+    pub fn wait_for(&mut self, ticket: u64) -> Result<()> {
+        while !self.stash.contains_key(&ticket) {
+            match self.executor.receive()? {
+                Done::Step(done) => self.take_in(*done),
+                Done::Fence => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the device has run every work item submitted so far.
+    pub fn fence(&mut self, model: &Model, device: &Mutex<Device>) -> Result<()> {
+        self.executor.submit(model, device, Work::Fence)?;
+        loop {
+            match self.executor.receive()? {
+                Done::Step(done) => self.take_in(*done),
+                Done::Fence => return Ok(()),
+            }
+        }
+    }
+
+    /// Brings a sequence up to date with what the device finished since it was last seen:
+    /// resolved fed tokens, and the failure of a step it was a row of.
+    pub fn sync(&mut self, seq: &mut CpuSeq) {
+        let Some(tenure) = seq.tenure else {
+            return;
+        };
+        if let Some(resolved) = self.resolved.remove(&tenure) {
+            for (pos, token) in resolved {
+                if let Some(slot) = seq.tokens.get_mut(pos) {
+                    *slot = token;
+                }
+            }
+        }
+        if self.failed.contains(&tenure) {
+            seq.failed = true;
+        }
+    }
+
+    /// Forgets everything kept about a tenure that ended.
+    pub fn forget(&mut self, tenure: u64) {
+        self.pending.remove(&tenure);
+        self.resolved.remove(&tenure);
+        self.failed.remove(&tenure);
+    }
+
+    /// Submits copies (an effect's device work).
+    pub fn copies(
+        &mut self,
+        model: &Model,
+        device: &Mutex<Device>,
+        ops: Vec<device::Op>,
+    ) -> Result<()> {
+        self.executor.submit(model, device, Work::Copies(ops))
+    }
 }
 
 /// Fixed facts about the router, outside the mutex.
@@ -152,6 +300,7 @@ pub(crate) struct Shape {
     pub vocab_size: usize,
     pub hybrid: bool,
     pub layout: image::Layout,
+    pub max_depth: usize,
 }
 
 impl Shape {
@@ -166,12 +315,14 @@ impl Shape {
 
 /// The host router. See the crate docs.
 ///
-/// `Send` and `Sync`: every method takes `&self` and locks one mutex around the router's state; the
-/// model is read-only and lives outside it.
+/// `Send` and `Sync`: every method takes `&self` and locks the router's bookkeeping; device
+/// memory sits behind its own lock, taken by whoever runs device work (the caller at depth 1,
+/// the worker thread at depth 2); the model is read-only and shared with the worker.
 pub struct CpuRouter {
-    model: Model,
+    model: Arc<Model>,
     shape: Shape,
     inner: Mutex<Inner>,
+    device: Arc<Mutex<Device>>,
 }
 
 impl std::fmt::Debug for CpuRouter {
@@ -214,6 +365,13 @@ impl CpuRouter {
                 ),
             ));
         }
+        if !(1..=2).contains(&config.max_depth) {
+            return Err(bad_config(
+                "max_depth",
+                config.max_depth,
+                "must be 1 (synchronous) or 2 (pipelined)",
+            ));
+        }
         if u32::try_from(config.num_blocks).is_err() {
             return Err(bad_config(
                 "num_blocks",
@@ -249,29 +407,45 @@ impl CpuRouter {
             vocab_size: mc.vocab_size,
             hybrid,
             layout,
+            max_depth: config.max_depth,
         };
         let cache = cache::Caches::new(&model, &config, &shape)?;
-        let inner = Inner {
+        let device = Arc::new(Mutex::new(Device::new(
             kv,
             states,
-            scratch: Scratch::new(mc),
+            Scratch::new(mc),
+            config.max_depth,
+        )));
+        let model = Arc::new(model);
+        let executor = if config.max_depth >= 2 {
+            Executor::worker(Arc::clone(&model), Arc::clone(&device))
+                .map_err(|err| RouterError::Worker(err.to_string()))?
+        } else {
+            Executor::inline()
+        };
+        let inner = Inner {
             cache,
             slots: vec![None; config.max_seqs],
             tenures: BTreeMap::new(),
             ring: vec![None; snapshot_slots],
             next_step: 1,
-            pending: None,
-            logits: Vec::new(),
-            logits_rows: 0,
-            logits_step: None,
-            row_logits: Vec::new(),
             fresh: Vec::new(),
+            executor,
+            unsettled: VecDeque::new(),
+            stash: BTreeMap::new(),
+            last_rows: Vec::new(),
+            pending: BTreeMap::new(),
+            resolved: BTreeMap::new(),
+            failed: BTreeSet::new(),
+            host_logits: None,
+            last_argmax: None,
         };
         tracing::debug!(?shape, "host router ready");
         Ok(CpuRouter {
             model,
             shape,
             inner: Mutex::new(inner),
+            device,
         })
     }
 
@@ -330,60 +504,127 @@ impl DeviceIo for CpuRouter {
     }
 
     fn max_depth(&self) -> usize {
-        1
+        self.shape.max_depth
     }
 
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut CpuSeq]) -> Result<Ticket> {
         let mut inner = self.lock()?;
-        if let Some(pending) = &inner.pending {
+        if inner.unsettled.len() >= self.shape.max_depth {
+            let detail = format!(
+                "ticket {} is not awaited yet and max_depth is {}",
+                inner.unsettled.front().copied().unwrap_or_default(),
+                self.shape.max_depth
+            );
             return Err(DeviceError::Invalid {
                 what: "launch",
-                detail: format!("{} is not awaited yet and max_depth is 1", pending.ticket),
+                detail,
             });
         }
-        let ticket = Ticket(inner.next_step);
-        let result = match plan {
-            StepPlan::Prefill { budgets, readback } => plans::prefill(
-                &self.model,
-                &self.shape,
-                &mut inner,
-                ticket,
-                budgets,
-                readback,
-                rows,
-            )?,
+        for seq in rows.iter_mut() {
+            inner.sync(seq);
+        }
+        let ticket = inner.next_step;
+        let (mut job, host_into) = match plan {
+            StepPlan::Prefill { budgets, readback } => {
+                plans::prefill(&self.shape, &mut inner, ticket, budgets, readback, rows)?
+            }
             StepPlan::Decode { tokens, readback } => plans::decode(
-                &self.model,
                 &self.shape,
                 &mut inner,
                 ticket,
-                tokens,
+                plans::Inputs::Tokens(tokens),
                 readback,
                 rows,
             )?,
-            StepPlan::DecodeFed { .. } => {
-                return Err(DeviceError::Unsupported { what: "DecodeFed" })
+            StepPlan::DecodeFed { sources, masks } => {
+                if self.shape.max_depth < 2 {
+                    return Err(DeviceError::Unsupported { what: "DecodeFed" });
+                }
+                let readback = if masks.is_empty() {
+                    Readback::Argmax
+                } else {
+                    Readback::ArgmaxMasked { masks }
+                };
+                plans::decode(
+                    &self.shape,
+                    &mut inner,
+                    ticket,
+                    plans::Inputs::Fed(sources),
+                    readback,
+                    rows,
+                )?
             }
         };
         inner.next_step += 1;
-        inner.pending = Some(result);
-        Ok(ticket)
+        let last_rows: Vec<(u64, bool)> = job
+            .tenures
+            .iter()
+            .zip(&job.token_rows)
+            .map(|(&tenure, row)| (tenure, row.is_some()))
+            .collect();
+        let sync = host_into.is_some() || !inner.executor.is_worker();
+        let mut host_into = host_into;
+        if let Some(into) = host_into.as_mut() {
+            job.host_logits = Some(std::mem::take(*into));
+        }
+        inner.unsettled.push_back(ticket);
+        inner.last_rows = last_rows;
+        if let Err(err) =
+            inner
+                .executor
+                .submit(&self.model, &self.device, Work::Step(Box::new(job)))
+        {
+            inner.unsettled.pop_back();
+            return Err(err);
+        }
+        if !sync {
+            return Ok(Ticket(ticket));
+        }
+        // A synchronous step: its answer (and the host logits) are in before `launch` returns.
+        inner.wait_for(ticket)?;
+        if let (Some(into), Some((step, buffer))) = (host_into, inner.host_logits.take()) {
+            debug_assert_eq!(step, ticket);
+            *into = buffer;
+        }
+        if let Some(Err(err)) = inner.stash.get(&ticket) {
+            let err = err.clone();
+            inner.stash.remove(&ticket);
+            inner.unsettled.retain(|&t| t != ticket);
+            inner.last_rows.clear();
+            for seq in rows.iter_mut() {
+                inner.sync(seq);
+                seq.failed = true;
+            }
+            tracing::error!(%err, "forward step failed; its rows are marked failed");
+            return Err(err);
+        }
+        Ok(Ticket(ticket))
     }
 
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<LogitsHandle>> {
         let mut inner = self.lock()?;
-        match inner.pending.take() {
-            Some(result) if result.ticket == ticket => Ok(result),
-            other => {
-                inner.pending = other;
-                Err(DeviceError::UnknownTicket(ticket))
+        match inner.unsettled.front() {
+            Some(&oldest) if oldest == ticket.0 => {}
+            Some(&oldest) if inner.unsettled.contains(&ticket.0) => {
+                return Err(DeviceError::Invalid {
+                    what: "await_result",
+                    detail: format!("{ticket} awaited before ticket {oldest}"),
+                })
             }
+            _ => return Err(DeviceError::UnknownTicket(ticket)),
         }
+        let waited = inner.wait_for(ticket.0);
+        inner.unsettled.pop_front();
+        waited?;
+        inner
+            .stash
+            .remove(&ticket.0)
+            .unwrap_or(Err(DeviceError::UnknownTicket(ticket)))
     }
 
     fn apply(&self, effect: Effect<'_, CpuSeq, LogitsHandle>) -> Result<EffectOutcome> {
         let mut inner = self.lock()?;
-        effects::apply(&self.model, &self.shape, &mut inner, effect)
+        effects::apply(&self.model, &self.shape, &mut inner, &self.device, effect)
     }
 
     fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {
@@ -397,23 +638,40 @@ impl DeviceIo for CpuRouter {
         let mut inner = inner
             .into_inner()
             .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_string()))?;
+        // Every step submitted runs to its end before the worker stops.
+        let stopped = inner.executor.shutdown();
         let holders: Vec<String> = inner
             .tenures
             .values()
             .map(|t| t.seq_id.to_string())
             .collect();
+        let unclaimed: Vec<String> = inner.unsettled.iter().map(u64::to_string).collect();
         // The cache's own references go first; every buffer is dropped with `inner`.
         inner.cache.clear();
-        if holders.is_empty() {
+        let mut problems = Vec::new();
+        if let Err(err) = stopped {
+            problems.push(err);
+        }
+        if !holders.is_empty() {
+            problems.push(format!(
+                "{} sequence(s) still held resources at teardown: {}",
+                holders.len(),
+                holders.join(", ")
+            ));
+        }
+        if !unclaimed.is_empty() {
+            problems.push(format!(
+                "{} launched step(s) were never awaited: ticket {}",
+                unclaimed.len(),
+                unclaimed.join(", ticket ")
+            ));
+        }
+        if problems.is_empty() {
             Ok(())
         } else {
             Err(DeviceError::Failed {
                 phase: device_io::Phase::Teardown,
-                message: format!(
-                    "{} sequence(s) still held resources at teardown: {}",
-                    holders.len(),
-                    holders.join(", ")
-                ),
+                message: problems.join("; "),
             })
         }
     }

@@ -1,98 +1,80 @@
 //! The two plans the host router runs: `Prefill` (with prefix attach and checkpoint splits) and
-//! `Decode` (one batched model call).
+//! `Decode` / `DecodeFed` (one batched model call), each turned into a [`StepJob`] of device work.
 //!
 //! Both work in three phases, so that a refused step changes nothing:
 //! 1. **validate** every row (no state touched);
 //! 2. **reserve** what the step needs (slots, the cache lookups that take references, blocks); on a
 //!    dry pool every reservation is undone and the step answers `KvExhausted`;
-//! 3. **commit and compute**. Only a model error here (which validation rules out for well-formed
-//!    input) leaves the rows changed; they are marked failed.
+//! 3. **commit**: the bookkeeping moves to the step's end (lengths, tokens, blocks, checkpoint
+//!    slots taken) and the device work is written into the job, which the executor runs in order
+//!    after everything submitted before it. Only a model error there (which validation rules out
+//!    for well-formed input) fails the step; its rows are then marked failed.
+//!
+//! A fed row's input token is not known to the host at launch: the row's `tokens` hold
+//! [`FED_PLACEHOLDER`] at that position, and the router records where the token will come from
+//! ([`crate::PendingFeed`]) until the step finishes.
 
-use device_io::{DeviceError, PrefillReport, Readback, Result, RowOutput, StepResult, Ticket};
-use model::{DecodeRow, Model, PrefillRow};
+use device_io::{DeviceError, Feed, PrefillReport, Readback, Result};
 
 use crate::cache::Attach;
-use crate::{CpuSeq, Inner, LogitsHandle, Shape, SlotOwner, Tenure};
+use crate::device::{DecodeJobRow, Input, Op, StepJob};
+use crate::{CpuSeq, Inner, PendingFeed, Shape, SlotOwner, Tenure};
+
+/// What a fed position holds in `CpuSeq::tokens` until its step has finished.
+pub(crate) const FED_PLACEHOLDER: u32 = u32::MAX;
 
 fn invalid(what: &'static str, detail: String) -> DeviceError {
     DeviceError::Invalid { what, detail }
 }
 
-/// The index of the largest value (the first one on ties), as `torch.argmax` picks it.
-pub(crate) fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &value) in row.iter().enumerate() {
-        if value > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// How the host gets a step's token positions back: the masks (flattened, empty for none) and
+/// where host logits go.
+type Sink<'a> = (Vec<bool>, Option<&'a mut Vec<f32>>);
 
-/// How the host gets a step's token positions back.
-enum Sink<'a> {
-    Argmax,
-    Host(&'a mut Vec<f32>),
-}
-
-fn sink<'a>(readback: Readback<'a>) -> Result<Sink<'a>> {
+fn sink<'a>(
+    shape: &Shape,
+    what: &'static str,
+    rows: usize,
+    readback: Readback<'a>,
+) -> Result<Sink<'a>> {
     match readback {
-        Readback::Argmax => Ok(Sink::Argmax),
-        Readback::HostLogits { into } => Ok(Sink::Host(into)),
-        Readback::ArgmaxMasked { .. } => Err(DeviceError::Unsupported {
-            what: "ArgmaxMasked",
-        }),
+        Readback::Argmax => Ok((Vec::new(), None)),
+        Readback::HostLogits { into } => Ok((Vec::new(), Some(into))),
+        Readback::ArgmaxMasked { masks } => Ok((flatten_masks(shape, what, rows, masks)?, None)),
     }
 }
 
-fn forward_failed(rows: &mut [&mut CpuSeq], err: model::ModelError) -> DeviceError {
-    for seq in rows.iter_mut() {
-        seq.failed = true;
+/// Checks one mask per row, each `vocab_size` long with an allowed token, and flattens them.
+fn flatten_masks(
+    shape: &Shape,
+    what: &'static str,
+    rows: usize,
+    masks: &[&[bool]],
+) -> Result<Vec<bool>> {
+    if masks.len() != rows {
+        return Err(invalid(
+            what,
+            format!("{} masks for {rows} rows", masks.len()),
+        ));
     }
-    tracing::error!(%err, "forward step failed; its rows are marked failed");
-    DeviceError::Failed {
-        phase: device_io::Phase::Forward,
-        message: err.to_string(),
-    }
-}
-
-/// Fills the step's outputs from `inner.logits` and records the step as the logits holder.
-fn finish_step(
-    inner: &mut Inner,
-    ticket: Ticket,
-    token_rows: impl ExactSizeIterator<Item = Option<usize>>,
-    reports: Option<Vec<PrefillReport>>,
-    sink: Sink<'_>,
-    vocab: usize,
-) -> StepResult<LogitsHandle> {
-    let logits_rows = inner.logits.len() / vocab.max(1);
-    inner.logits_rows = logits_rows;
-    inner.logits_step = Some(ticket.0);
-    let mut outputs = Vec::with_capacity(token_rows.len());
-    let host = matches!(sink, Sink::Host(_));
-    for (i, row) in token_rows.enumerate() {
-        let mut out = RowOutput {
-            prefill: reports.as_ref().map(|r| r[i]),
-            ..RowOutput::default()
-        };
-        if let Some(row) = row {
-            if host {
-                out.logits_row = Some(row);
-            } else {
-                out.token = Some(argmax(&inner.logits[row * vocab..(row + 1) * vocab]));
-            }
+    let mut flat = Vec::with_capacity(rows * shape.vocab_size);
+    for (i, mask) in masks.iter().enumerate() {
+        if mask.len() != shape.vocab_size {
+            return Err(invalid(
+                what,
+                format!(
+                    "mask {i} has {} entries, the vocabulary {}",
+                    mask.len(),
+                    shape.vocab_size
+                ),
+            ));
         }
-        outputs.push(out);
+        if !mask.iter().any(|allowed| *allowed) {
+            return Err(invalid(what, format!("mask {i} allows no token")));
+        }
+        flat.extend_from_slice(mask);
     }
-    if let Sink::Host(into) = sink {
-        into.clear();
-        into.extend_from_slice(&inner.logits);
-    }
-    StepResult {
-        ticket,
-        rows: outputs,
-        logits: (logits_rows > 0).then_some(LogitsHandle { step: ticket.0 }),
-    }
+    Ok(flat)
 }
 
 /// Takes `count` blocks into `inner.fresh` (cleared first), evicting cached ones if the free
@@ -123,15 +105,17 @@ struct NewRow {
     attach: Attach,
 }
 
-pub(crate) fn prefill(
-    model: &Model,
+/// A validated plan's job, and where its host logits go (when asked for).
+pub(crate) type Planned<'a> = (StepJob, Option<&'a mut Vec<f32>>);
+
+pub(crate) fn prefill<'a>(
     shape: &Shape,
     inner: &mut Inner,
-    ticket: Ticket,
+    ticket: u64,
     budgets: &[usize],
-    readback: Readback<'_>,
+    readback: Readback<'a>,
     rows: &mut [&mut CpuSeq],
-) -> Result<StepResult<LogitsHandle>> {
+) -> Result<Planned<'a>> {
     // Phase 1: validate.
     if budgets.len() != rows.len() {
         return Err(invalid(
@@ -139,7 +123,7 @@ pub(crate) fn prefill(
             format!("{} budgets for {} rows", budgets.len(), rows.len()),
         ));
     }
-    let sink = sink(readback)?;
+    let (masks, host) = sink(shape, "Prefill", rows.len(), readback)?;
     for (i, (seq, &budget)) in rows.iter().zip(budgets).enumerate() {
         let id = seq.id;
         crate::effects::check_tenure(inner, seq, "Prefill")?;
@@ -239,42 +223,33 @@ pub(crate) fn prefill(
         }
     };
 
-    // Phase 3: commit and compute.
-    let reserved = Reserved { new_rows, needs };
-    match commit_prefill(model, shape, inner, budgets, rows, reserved) {
-        Ok((token_rows, reports)) => Ok(finish_step(
-            inner,
-            ticket,
-            token_rows.into_iter(),
-            Some(reports),
-            sink,
-            shape.vocab_size,
-        )),
-        Err(err) => Err(forward_failed(rows, err)),
-    }
+    // Phase 3: commit.
+    let mut job = StepJob {
+        ticket,
+        masks,
+        vocab: shape.vocab_size,
+        ..StepJob::default()
+    };
+    let reports = commit_prefill(shape, inner, budgets, rows, new_rows, &needs, &mut job);
+    job.reports = Some(reports);
+    job.tenures = rows
+        .iter()
+        .map(|seq| seq.tenure.unwrap_or_default())
+        .collect();
+    Ok((job, host))
 }
-
-/// What phase 2 of a prefill reserved (besides the blocks in `inner.fresh`).
-struct Reserved {
-    new_rows: Vec<Option<NewRow>>,
-    needs: Vec<usize>,
-}
-
-type PrefillOutputs = (Vec<Option<usize>>, Vec<PrefillReport>);
 
 fn commit_prefill(
-    model: &Model,
     shape: &Shape,
     inner: &mut Inner,
     budgets: &[usize],
     rows: &mut [&mut CpuSeq],
-    reserved: Reserved,
-) -> std::result::Result<PrefillOutputs, model::ModelError> {
-    let vocab = shape.vocab_size;
-    let Reserved { new_rows, needs } = reserved;
-    inner.logits.clear();
-    let mut token_rows = Vec::with_capacity(rows.len());
+    new_rows: Vec<Option<NewRow>>,
+    needs: &[usize],
+    job: &mut StepJob,
+) -> Vec<PrefillReport> {
     let mut reports = Vec::with_capacity(rows.len());
+    let mut token_rows = 0;
     for (i, new_row) in new_rows.into_iter().enumerate() {
         let seq = &mut *rows[i];
         let mut report = PrefillReport::default();
@@ -289,11 +264,12 @@ fn commit_prefill(
             seq.pin = attach.pin;
             seq.branch_point = attach.branch_point;
             report.cached = attach.len;
-            inner.states.zero_slot(slot)?;
+            job.ops.push(Op::ZeroSlot(slot));
             if let Some(checkpoint) = attach.checkpoint {
-                inner
-                    .states
-                    .copy_slot(shape.checkpoint_row(checkpoint.index()), slot)?;
+                job.ops.push(Op::CopySlot {
+                    from: shape.checkpoint_row(checkpoint.index()),
+                    to: slot,
+                });
             }
         }
         let from = inner.fresh.len() - needs[i];
@@ -301,6 +277,8 @@ fn commit_prefill(
         let slot = seq.slot.expect("validated or assigned above");
         let start = seq.computed_len;
         let end = (start + budgets[i]).min(seq.prompt_len);
+        let blocks = job.blocks.len()..job.blocks.len() + seq.blocks.len();
+        job.blocks.extend_from_slice(&seq.blocks);
         // Where the computation stops to take a checkpoint: the tree's branch point, and the
         // end-of-input checkpoint: the last block boundary before the prompt's last token, which
         // is the longest hit both a repeat of this prompt and a longer request can use (a hit
@@ -317,27 +295,22 @@ fn commit_prefill(
                     stop = point;
                 }
             }
-            let row = PrefillRow {
-                tokens: &seq.tokens[pos..stop],
+            let tokens = job.tokens.len()..job.tokens.len() + (stop - pos);
+            job.tokens.extend_from_slice(&seq.tokens[pos..stop]);
+            job.ops.push(Op::Prefill {
+                tokens,
                 start_pos: pos,
-                blocks: &seq.blocks,
+                blocks: blocks.clone(),
                 slot,
-            };
-            model.prefill(
-                &mut inner.scratch,
-                &mut inner.kv,
-                &mut inner.states,
-                row,
-                false,
-                &mut inner.row_logits,
-            )?;
+                emit: stop == seq.prompt_len,
+            });
             pos = stop;
             seq.computed_len = pos;
             if seq.branch_point == Some(pos) {
                 seq.branch_point = None;
-                take_branch_checkpoint(shape, inner, seq)?;
+                take_branch_checkpoint(shape, inner, seq, &mut job.ops);
             } else if input_boundary == Some(pos) {
-                if let Some(checkpoint) = take_checkpoint(shape, inner, seq)? {
+                if let Some(checkpoint) = take_checkpoint(shape, inner, seq, &mut job.ops) {
                     seq.input_checkpoint = Some((pos, checkpoint));
                 }
             }
@@ -345,28 +318,21 @@ fn commit_prefill(
         report.computed = end - start;
         report.done = end == seq.prompt_len;
         if report.done {
-            token_rows.push(Some(inner.logits.len() / vocab));
-            let Inner {
-                logits, row_logits, ..
-            } = &mut *inner;
-            logits.extend_from_slice(row_logits);
+            job.token_rows.push(Some(token_rows));
+            token_rows += 1;
         } else {
-            token_rows.push(None);
+            job.token_rows.push(None);
         }
         reports.push(report);
     }
-    Ok((token_rows, reports))
+    reports
 }
 
-/// Copies the live state at the tree's branch point into a checkpoint slot and registers it.
-fn take_branch_checkpoint(
-    shape: &Shape,
-    inner: &mut Inner,
-    seq: &mut CpuSeq,
-) -> std::result::Result<(), model::ModelError> {
+/// Takes a checkpoint slot for the live state at the tree's branch point and registers it.
+fn take_branch_checkpoint(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq, ops: &mut Vec<Op>) {
     let pos = seq.computed_len;
-    let Some(checkpoint) = take_checkpoint(shape, inner, seq)? else {
-        return Ok(());
+    let Some(checkpoint) = take_checkpoint(shape, inner, seq, ops) else {
+        return;
     };
     match &seq.pin {
         Some(pin) => inner
@@ -374,70 +340,96 @@ fn take_branch_checkpoint(
             .register_branch(pin, &seq.tokens[..pos], checkpoint),
         None => inner.cache.free_checkpoint_slot(checkpoint),
     }
-    Ok(())
 }
 
-/// Copies the live state into a fresh checkpoint slot (evicting cached checkpoints if needed);
-/// `None` when the region is held entirely by running sequences (the checkpoint is skipped: it
-/// is an optimisation, never needed for correctness).
+/// Takes a fresh checkpoint slot (evicting cached checkpoints if needed) and queues the copy of
+/// the live state into it; `None` when the region is held entirely by running sequences (the
+/// checkpoint is skipped: it is an optimisation, never needed for correctness).
 pub(crate) fn take_checkpoint(
     shape: &Shape,
     inner: &mut Inner,
     seq: &CpuSeq,
-) -> std::result::Result<Option<crate::cache::CheckpointSlot>, model::ModelError> {
+    ops: &mut Vec<Op>,
+) -> Option<crate::cache::CheckpointSlot> {
     let Some(checkpoint) = inner.cache.take_checkpoint_slot(seq.pin.as_ref()) else {
         tracing::debug!(
             pos = seq.computed_len,
             "no checkpoint slot free; checkpoint skipped"
         );
-        return Ok(None);
+        return None;
     };
     let slot = seq.slot.expect("a computing row has a slot");
-    if let Err(err) = inner
-        .states
-        .copy_slot(slot, shape.checkpoint_row(checkpoint.index()))
-    {
-        inner.cache.free_checkpoint_slot(checkpoint);
-        return Err(err);
-    }
-    Ok(Some(checkpoint))
+    ops.push(Op::CopySlot {
+        from: slot,
+        to: shape.checkpoint_row(checkpoint.index()),
+    });
+    Some(checkpoint)
 }
 
-pub(crate) fn decode(
-    model: &Model,
+/// A decode's inputs: host tokens (`Decode`) or per-row sources (`DecodeFed`).
+pub(crate) enum Inputs<'a> {
+    Tokens(&'a [u32]),
+    Fed(&'a [Feed]),
+}
+
+impl Inputs<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Inputs::Tokens(tokens) => tokens.len(),
+            Inputs::Fed(sources) => sources.len(),
+        }
+    }
+}
+
+pub(crate) fn decode<'a>(
     shape: &Shape,
     inner: &mut Inner,
-    ticket: Ticket,
-    tokens: &[u32],
-    readback: Readback<'_>,
+    ticket: u64,
+    inputs: Inputs<'_>,
+    readback: Readback<'a>,
     rows: &mut [&mut CpuSeq],
-) -> Result<StepResult<LogitsHandle>> {
+) -> Result<Planned<'a>> {
+    let what = match inputs {
+        Inputs::Tokens(_) => "Decode",
+        Inputs::Fed(_) => "DecodeFed",
+    };
     // Phase 1: validate.
-    if tokens.len() != rows.len() {
+    if inputs.len() != rows.len() {
+        let kind = match inputs {
+            Inputs::Tokens(_) => "tokens",
+            Inputs::Fed(_) => "sources",
+        };
         return Err(invalid(
-            "Decode",
-            format!("{} tokens for {} rows", tokens.len(), rows.len()),
+            what,
+            format!("{} {kind} for {} rows", inputs.len(), rows.len()),
         ));
     }
-    let sink = sink(readback)?;
-    for (i, (seq, &token)) in rows.iter().zip(tokens).enumerate() {
+    let (masks, host) = sink(shape, what, rows.len(), readback)?;
+    let mut job_inputs = Vec::with_capacity(rows.len());
+    for (i, seq) in rows.iter().enumerate() {
         let id = seq.id;
         if seq.failed {
             return Err(invalid(
-                "Decode",
+                what,
                 format!("row {i} (sequence {id}) failed in an earlier step; release it"),
             ));
         }
-        crate::effects::check_tenure(inner, seq, "Decode")?;
+        crate::effects::check_tenure(inner, seq, what)?;
         if seq.slot.is_none() {
             return Err(invalid(
-                "Decode",
+                what,
                 format!("row {i} (sequence {id}) holds no live slot"),
+            ));
+        }
+        if seq.state_ahead {
+            return Err(invalid(
+                what,
+                format!("row {i} (sequence {id}) was rolled back; its state is past its length"),
             ));
         }
         if seq.computed_len < seq.prompt_len {
             return Err(invalid(
-                "Decode",
+                what,
                 format!(
                     "row {i} (sequence {id}) has computed {} of its {} prompt tokens",
                     seq.computed_len, seq.prompt_len
@@ -446,7 +438,7 @@ pub(crate) fn decode(
         }
         if seq.computed_len + 1 > shape.max_context {
             return Err(invalid(
-                "Decode",
+                what,
                 format!(
                     "row {i} (sequence {id}) would reach {} tokens, over max_context {}",
                     seq.computed_len + 1,
@@ -454,63 +446,113 @@ pub(crate) fn decode(
                 ),
             ));
         }
-        if token as usize >= shape.vocab_size {
-            return Err(invalid(
-                "Decode",
-                format!(
-                    "row {i} (sequence {id}) feeds token id {token}, outside the vocabulary of {}",
-                    shape.vocab_size
-                ),
-            ));
+        let input = match &inputs {
+            Inputs::Tokens(tokens) => Input::Token(tokens[i]),
+            Inputs::Fed(sources) => match sources[i] {
+                Feed::Host(token) => Input::Token(token),
+                Feed::Row(r) => match inner.last_rows.get(r) {
+                    Some(&(tenure, true)) if Some(tenure) == seq.tenure => Input::Feed(r),
+                    Some(&(tenure, _)) if Some(tenure) != seq.tenure => {
+                        return Err(invalid(
+                            what,
+                            format!(
+                                "row {i} (sequence {id}) feeds from row {r} of the previous \
+                                 step, which was another sequence"
+                            ),
+                        ))
+                    }
+                    Some(_) => {
+                        return Err(invalid(
+                            what,
+                            format!(
+                                "row {i} feeds from row {r} of the previous step, which reached \
+                                 no token position"
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(invalid(
+                            what,
+                            format!(
+                                "row {i} feeds from row {r}; the previous step had {} rows",
+                                inner.last_rows.len()
+                            ),
+                        ))
+                    }
+                },
+            },
+        };
+        if let Input::Token(token) = input {
+            if token as usize >= shape.vocab_size {
+                return Err(invalid(
+                    what,
+                    format!(
+                        "row {i} (sequence {id}) feeds token id {token}, outside the vocabulary of {}",
+                        shape.vocab_size
+                    ),
+                ));
+            }
         }
+        job_inputs.push(input);
     }
+    let fed_from = job_inputs
+        .iter()
+        .any(|input| matches!(input, Input::Feed(_)))
+        .then(|| ticket - 1);
 
     // Phase 2: reserve the block each row's new position needs.
     let needs_block = |seq: &CpuSeq| seq.blocks.len() * shape.block_size <= seq.computed_len;
     let total_needed = rows.iter().filter(|seq| needs_block(seq)).count();
     reserve_blocks(inner, total_needed)?;
 
-    // Phase 3: commit and compute.
-    for seq in rows.iter_mut() {
+    // Phase 3: commit.
+    let mut job = StepJob {
+        ticket,
+        masks,
+        vocab: shape.vocab_size,
+        fed_from,
+        ..StepJob::default()
+    };
+    let wants_checkpoints = inner.cache.wants_end_checkpoints();
+    for (i, (seq, input)) in rows.iter_mut().zip(job_inputs).enumerate() {
         if needs_block(seq) {
             seq.blocks.push(inner.fresh.pop().expect("reserved above"));
         }
-    }
-    let batch: Vec<DecodeRow<'_>> = rows
-        .iter()
-        .zip(tokens)
-        .map(|(seq, &token)| DecodeRow {
-            token,
-            pos: seq.computed_len,
-            blocks: &seq.blocks,
+        let blocks = job.blocks.len()..job.blocks.len() + seq.blocks.len();
+        job.blocks.extend_from_slice(&seq.blocks);
+        let pos = seq.computed_len;
+        job.decode.push(DecodeJobRow {
+            input,
+            pos,
+            blocks,
             slot: seq.slot.expect("validated"),
-        })
-        .collect();
-    let Inner {
-        kv,
-        states,
-        scratch,
-        logits,
-        ..
-    } = &mut *inner;
-    let result = model.decode(scratch, kv, states, &batch, logits);
-    drop(batch);
-    if let Err(err) = result {
-        return Err(forward_failed(rows, err));
-    }
-    let wants_checkpoints = inner.cache.wants_end_checkpoints();
-    for (seq, &token) in rows.iter_mut().zip(tokens) {
-        seq.tokens.push(token);
+        });
+        let tenure = seq.tenure.expect("validated");
+        match input {
+            Input::Token(token) => seq.tokens.push(token),
+            Input::Feed(row) => {
+                let source = ticket - 1;
+                // The source step may have finished already; then its argmax is known here.
+                match &inner.last_argmax {
+                    Some((step, argmax)) if *step == source => {
+                        seq.tokens.push(argmax[row].unwrap_or(FED_PLACEHOLDER));
+                    }
+                    _ => {
+                        seq.tokens.push(FED_PLACEHOLDER);
+                        inner.pending.entry(tenure).or_default().push(PendingFeed {
+                            pos,
+                            ticket: source,
+                            row,
+                        });
+                    }
+                }
+            }
+        }
         seq.computed_len += 1;
         // A boundary passed without its checkpoint cannot be taken any more.
         seq.checkpoint_due = wants_checkpoints && seq.computed_len % shape.block_size == 0;
+        job.token_rows.push(Some(i));
+        job.tenures.push(tenure);
     }
-    Ok(finish_step(
-        inner,
-        ticket,
-        (0..rows.len()).map(Some),
-        None,
-        sink,
-        shape.vocab_size,
-    ))
+    Ok((job, host))
 }

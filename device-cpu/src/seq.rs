@@ -20,6 +20,11 @@
 //!   exactly these (the end of a request's input, the end of its output); they are offered to the
 //!   tree on a cached release and freed otherwise.
 //! - `failed` is set when a forward step over this row failed; such a sequence is never cached.
+//! - After a prompt is complete, a position fed on the device (`DecodeFed` with `Feed::Row`) holds
+//!   `u32::MAX` in `tokens` until the router has seen the step that produced its token finish
+//!   (it resolves it the next time it is handed the sequence).
+//! - `reservation` is the open run-ahead (see [`Reservation`]); `state_ahead` is set by a rollback
+//!   that dropped a computed position, after which the sequence may only be released.
 
 use device_io::{SeqSpec, Sequence};
 
@@ -62,6 +67,22 @@ pub struct CpuSeq {
     pub(crate) output_checkpoint: Option<(usize, crate::cache::CheckpointSlot)>,
     pub(crate) checkpoint_due: bool,
     pub(crate) failed: bool,
+    /// The open run-ahead, between `ReserveKv` and the next reservation, rollback or release.
+    pub(crate) reservation: Option<Reservation>,
+    /// A rollback dropped a computed position: the live state is past `computed_len`.
+    pub(crate) state_ahead: bool,
+}
+
+/// A reservation ledger entry (one per sequence: a new reservation commits the one before).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reservation {
+    /// The position reserved (the sequence's `computed_len` when it was reserved).
+    pub at: usize,
+    /// The block the reservation added, if it added one.
+    pub block: Option<u32>,
+    /// The output checkpoint a `MarconiCheckpoint` past `at` replaced, held until the run-ahead
+    /// is kept (freed then) or rolled back (restored then).
+    pub superseded: Option<(usize, crate::cache::CheckpointSlot)>,
 }
 
 impl CpuSeq {
@@ -121,6 +142,8 @@ impl Sequence for CpuSeq {
             output_checkpoint: None,
             checkpoint_due: false,
             failed: false,
+            reservation: None,
+            state_ahead: false,
         }
     }
 

@@ -55,9 +55,20 @@ fn decode(router: &CpuRouter, s: &mut CpuSeq, token: u32) {
     );
 }
 
+/// State row `row` once every device work item submitted so far has run.
+fn state_row(router: &CpuRouter, row: usize) -> Vec<f32> {
+    router
+        .inner
+        .lock()
+        .unwrap()
+        .fence(&router.model, &router.device)
+        .unwrap();
+    let device = router.device.lock().unwrap();
+    device.states.slot(row).unwrap().to_vec()
+}
+
 fn live_state(router: &CpuRouter, s: &CpuSeq) -> Vec<f32> {
-    let inner = router.inner.lock().unwrap();
-    inner.states.slot(s.slot.unwrap()).unwrap().to_vec()
+    state_row(router, s.slot.unwrap())
 }
 
 #[test]
@@ -103,15 +114,9 @@ fn a_marconi_checkpoint_is_due_exactly_at_a_block_boundary_a_decode_reaches() {
     assert_eq!(s.checkpoints_held(), (None, Some(16)));
     assert_eq!(r.facts().checkpoint_slots_used, 1);
     // The checkpoint holds exactly the live state at 16.
-    {
-        let inner = r.inner.lock().unwrap();
-        let (_, slot) = s.output_checkpoint.unwrap();
-        let row = r.shape.checkpoint_row(slot.index());
-        assert_eq!(
-            inner.states.slot(row).unwrap(),
-            inner.states.slot(s.slot.unwrap()).unwrap()
-        );
-    }
+    let (_, slot) = s.output_checkpoint.unwrap();
+    let row = r.shape.checkpoint_row(slot.index());
+    assert_eq!(state_row(&r, row), live_state(&r, &s));
     // A boundary passed without the effect is gone: the effect then takes nothing.
     for t in 0..16 {
         decode(&r, &mut s, t);

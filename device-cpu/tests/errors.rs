@@ -132,54 +132,57 @@ fn full_slots_refuse_a_new_sequence() {
 }
 
 #[test]
-fn unsupported_plans_readbacks_and_effects() {
+fn the_synchronous_router_refuses_fed_steps_and_rollbacks() {
     let r = small(16, 2);
     let mut a = seq(1, &tokens(1, 5));
-    let mask = [true; 256];
-    let masks: [&[bool]; 1] = [&mask];
-    let cases = [
-        (
-            StepPlan::DecodeFed {
-                sources: &[device_io::Feed::Row(0)],
-                masks: &[],
-            },
-            "DecodeFed",
-        ),
-        (
-            StepPlan::Prefill {
-                budgets: &[5],
-                readback: Readback::ArgmaxMasked { masks: &masks },
-            },
-            "ArgmaxMasked",
-        ),
-    ];
-    for (plan, what) in cases {
-        assert_eq!(
-            r.launch(plan, &mut [&mut a]).unwrap_err(),
-            DeviceError::Unsupported { what }
-        );
-    }
     prefill(&r, &mut a, 5);
-    let err = r
-        .launch(
-            StepPlan::Decode {
-                tokens: &[1],
-                readback: Readback::ArgmaxMasked { masks: &masks },
+    let before = r.facts();
+    assert_eq!(
+        r.launch(
+            StepPlan::DecodeFed {
+                sources: &[device_io::Feed::Host(1)],
+                masks: &[],
             },
             &mut [&mut a],
         )
-        .unwrap_err();
-    assert_eq!(
-        err,
-        DeviceError::Unsupported {
-            what: "ArgmaxMasked"
-        }
+        .unwrap_err(),
+        DeviceError::Unsupported { what: "DecodeFed" }
     );
     assert_eq!(
         r.apply(Effect::Rollback { seq: &mut a }).unwrap_err(),
         DeviceError::Unsupported { what: "Rollback" }
     );
+    assert_eq!((r.facts(), a.computed_len()), (before, 5));
     assert_eq!(r.max_depth(), 1);
+    release(&r, &mut a, false);
+}
+
+#[test]
+fn masks_of_the_wrong_shape_are_invalid_and_change_nothing() {
+    let r = small(16, 2);
+    let mut a = seq(1, &tokens(1, 5));
+    prefill(&r, &mut a, 5);
+    let before = (r.facts(), a.computed_len());
+    let short = [true; 10];
+    let none = [false; 256];
+    let cases: [(&[&[bool]], &str); 3] = [
+        (&[], "0 masks for 1 rows"),
+        (&[&short], "mask 0 has 10 entries"),
+        (&[&none], "mask 0 allows no token"),
+    ];
+    for (masks, needle) in cases {
+        let err = r
+            .launch(
+                StepPlan::Decode {
+                    tokens: &[1],
+                    readback: Readback::ArgmaxMasked { masks },
+                },
+                &mut [&mut a],
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains(needle), "{err}");
+        assert_eq!((r.facts(), a.computed_len()), before);
+    }
     release(&r, &mut a, false);
 }
 

@@ -84,6 +84,9 @@ mod cpu {
         /// Run the Marconi (FLOP-aware) eviction policy for SSM checkpoints (needs feature
         /// `marconi`); off, checkpoints are evicted by recency.
         pub marconi: bool,
+        /// Pipeline depth: 1 (synchronous) or 2 (the router computes on a worker thread and the
+        /// engine keeps one decode step in flight while it reads the previous one).
+        pub max_depth: usize,
         /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
         #[cfg(feature = "trace")]
         pub trace: Option<device_trace::TraceSink>,
@@ -91,7 +94,7 @@ mod cpu {
 
     impl BackendOptions {
         /// A pool of `kv_blocks` blocks of 16 tokens, `max_seqs` slots, four checkpoint slots
-        /// per slot, the context as long as the pool, and both caches on (where compiled).
+        /// per slot, the context as long as the pool, both caches on (where compiled), depth 1.
         pub fn new(kv_blocks: usize, max_seqs: usize) -> Self {
             let block_size = device_cpu::DEFAULT_BLOCK_SIZE;
             BackendOptions {
@@ -103,6 +106,7 @@ mod cpu {
                 checkpoint_slots: 4 * max_seqs,
                 prefix_cache: true,
                 marconi: true,
+                max_depth: 1,
                 #[cfg(feature = "trace")]
                 trace: None,
             }
@@ -135,6 +139,7 @@ mod cpu {
             prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
             marconi: options.marconi && MARCONI_COMPILED,
             max_context: options.max_context,
+            max_depth: options.max_depth,
         };
         let router =
             CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;

@@ -24,6 +24,7 @@ fn engine_scenario_matches_its_golden_trace() {
         prefix_cache: true,
         marconi: true,
         max_context: 64,
+        max_depth: 1,
     };
     let (sink, trace) = TraceSink::memory();
     let router = TracingDeviceIo::new(CpuRouter::new(model, router_config).unwrap(), sink);

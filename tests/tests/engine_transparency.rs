@@ -51,6 +51,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         prefix_cache: setup.caches,
         marconi: setup.caches,
         max_context,
+        max_depth: 1,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let initial = router.facts();
