@@ -180,6 +180,15 @@ pub enum ModelError {
     /// A size computation overflowed `usize` (absurd config or pool size).
     #[error("size overflow computing {0}")]
     SizeOverflow(&'static str),
+    /// The memory for a pool or store could not be allocated (more than the machine or its limits
+    /// allow).
+    #[error("could not allocate {bytes} bytes ({gib:.1} GiB) for the {what}", gib = *.bytes as f64 / f64::from(1u32 << 30))]
+    AllocationFailed {
+        /// `KV pool` or `Mamba state store`.
+        what: &'static str,
+        /// The size asked for.
+        bytes: u64,
+    },
     /// Writing a checkpoint failed.
     #[error("cannot write {path}: {reason}")]
     Write {

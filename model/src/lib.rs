@@ -161,8 +161,9 @@ impl Model {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| write_err(dir, e.to_string()))?;
         let path = dir.join("model.safetensors");
-        safetensors::serialize_to_file(views, None, &path)
-            .map_err(|e| write_err(&path, e.to_string()))
+        let file =
+            safetensors::serialize(views, None).map_err(|e| write_err(dir, e.to_string()))?;
+        std::fs::write(&path, file).map_err(|e| write_err(&path, e.to_string()))
     }
 
     /// The same model with another dt clamp convention ([`DtClamp`]); the fingerprint changes

@@ -20,7 +20,10 @@ use crate::{Config, LayerKind, ModelError};
 fn zeroed(len: usize, what: &'static str) -> Result<Vec<f32>, ModelError> {
     let mut data = Vec::new();
     data.try_reserve_exact(len)
-        .map_err(|_| ModelError::SizeOverflow(what))?;
+        .map_err(|_| ModelError::AllocationFailed {
+            what,
+            bytes: (len as u64).saturating_mul(std::mem::size_of::<f32>() as u64),
+        })?;
     data.resize(len, 0.0);
     Ok(data)
 }
@@ -396,11 +399,19 @@ mod tests {
         ));
         assert!(pool.block(0).unwrap().iter().all(|&x| x == 0.0));
         assert!(KvPool::new(&config, 3, 0).is_err());
-        // An impossible pool is an error, not an abort.
-        assert!(matches!(
-            KvPool::new(&config, u32::MAX as usize, 1 << 20),
-            Err(ModelError::SizeOverflow("KV pool"))
-        ));
+        // An impossible pool is an error that says so, not an abort.
+        let err = KvPool::new(&config, u32::MAX as usize, 1 << 20).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ModelError::AllocationFailed {
+                    what: "KV pool",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().starts_with("could not allocate "), "{err}");
         assert!(matches!(
             KvPool::new(&config, u32::MAX as usize + 2, 16),
             Err(ModelError::InvalidConfig {

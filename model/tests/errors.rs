@@ -59,7 +59,8 @@ fn write_checkpoint(
             )
         })
         .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
 }
 
 fn load_err(dir: &Path) -> ModelError {

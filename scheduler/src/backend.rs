@@ -9,6 +9,11 @@
 //!   per run. Without the feature the switch is ignored (always off).
 //! - `cuda`: adds `Device::Cuda`; this build has no CUDA router, so asking for it answers
 //!   [`BackendError::CudaUnavailable`].
+//!
+//! With `cpu`, this module also re-exports what a program needs to build an engine while
+//! depending on `scheduler` alone: the model's [`ModelConfig`], [`Model`] and [`LayerKind`], the
+//! host router [`CpuRouter`], and the `model` and `device_cpu` crates themselves; with `trace`,
+//! `device_trace`'s `TraceSink` and `TracingDeviceIo`.
 
 #[cfg(feature = "cpu")]
 pub use cpu::*;
@@ -50,8 +55,16 @@ pub const MARCONI_COMPILED: bool = cfg!(feature = "marconi");
 mod cpu {
     use std::path::Path;
 
-    use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-    use model::Model;
+    use device_cpu::{CheckpointBudget, CpuRouterConfig};
+
+    /// The host router crate, for what the names below do not cover.
+    pub use device_cpu;
+    pub use device_cpu::CpuRouter;
+    #[cfg(feature = "trace")]
+    pub use device_trace::{TraceSink, TracingDeviceIo};
+    /// The model crate, for what the names below do not cover.
+    pub use model;
+    pub use model::{Config as ModelConfig, LayerKind, Model};
 
     use super::{BackendError, Device, MARCONI_COMPILED, PREFIX_CACHE_COMPILED};
     use crate::replay::CacheStats;
@@ -121,6 +134,22 @@ mod cpu {
     /// Seeded random weights for `config`.
     pub fn random_model(config: model::Config, seed: u64) -> Result<Model, BackendError> {
         Model::random(config, seed).map_err(|err| BackendError::Model(err.to_string()))
+    }
+
+    /// Bytes of one KV block of `block_size` tokens for `config` (every attention layer's K and V,
+    /// f32), as the host router lays it out; 0 for a configuration the router would refuse.
+    pub fn kv_block_bytes(config: &model::Config, block_size: usize) -> u64 {
+        model::KvPool::new(config, 0, block_size)
+            .map(|pool| (pool.floats_per_block() * std::mem::size_of::<f32>()) as u64)
+            .unwrap_or(0)
+    }
+
+    /// Bytes of one SSM state slot for `config` (every Mamba layer's conv and SSM state, f32):
+    /// what each live sequence, Marconi checkpoint and preemption snapshot holds.
+    pub fn state_slot_bytes(config: &model::Config) -> u64 {
+        model::MambaLayout::of(config)
+            .map(|layout| (layout.floats_per_slot() * std::mem::size_of::<f32>()) as u64)
+            .unwrap_or(0)
     }
 
     /// Builds the router for `model`.

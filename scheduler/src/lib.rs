@@ -30,7 +30,7 @@
 //! use scheduler::backend::{self, BackendOptions};
 //! use scheduler::{EngineConfig, EngineThread, Event, Request, ShutdownMode};
 //!
-//! let model = backend::random_model(model::Config::tiny_demo(), 0)?;
+//! let model = backend::random_model(backend::ModelConfig::tiny_demo(), 0)?;
 //! // 64 KV blocks of 16 tokens, 4 live slots, prefix cache and Marconi on.
 //! let engine = backend::build_engine(model, BackendOptions::new(64, 4), EngineConfig::default())?;
 //! let thread = EngineThread::spawn(engine)?;

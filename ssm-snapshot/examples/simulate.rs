@@ -2,11 +2,10 @@
 //! policy and prints one JSON object of figures as its last line, or generates a synthetic trace.
 //!
 //! ```text
-//! simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi}
-//!          [--block-size B] [--model nvidia-hybrid-7b] [--alpha A]
-//! simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi}
-//!          [--model nvidia-hybrid-7b] [--alpha A] [--bootstrap-multiplier M]
-//! simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE
+//! cargo run --release -p ssm-snapshot --example simulate -- --help
+//! simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [store and tuning options]
+//! simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi} [--alpha A]
+//! simulate --generate KIND [--sessions N] [--seed S] --out FILE
 //! ```
 //!
 //! `paper-sglang` and `paper-marconi` replay the trace through [`ssm_snapshot::paper`], our model
@@ -16,18 +15,18 @@
 //! capacity only before inserting, so `max_bytes` may exceed `capacity_bytes` (reported, not an
 //! error).
 //!
-//! Tuning options for `marconi` (defaults in brackets; `--alpha` fixes α and disables tuning):
-//! `--tuning {shadow,periodic,bootstrap}` [shadow], `--grid {default,legacy,paper,wide}`
-//! [default], `--window N` (shadow half-life [200] or periodic window [100]), `--cooldown N` [300],
-//! `--margin F` [0.02], `--objective {flops,tokens}` [flops]; the initial setting:
-//! `--recency {path,own,shared,adaptive}` [adaptive], `--flop-basis {marginal,prefix}`
-//! [marginal], `--guard {off,on}` (guarded admission) [off].
+//! The tuning options (`--tuning`, `--grid`, `--window`, `--cooldown`, `--margin`,
+//! `--objective`) and the initial setting (`--recency`, `--flop-basis`, `--guard`) apply to
+//! `marconi`; `--help` gives each one's values and default. A flag that does not apply to the
+//! chosen policy is refused, naming it.
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+use clap::{Parser, ValueEnum};
 
 use ssm_snapshot::paper::{PaperCache, PaperConfig, PaperVersion};
 use ssm_snapshot::sim::{
@@ -39,115 +38,180 @@ use ssm_snapshot::tuning::{
 };
 use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, Setting, SnapshotError, TuningMode};
 
-const USAGE: &str = "usage:
-  simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [--block-size B] \
-[--model nvidia-hybrid-7b] [--alpha A] [--tuning {shadow,periodic,bootstrap}] \
-[--grid {default,legacy,paper,wide}] [--window N] [--cooldown N] [--margin F] \
-[--objective {flops,tokens}] [--recency {path,own,shared,adaptive}] \
-[--flop-basis {marginal,prefix}] [--guard {off,on}]
-  simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi} \
-[--model nvidia-hybrid-7b] [--alpha A] [--bootstrap-multiplier M]
-  simulate --generate {chat,sharegpt,agentic} --sessions N --seed S --out FILE";
+/// What the long help says before the options.
+const LONG_ABOUT: &str = "\
+Trace-driven simulator of the SSM checkpoint store: replays a Marconi-format JSONL trace under a
+policy and prints one JSON object of figures as its last line, or writes a synthetic trace.
 
-fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}\n{USAGE}");
-            ExitCode::FAILURE
+  simulate --trace FILE --capacity-bytes N --policy {vllm,lru,marconi} [store and tuning options]
+  simulate --trace FILE --capacity-bytes N --policy {paper-sglang,paper-marconi} [--alpha A]
+           [--bootstrap-multiplier M]
+  simulate --generate KIND [--sessions N] [--seed S] --out FILE
+
+paper-sglang and paper-marconi replay the trace through our model of the Marconi artifact's own
+simulator (block size 1 only; max_bytes may exceed capacity_bytes, as in the artifact).";
+
+/// `simulate [OPTIONS]`.
+#[derive(Debug, Parser)]
+#[command(name = "simulate", version, about, long_about = LONG_ABOUT)]
+struct Args {
+    /// A Marconi-format JSONL trace to replay
+    #[arg(long, value_name = "FILE", required_unless_present = "generate")]
+    trace: Option<PathBuf>,
+
+    /// Bytes for SSM checkpoints plus KV: an integer or exact scientific notation (2e10), at
+    /// least 1
+    #[arg(long, value_name = "BYTES", value_parser = byte_count, required_unless_present = "generate")]
+    capacity_bytes: Option<u64>,
+
+    /// The policy: vllm (checkpoint every block, LRU), lru (Marconi admission, SGLang+ eviction),
+    /// marconi (Marconi admission, FLOP-aware eviction, tuned), paper-sglang or paper-marconi
+    /// (the artifact's simulator as modelled by `ssm_snapshot::paper`)
+    #[arg(long, value_name = "POLICY", value_parser = sim_policy, required_unless_present = "generate")]
+    policy: Option<SimPolicy>,
+
+    /// Tokens per block (1: token granularity, as in the paper) [default: 1]
+    #[arg(long, value_name = "B", value_parser = clap::value_parser!(u32).range(1..))]
+    block_size: Option<u32>,
+
+    /// The model whose costs the simulation uses
+    #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = cost_model)]
+    model: CostModel,
+
+    /// A fixed eviction weight α (marconi, paper-marconi), instead of tuning
+    #[arg(long, value_name = "A", value_parser = non_negative, allow_negative_numbers = true)]
+    alpha: Option<f64>,
+
+    /// paper-marconi without --alpha: the bootstrap window as a multiple of the requests before
+    /// the first eviction [default: 15]
+    #[arg(long, value_name = "M", value_parser = clap::value_parser!(u64).range(1..))]
+    bootstrap_multiplier: Option<u64>,
+
+    /// marconi: how α (and the rest of the setting) is tuned [default: shadow]
+    #[arg(long, value_enum, value_name = "MODE")]
+    tuning: Option<Tuning>,
+
+    /// marconi: the settings the tuner tries [default: default]
+    #[arg(long, value_enum, value_name = "GRID")]
+    grid: Option<GridName>,
+
+    /// marconi: shadow half-life in requests [default: 200], or the periodic window [default: 100]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    window: Option<u64>,
+
+    /// marconi with shadow tuning: requests between two switches, and before the first
+    /// [default: 300]
+    #[arg(long, value_name = "N")]
+    cooldown: Option<usize>,
+
+    /// marconi with shadow tuning: the lead a shadow needs over the live setting to take over
+    /// [default: 0.02]
+    #[arg(long, value_name = "F", value_parser = non_negative, allow_negative_numbers = true)]
+    margin: Option<f64>,
+
+    /// marconi with tuning: what the replays maximise [default: flops]
+    #[arg(long, value_enum, value_name = "WHAT")]
+    objective: Option<ObjectiveName>,
+
+    /// marconi: the recency term's time basis (initial setting) [default: adaptive]
+    #[arg(long, value_enum, value_name = "BASIS")]
+    recency: Option<RecencyName>,
+
+    /// marconi: what FLOPs saved means (initial setting) [default: marginal]
+    #[arg(long, value_enum, value_name = "BASIS")]
+    flop_basis: Option<FlopBasisName>,
+
+    /// marconi: guarded admission against thrashing (initial setting) [default: off]
+    #[arg(long, value_enum, value_name = "ON_OFF")]
+    guard: Option<OnOff>,
+
+    /// Write a synthetic trace of this kind (chat, sharegpt, agentic) instead of simulating
+    #[arg(long, value_name = "KIND", value_parser = trace_kind, requires = "out", conflicts_with_all = STORE_FLAGS)]
+    generate: Option<TraceKind>,
+
+    /// --generate: sessions to generate
+    #[arg(long, value_name = "N", default_value_t = 100, requires = "generate", value_parser = clap::value_parser!(u64).range(1..))]
+    sessions: u64,
+
+    /// --generate: the generator's seed
+    #[arg(long, value_name = "S", default_value_t = 0, requires = "generate")]
+    seed: u64,
+
+    /// --generate: the JSONL file to write
+    #[arg(long, value_name = "FILE", requires = "generate")]
+    out: Option<PathBuf>,
+}
+
+/// The flags of a simulation, which `--generate` does not take.
+const STORE_FLAGS: [&str; 15] = [
+    "trace",
+    "capacity_bytes",
+    "policy",
+    "block_size",
+    "alpha",
+    "bootstrap_multiplier",
+    "tuning",
+    "grid",
+    "window",
+    "cooldown",
+    "margin",
+    "objective",
+    "recency",
+    "flop_basis",
+    "guard",
+];
+
+/// `--policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SimPolicy {
+    /// One of the store's policies.
+    Store(Policy),
+    /// The artifact's SGLang+ (V1).
+    PaperSglang,
+    /// The artifact's Marconi (V2, or V3 with a fixed α).
+    PaperMarconi,
+}
+
+impl SimPolicy {
+    fn name(self) -> &'static str {
+        match self {
+            SimPolicy::Store(policy) => policy.name(),
+            SimPolicy::PaperSglang => "paper-sglang",
+            SimPolicy::PaperMarconi => "paper-marconi",
         }
     }
 }
 
-/// `--flag value` pairs; every flag takes exactly one value.
-fn parse_flags() -> Result<HashMap<String, String>, SnapshotError> {
-    let mut flags = HashMap::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let Some(name) = flag.strip_prefix("--") else {
-            return Err(SnapshotError::BadArgument(format!(
-                "`{flag}` is not a --flag"
-            )));
-        };
-        let value = args
-            .next()
-            .ok_or_else(|| SnapshotError::BadArgument(format!("{flag} needs a value")))?;
-        if flags.insert(name.to_owned(), value).is_some() {
-            return Err(SnapshotError::BadArgument(format!("{flag} given twice")));
-        }
-    }
-    Ok(flags)
-}
-
-fn number<T: std::str::FromStr>(
-    flags: &HashMap<String, String>,
-    name: &str,
-) -> Result<Option<T>, SnapshotError> {
-    flags
-        .get(name)
-        .map(|text| {
-            text.parse::<T>().map_err(|_| {
-                SnapshotError::BadArgument(format!("--{name} `{text}` is not a valid number"))
-            })
-        })
-        .transpose()
-}
-
-fn required<'a>(flags: &'a HashMap<String, String>, name: &str) -> Result<&'a str, SnapshotError> {
-    flags
-        .get(name)
-        .map(String::as_str)
-        .ok_or_else(|| SnapshotError::BadArgument(format!("--{name} is required")))
-}
-
-/// Refuses a flag outside `known`, naming it: `--NAME <why>`.
-fn only(flags: &HashMap<String, String>, known: &[&str], why: &str) -> Result<(), SnapshotError> {
-    match flags.keys().find(|k| !known.contains(&k.as_str())) {
-        Some(extra) => Err(SnapshotError::BadArgument(format!("--{extra} {why}"))),
-        None => Ok(()),
+fn sim_policy(text: &str) -> Result<SimPolicy, String> {
+    match text {
+        "paper-sglang" => Ok(SimPolicy::PaperSglang),
+        "paper-marconi" => Ok(SimPolicy::PaperMarconi),
+        other => Policy::parse(other)
+            .map(SimPolicy::Store)
+            .map_err(|_| "expected vllm, lru, marconi, paper-sglang or paper-marconi".to_owned()),
     }
 }
 
-/// The value of enumerated flag `--name` (`default` when absent); an unknown value is named
-/// with the accepted ones.
-fn choice<T: Copy>(
-    flags: &HashMap<String, String>,
-    name: &str,
-    default: T,
-    options: &[(&str, T)],
-) -> Result<T, SnapshotError> {
-    let Some(given) = flags.get(name) else {
-        return Ok(default);
-    };
-    options
-        .iter()
-        .find(|(text, _)| text == given)
-        .map(|&(_, value)| value)
-        .ok_or_else(|| {
-            let accepted: Vec<&str> = options.iter().map(|(text, _)| *text).collect();
-            SnapshotError::BadArgument(format!(
-                "--{name} `{given}` (expected {})",
-                accepted.join(", ")
-            ))
-        })
+fn trace_kind(text: &str) -> Result<TraceKind, String> {
+    TraceKind::parse(text).map_err(|err| err.to_string())
 }
 
-/// A tuning setting as `alpha/recency/basis[/guard]`.
-fn label(s: &Setting) -> String {
-    let guard = if s.guard { "/guard" } else { "" };
-    format!("{}/{:?}/{:?}{guard}", s.alpha, s.recency, s.flop_basis)
+fn cost_model(text: &str) -> Result<CostModel, String> {
+    CostModel::by_name(text).map_err(|err| err.to_string())
 }
 
-fn io_error(path: &str) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
-    move |e| SnapshotError::Io {
-        path: path.to_owned(),
-        message: e.to_string(),
+fn non_negative(text: &str) -> Result<f64, String> {
+    let value: f64 = text.parse().map_err(|err| format!("{err}"))?;
+    if value.is_finite() && value >= 0.0 {
+        Ok(value)
+    } else {
+        Err("must be a finite number at least 0".to_owned())
     }
 }
 
-/// A `--capacity-bytes` value: a plain integer or exact scientific notation (`2e10`).
-fn byte_count(capacity: &str) -> Result<u64, SnapshotError> {
-    capacity
+/// A `--capacity-bytes` value: a plain integer or exact scientific notation (`2e10`), at least 1.
+fn byte_count(capacity: &str) -> Result<u64, String> {
+    let bytes = capacity
         .parse::<u64>()
         .ok()
         .or_else(|| {
@@ -158,55 +222,144 @@ fn byte_count(capacity: &str) -> Result<u64, SnapshotError> {
                 .map(|v| v as u64)
         })
         .ok_or_else(|| {
-            SnapshotError::BadArgument(format!("--capacity-bytes `{capacity}` is not a byte count"))
-        })
+            "not a byte count (an integer, or exact scientific notation like 2e10)".to_owned()
+        })?;
+    if bytes == 0 {
+        return Err("a cache of 0 bytes holds nothing; give at least 1".to_owned());
+    }
+    Ok(bytes)
+}
+
+/// `--tuning`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Tuning {
+    /// Shadow stores over the grid follow the leader (the default)
+    Shadow,
+    /// Retune every window on the last window's requests
+    Periodic,
+    /// Tune once, after the first eviction (the paper's bootstrap)
+    Bootstrap,
+}
+
+/// `--grid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GridName {
+    /// The measured default grid
+    Default,
+    /// The grid before guarded admission
+    Legacy,
+    /// α only, path recency and prefix FLOPs (the paper's grid)
+    Paper,
+    /// Every α, recency, FLOP basis and guard combination
+    Wide,
+}
+
+/// `--objective`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ObjectiveName {
+    /// FLOPs saved by hits (Marconi)
+    Flops,
+    /// Tokens reused (the token hit rate)
+    Tokens,
+}
+
+/// `--recency`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RecencyName {
+    Path,
+    Own,
+    Shared,
+    Adaptive,
+}
+
+/// `--flop-basis`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FlopBasisName {
+    Marginal,
+    Prefix,
+}
+
+/// `--guard`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    Off,
+    On,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("simulate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Refuses each flag of `flags` that was given, naming it: `--NAME <why>`.
+fn refuse(flags: &[(&str, bool)], why: &str) -> Result<(), SnapshotError> {
+    match flags.iter().find(|(_, given)| *given) {
+        Some((name, _)) => Err(SnapshotError::BadArgument(format!("--{name} {why}"))),
+        None => Ok(()),
+    }
+}
+
+/// A tuning setting as `alpha/recency/basis[/guard]`.
+fn label(s: &Setting) -> String {
+    let guard = if s.guard { "/guard" } else { "" };
+    format!("{}/{:?}/{:?}{guard}", s.alpha, s.recency, s.flop_basis)
+}
+
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
+    move |e| SnapshotError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    }
 }
 
 /// `--policy paper-sglang` or `paper-marconi`: the artifact's simulator as modelled by
 /// `ssm_snapshot::paper`, with the same last-line report.
-fn run_paper(flags: &HashMap<String, String>, policy: &str) -> Result<(), SnapshotError> {
-    let known = [
-        "trace",
-        "capacity-bytes",
-        "policy",
-        "block-size",
-        "model",
-        "alpha",
-        "bootstrap-multiplier",
-    ];
-    only(
-        flags,
-        &known,
-        &format!("does not apply to --policy {policy}"),
+fn run_paper(
+    args: &Args,
+    policy: SimPolicy,
+    trace: &Path,
+    capacity_bytes: u64,
+) -> Result<(), SnapshotError> {
+    let why = format!("does not apply to --policy {}", policy.name());
+    refuse(
+        &[
+            ("tuning", args.tuning.is_some()),
+            ("grid", args.grid.is_some()),
+            ("window", args.window.is_some()),
+            ("cooldown", args.cooldown.is_some()),
+            ("margin", args.margin.is_some()),
+            ("objective", args.objective.is_some()),
+            ("recency", args.recency.is_some()),
+            ("flop-basis", args.flop_basis.is_some()),
+            ("guard", args.guard.is_some()),
+        ],
+        &why,
     )?;
-    let trace = required(flags, "trace")?;
-    let capacity_bytes = byte_count(required(flags, "capacity-bytes")?)?;
-    let cost = CostModel::by_name(
-        flags
-            .get("model")
-            .map_or("nvidia-hybrid-7b", String::as_str),
-    )?;
-    let alpha: Option<f64> = number(flags, "alpha")?;
-    let multiplier: Option<u64> = number(flags, "bootstrap-multiplier")?;
-    let version = match (policy, alpha, multiplier) {
-        ("paper-sglang", Some(alpha), _) => {
+    let version = match (policy, args.alpha, args.bootstrap_multiplier) {
+        (SimPolicy::PaperSglang, Some(alpha), _) => {
             return Err(SnapshotError::BadArgument(format!(
                 "--alpha {alpha} applies only to --policy paper-marconi or marconi"
             )))
         }
-        ("paper-sglang", None, Some(_)) | ("paper-marconi", Some(_), Some(_)) => {
+        (SimPolicy::PaperSglang, None, Some(_)) | (SimPolicy::PaperMarconi, Some(_), Some(_)) => {
             return Err(SnapshotError::BadArgument(
                 "--bootstrap-multiplier applies only to --policy paper-marconi without --alpha"
                     .into(),
             ))
         }
-        ("paper-sglang", None, None) => PaperVersion::SglangPlus,
+        (SimPolicy::PaperSglang, None, None) => PaperVersion::SglangPlus,
         (_, Some(alpha), _) => PaperVersion::FixedAlpha(alpha),
         (_, None, _) => PaperVersion::Marconi,
     };
-    let mut config = PaperConfig::new(version, capacity_bytes, cost);
-    config.block_size = number(flags, "block-size")?.unwrap_or(1);
-    if let Some(multiplier) = multiplier {
+    let mut config = PaperConfig::new(version, capacity_bytes, args.model.clone());
+    config.block_size = args.block_size.unwrap_or(1);
+    if let Some(multiplier) = args.bootstrap_multiplier {
         config.bootstrap_multiplier = multiplier;
     }
     let mut cache = PaperCache::new(config)?;
@@ -247,71 +400,57 @@ fn run_paper(flags: &HashMap<String, String>, policy: &str) -> Result<(), Snapsh
         stats.quirk_hit_tokens,
         cache.max_bytes() as f64 / capacity_bytes.max(1) as f64
     );
-    let line = serde_json::to_string(&cache.report(policy))
+    let line = serde_json::to_string(&cache.report(policy.name()))
         .map_err(|e| SnapshotError::Internal(e.to_string()))?;
     println!("{line}");
     Ok(())
 }
 
-fn run() -> Result<(), SnapshotError> {
-    let flags = parse_flags()?;
-    if let Some(kind) = flags.get("generate") {
-        let known = ["generate", "sessions", "seed", "out"];
-        only(&flags, &known, "does not apply to --generate")?;
-        let kind = TraceKind::parse(kind)?;
-        let sessions: usize = number(&flags, "sessions")?.unwrap_or(100);
-        let seed: u64 = number(&flags, "seed")?.unwrap_or(0);
-        let out = required(&flags, "out")?;
-        let records = generate(kind, sessions, seed);
-        let file = File::create(out).map_err(io_error(out))?;
-        write_trace(BufWriter::new(file), &records).map_err(io_error(out))?;
-        let tokens: usize = records.iter().map(|r| r.num_input_tokens).sum();
-        println!(
-            "wrote {} requests ({tokens} input tokens) to {out}",
-            records.len()
-        );
-        return Ok(());
-    }
-    if let Some(policy @ ("paper-sglang" | "paper-marconi")) =
-        flags.get("policy").map(String::as_str)
-    {
-        return run_paper(&flags, policy);
-    }
+/// `--generate KIND --out FILE`.
+fn run_generate(kind: TraceKind, args: &Args, out: &Path) -> Result<(), SnapshotError> {
+    let sessions = usize::try_from(args.sessions).map_err(|_| {
+        SnapshotError::BadArgument(format!("--sessions {} is too many", args.sessions))
+    })?;
+    let records = generate(kind, sessions, args.seed);
+    let file = File::create(out).map_err(io_error(out))?;
+    write_trace(BufWriter::new(file), &records).map_err(io_error(out))?;
+    let tokens: usize = records.iter().map(|r| r.num_input_tokens).sum();
+    println!(
+        "wrote {} requests ({tokens} input tokens) to {}",
+        records.len(),
+        out.display()
+    );
+    Ok(())
+}
 
-    let known = [
-        "recency",
-        "objective",
-        "grid",
-        "margin",
-        "cooldown",
-        "trace",
-        "capacity-bytes",
-        "policy",
-        "block-size",
-        "model",
-        "alpha",
-        "tuning",
-        "window",
-        "flop-basis",
-        "guard",
-    ];
-    only(&flags, &known, "is not a flag of this command")?;
-    let trace = required(&flags, "trace")?;
-    let capacity_bytes = byte_count(required(&flags, "capacity-bytes")?)?;
-    let policy = Policy::parse(required(&flags, "policy")?)?;
-    let block_size: u32 = number(&flags, "block-size")?.unwrap_or(1);
-    if block_size == 0 {
-        return Err(SnapshotError::BadArgument(
-            "--block-size 0 (must be at least 1)".into(),
-        ));
+fn run(args: &Args) -> Result<(), SnapshotError> {
+    if let Some(kind) = args.generate {
+        // clap makes `--out` required with `--generate`.
+        let out = args
+            .out
+            .as_deref()
+            .ok_or_else(|| SnapshotError::BadArgument("--generate needs --out FILE".into()))?;
+        return run_generate(kind, args, out);
     }
-    let cost = CostModel::by_name(
-        flags
-            .get("model")
-            .map_or("nvidia-hybrid-7b", String::as_str),
+    // clap makes these required without `--generate`.
+    let (Some(trace), Some(capacity_bytes), Some(policy)) =
+        (args.trace.as_deref(), args.capacity_bytes, args.policy)
+    else {
+        return Err(SnapshotError::BadArgument(
+            "--trace, --capacity-bytes and --policy are required".into(),
+        ));
+    };
+    let policy = match policy {
+        SimPolicy::Store(policy) => policy,
+        paper => return run_paper(args, paper, trace, capacity_bytes),
+    };
+    refuse(
+        &[("bootstrap-multiplier", args.bootstrap_multiplier.is_some())],
+        "applies only to --policy paper-marconi",
     )?;
-    let mut config = SimConfig::new(policy, capacity_bytes, block_size, cost);
-    config.alpha = number(&flags, "alpha")?;
+    let block_size = args.block_size.unwrap_or(1);
+    let mut config = SimConfig::new(policy, capacity_bytes, block_size, args.model.clone());
+    config.alpha = args.alpha;
     if let Some(alpha) = config.alpha {
         if policy != Policy::Marconi {
             return Err(SnapshotError::BadArgument(format!(
@@ -319,11 +458,11 @@ fn run() -> Result<(), SnapshotError> {
             )));
         }
     }
-    let grid = match flags.get("grid").map(String::as_str) {
-        None | Some("default") => default_grid(),
-        Some("legacy") => legacy_grid(),
-        Some("paper") => grid(&[Recency::Path], &[FlopBasis::Prefix]),
-        Some("wide") => grid_of(
+    let grid = match args.grid.unwrap_or(GridName::Default) {
+        GridName::Default => default_grid(),
+        GridName::Legacy => legacy_grid(),
+        GridName::Paper => grid(&[Recency::Path], &[FlopBasis::Prefix]),
+        GridName::Wide => grid_of(
             DEFAULT_ALPHAS,
             &[
                 Recency::Path,
@@ -334,64 +473,45 @@ fn run() -> Result<(), SnapshotError> {
             &[FlopBasis::Prefix, FlopBasis::Marginal],
             &[false, true],
         ),
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--grid `{other}` (expected default, legacy, paper or wide)"
-            )))
-        }
     };
-    let window: Option<usize> = number(&flags, "window")?;
-    config.tuning = match flags.get("tuning").map(String::as_str) {
-        None | Some("shadow") => TuningMode::Shadow {
+    let window = args
+        .window
+        .map(|window| {
+            usize::try_from(window)
+                .map_err(|_| SnapshotError::BadArgument(format!("--window {window} is too long")))
+        })
+        .transpose()?;
+    config.tuning = match args.tuning.unwrap_or(Tuning::Shadow) {
+        Tuning::Shadow => TuningMode::Shadow {
             grid,
             half_life: window.unwrap_or(DEFAULT_HALF_LIFE),
-            margin: number(&flags, "margin")?.unwrap_or(DEFAULT_MARGIN),
-            cooldown: number(&flags, "cooldown")?.unwrap_or(DEFAULT_COOLDOWN),
+            margin: args.margin.unwrap_or(DEFAULT_MARGIN),
+            cooldown: args.cooldown.unwrap_or(DEFAULT_COOLDOWN),
         },
-        Some("periodic") => TuningMode::Periodic {
+        Tuning::Periodic => TuningMode::Periodic {
             grid,
             window: window.unwrap_or(100),
         },
-        Some("bootstrap") => TuningMode::Bootstrap {
+        Tuning::Bootstrap => TuningMode::Bootstrap {
             grid,
             window_factor: 3,
         },
-        Some(other) => {
-            return Err(SnapshotError::BadArgument(format!(
-                "--tuning `{other}` (expected shadow, periodic or bootstrap)"
-            )))
-        }
     };
-    config.flop_basis = choice(
-        &flags,
-        "flop-basis",
-        FlopBasis::Marginal,
-        &[
-            ("marginal", FlopBasis::Marginal),
-            ("prefix", FlopBasis::Prefix),
-        ],
-    )?;
-    config.recency = choice(
-        &flags,
-        "recency",
-        Recency::Adaptive,
-        &[
-            ("path", Recency::Path),
-            ("own", Recency::Own),
-            ("shared", Recency::Shared),
-            ("adaptive", Recency::Adaptive),
-        ],
-    )?;
-    config.guard = choice(&flags, "guard", false, &[("off", false), ("on", true)])?;
-    config.objective = choice(
-        &flags,
-        "objective",
-        Objective::Flops,
-        &[
-            ("flops", Objective::Flops),
-            ("tokens", Objective::HitTokens),
-        ],
-    )?;
+    config.flop_basis = match args.flop_basis.unwrap_or(FlopBasisName::Marginal) {
+        FlopBasisName::Marginal => FlopBasis::Marginal,
+        FlopBasisName::Prefix => FlopBasis::Prefix,
+    };
+    config.recency = match args.recency.unwrap_or(RecencyName::Adaptive) {
+        RecencyName::Path => Recency::Path,
+        RecencyName::Own => Recency::Own,
+        RecencyName::Shared => Recency::Shared,
+        RecencyName::Adaptive => Recency::Adaptive,
+    };
+    config.guard = args.guard == Some(OnOff::On);
+    config.objective = match args.objective.unwrap_or(ObjectiveName::Flops) {
+        ObjectiveName::Flops => Objective::Flops,
+        ObjectiveName::Tokens => Objective::HitTokens,
+    };
 
     let mut sim = Simulation::new(config)?;
     let file = File::open(trace).map_err(io_error(trace))?;
@@ -427,4 +547,101 @@ fn run() -> Result<(), SnapshotError> {
         serde_json::to_string(&report).map_err(|e| SnapshotError::Internal(e.to_string()))?;
     println!("{line}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first line of the error clap gives for `args`.
+    fn error(args: &[&str]) -> String {
+        let err = Args::try_parse_from(std::iter::once("simulate").chain(args.iter().copied()))
+            .expect_err("expected a usage error");
+        err.to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    #[test]
+    fn bad_values_are_refused_naming_the_flag() {
+        let base = ["--trace", "t.jsonl", "--policy", "marconi"];
+        let with = |extra: &[&'static str]| -> Vec<&'static str> {
+            base.iter().copied().chain(extra.iter().copied()).collect()
+        };
+        assert_eq!(
+            error(&with(&["--capacity-bytes", "0"])),
+            "error: invalid value '0' for '--capacity-bytes <BYTES>': a cache of 0 bytes holds nothing; give at least 1"
+        );
+        assert_eq!(
+            error(&with(&["--capacity-bytes", "lots"])),
+            "error: invalid value 'lots' for '--capacity-bytes <BYTES>': not a byte count (an integer, or exact scientific notation like 2e10)"
+        );
+        assert_eq!(
+            error(&["--trace", "t", "--capacity-bytes", "1e9", "--policy", "fifo"]),
+            "error: invalid value 'fifo' for '--policy <POLICY>': expected vllm, lru, marconi, paper-sglang or paper-marconi"
+        );
+        assert_eq!(
+            error(&with(&["--capacity-bytes", "1e9", "--block-size", "0"])),
+            "error: invalid value '0' for '--block-size <B>': 0 is not in 1..=4294967295"
+        );
+        assert_eq!(
+            error(&with(&["--capacity-bytes", "1e9", "--alpha", "-1"])),
+            "error: invalid value '-1' for '--alpha <A>': must be a finite number at least 0"
+        );
+        assert_eq!(
+            error(&["--generate", "chat", "--out", "x", "--policy", "lru"]),
+            "error: the argument '--generate <KIND>' cannot be used with '--policy <POLICY>'"
+        );
+        assert_eq!(
+            error(&["--generate", "chat"]),
+            "error: the following required arguments were not provided:"
+        );
+        assert_eq!(
+            error(&with(&["--capacity-bytes", "1e9", "--sessions", "3"])),
+            "error: the following required arguments were not provided:"
+        );
+    }
+
+    #[test]
+    fn flags_outside_the_policy_are_named() {
+        let parse = |args: &[&str]| {
+            Args::try_parse_from(std::iter::once("simulate").chain(args.iter().copied())).unwrap()
+        };
+        let paper = parse(&[
+            "--trace",
+            "/no/such/trace",
+            "--capacity-bytes",
+            "2e10",
+            "--policy",
+            "paper-sglang",
+            "--grid",
+            "wide",
+        ]);
+        assert_eq!(
+            run(&paper).unwrap_err().to_string(),
+            "bad argument: --grid does not apply to --policy paper-sglang"
+        );
+        let lru = parse(&[
+            "--trace",
+            "/no/such/trace",
+            "--capacity-bytes",
+            "2e10",
+            "--policy",
+            "lru",
+            "--alpha",
+            "1",
+        ]);
+        assert_eq!(
+            run(&lru).unwrap_err().to_string(),
+            "bad argument: --alpha 1 applies only to --policy marconi"
+        );
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
+    }
 }

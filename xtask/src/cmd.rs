@@ -33,7 +33,7 @@ pub enum Error {
     #[error("codegen: {count} generated file(s) are stale; run `cargo xtask codegen` and commit the result")]
     Stale { count: usize },
     /// The command line was not understood.
-    #[error("{0}\n\n{usage}", usage = crate::USAGE)]
+    #[error("{0} (see `cargo xtask --help`)")]
     Usage(String),
 }
 

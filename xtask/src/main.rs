@@ -8,7 +8,7 @@
 //! - `cargo xtask tidy` runs only the tidy checks (see `tidy.rs`): every `.rs` file starts with
 //!   `//!`; `unsafe` appears only in `device-cuda` (with `SAFETY` comments there) and every other
 //!   library or binary root has `#![forbid(unsafe_code)]`; only `scheduler/src/backend.rs` names
-//!   a concrete router; the dependency invariants of DESIGN.md hold in `cargo metadata`; every
+//!   a concrete router; the dependency invariants of ARCHITECTURE.md hold in `cargo metadata`; every
 //!   crate opts into the workspace lints; no `#[should_panic]` and no `#[ignore]` without a reason.
 //! - `cargo xtask codegen [--check] [NAME]` regenerates checked-in files, or with `--check` fails
 //!   when one is stale and leaves the tree as it was (see `codegen.rs`). The golden-file
@@ -19,8 +19,8 @@
 //! - `cargo xtask bench [NAME] [-- ARGS]` runs the benchmarks of the workspace, of package
 //!   `NAME`, or of bench target `NAME`, passing `ARGS` to the harness.
 //!
-//! xtask is a command-line tool, not a library: it prints, and it uses only std, `serde_json`
-//! for `cargo metadata`, and `thiserror`.
+//! xtask is a command-line tool, not a library: it prints, and it uses only std, `clap` for its
+//! command line, `serde_json` for `cargo metadata`, and `thiserror`.
 #![forbid(unsafe_code)]
 
 mod bench;
@@ -34,22 +34,55 @@ mod tidy;
 
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand};
 use cmd::Error;
 
-/// The help text, also shown after a usage error.
-pub const USAGE: &str = "\
-usage: cargo xtask <command>
+/// `cargo xtask <COMMAND>`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "xtask",
+    bin_name = "cargo xtask",
+    version,
+    about = "Project automation: exactly what CI runs, tidy checks, generated files, benchmarks."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-commands:
-  ci [--list]                 run every CI stage, failing fast (--list: show the stages)
-  tidy                        run the tidy checks only
-  codegen [--check] [NAME]    regenerate checked-in files (--check: fail if any is stale)
-  bench [NAME] [-- ARGS]      run benchmarks: all, one package, or one bench target
-  help                        show this text";
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run every CI stage, failing fast, one line per stage with its wall time
+    Ci {
+        /// Show the stages and their commands instead of running them
+        #[arg(long)]
+        list: bool,
+    },
+    /// Run the tidy checks only, each violation as `file:line: message`
+    Tidy,
+    /// Regenerate checked-in generated files (golden traces)
+    Codegen {
+        /// Fail with a diff when a generated file is stale or orphaned; leave the tree unchanged
+        #[arg(long)]
+        check: bool,
+        /// Run only this generator [default: all]
+        #[arg(value_name = "NAME")]
+        generator: Option<String>,
+    },
+    /// Run the benchmarks: all of them, one package's, or one bench target's
+    Bench {
+        /// A workspace package or a bench target [default: all]
+        #[arg(value_name = "NAME")]
+        name: Option<String>,
+        /// Arguments for the benchmark harness (criterion), after `--`
+        #[arg(last = true, value_name = "ARGS")]
+        harness: Vec<String>,
+    },
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match dispatch(&args) {
+    let cli = Cli::parse();
+    match dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("xtask: {err}");
@@ -58,67 +91,25 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs the command named by `args`.
-fn dispatch(args: &[String]) -> Result<(), Error> {
+/// Runs `command`.
+fn dispatch(command: Command) -> Result<(), Error> {
     let root = cmd::workspace_root();
-    let (command, rest) = match args.split_first() {
-        Some((command, rest)) => (command.as_str(), rest),
-        None => return Err(Error::Usage("no command given".to_owned())),
-    };
-    let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
-    match (command, rest.as_slice()) {
-        ("ci", []) => ci::run(&root),
-        ("ci", ["--list"]) => {
+    match command {
+        Command::Ci { list: false } => ci::run(&root),
+        Command::Ci { list: true } => {
             ci::list();
             Ok(())
         }
-        ("tidy", []) => tidy::run(&root),
-        ("codegen", flags) => {
-            let check = flags.contains(&"--check");
-            let names: Vec<&str> = flags.iter().copied().filter(|f| *f != "--check").collect();
-            if let Some(bad) = names.iter().find(|n| n.starts_with('-')) {
-                return Err(Error::Usage(format!("unknown codegen flag `{bad}`")));
-            }
-            if names.len() > 1 {
-                return Err(Error::Usage(format!(
-                    "codegen takes one generator name, got {}",
-                    names.join(" ")
-                )));
-            }
+        Command::Tidy => tidy::run(&root),
+        Command::Codegen { check, generator } => {
             let mode = if check {
                 codegen::Mode::Check
             } else {
                 codegen::Mode::Write
             };
-            codegen::run(&root, mode, names.first().copied())
+            codegen::run(&root, mode, generator.as_deref())
         }
-        ("bench", rest) => {
-            let (selection, harness) = match rest.iter().position(|a| *a == "--") {
-                Some(i) => (&rest[..i], &rest[i + 1..]),
-                None => (rest, &[][..]),
-            };
-            if selection.len() > 1 {
-                return Err(Error::Usage(format!(
-                    "bench takes one name, got {}",
-                    selection.join(" ")
-                )));
-            }
-            let harness: Vec<String> = harness.iter().map(|s| (*s).to_owned()).collect();
-            bench::run(selection.first().copied(), &harness)
-        }
-        ("help" | "-h" | "--help", []) => {
-            println!("{USAGE}");
-            Ok(())
-        }
-        (command, rest) => {
-            let line = std::iter::once(command)
-                .chain(rest.iter().copied())
-                .collect::<Vec<_>>()
-                .join(" ");
-            Err(Error::Usage(format!(
-                "unknown command or arguments `{line}`"
-            )))
-        }
+        Command::Bench { name, harness } => bench::run(name.as_deref(), &harness),
     }
 }
 
@@ -126,51 +117,87 @@ fn dispatch(args: &[String]) -> Result<(), Error> {
 mod tests {
     use super::*;
 
-    /// The usage error `args` produce (these inputs never start any work).
-    fn usage_error(args: &[&str]) -> String {
-        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-        match dispatch(&args) {
-            Err(Error::Usage(message)) => message,
-            other => panic!("expected a usage error for {args:?}, got {other:?}"),
-        }
+    /// The first line of the error clap gives for `args`.
+    fn parse_error(args: &[&str]) -> String {
+        let err = Cli::try_parse_from(std::iter::once("xtask").chain(args.iter().copied()))
+            .expect_err("expected a usage error");
+        err.to_string()
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     #[test]
-    fn bad_command_lines_are_usage_errors() {
-        assert_eq!(usage_error(&[]), "no command given");
+    fn bad_command_lines_are_refused_naming_what_is_wrong() {
         assert_eq!(
-            usage_error(&["deploy"]),
-            "unknown command or arguments `deploy`"
+            parse_error(&["deploy"]),
+            "error: unrecognized subcommand 'deploy'"
         );
         assert_eq!(
-            usage_error(&["ci", "--fast"]),
-            "unknown command or arguments `ci --fast`"
+            parse_error(&["ci", "--fast"]),
+            "error: unexpected argument '--fast' found"
         );
         assert_eq!(
-            usage_error(&["tidy", "x"]),
-            "unknown command or arguments `tidy x`"
+            parse_error(&["tidy", "x"]),
+            "error: unexpected argument 'x' found"
         );
         assert_eq!(
-            usage_error(&["codegen", "--force"]),
-            "unknown codegen flag `--force`"
+            parse_error(&["codegen", "--force"]),
+            "error: unexpected argument '--force' found"
         );
         assert_eq!(
-            usage_error(&["codegen", "a", "b"]),
-            "codegen takes one generator name, got a b"
+            parse_error(&["codegen", "a", "b"]),
+            "error: unexpected argument 'b' found"
         );
         assert_eq!(
-            usage_error(&["codegen", "--check", "nope"]),
-            "unknown generator `nope`; generators: golden"
+            parse_error(&["bench", "a", "b", "--", "--quick"]),
+            "error: unexpected argument 'b' found"
         );
+        // With no command, clap prints the help (as an error, exit status 2).
+        let err = Cli::try_parse_from(["xtask"]).unwrap_err();
+        assert!(err.to_string().contains("Commands:"), "{err}");
+    }
+
+    #[test]
+    fn good_command_lines_parse() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("xtask").chain(args.iter().copied()))
+                .unwrap()
+                .command
+        };
+        assert!(matches!(
+            parse(&["ci", "--list"]),
+            Command::Ci { list: true }
+        ));
+        assert!(matches!(
+            parse(&["codegen", "--check", "golden"]),
+            Command::Codegen { check: true, generator: Some(g) } if g == "golden"
+        ));
+        let Command::Bench { name, harness } = parse(&["bench", "kv-cache", "--", "--quick"])
+        else {
+            panic!("expected bench");
+        };
+        assert_eq!(name.as_deref(), Some("kv-cache"));
+        assert_eq!(harness, ["--quick"]);
+    }
+
+    #[test]
+    fn an_unknown_generator_is_named_before_any_work() {
+        let err = dispatch(Command::Codegen {
+            check: true,
+            generator: Some("nope".to_owned()),
+        })
+        .unwrap_err();
         assert_eq!(
-            usage_error(&["bench", "a", "b", "--", "--quick"]),
-            "bench takes one name, got a b"
+            err.to_string(),
+            "unknown generator `nope`; generators: golden (see `cargo xtask --help`)"
         );
     }
 
     #[test]
-    fn usage_errors_show_the_help_text() {
-        let shown = Error::Usage("no command given".to_owned()).to_string();
-        assert_eq!(shown, format!("no command given\n\n{USAGE}"));
+    fn clap_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 }

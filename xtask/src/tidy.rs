@@ -1,4 +1,4 @@
-//! Tidy checks: the rules of DESIGN.md and STYLE.md that a machine can verify.
+//! Tidy checks: the rules of ARCHITECTURE.md and STYLE.md that a machine can verify.
 //!
 //! Each check returns every [`Violation`] it finds (never stops at the first), each naming a
 //! file and line relative to the workspace root:
@@ -10,7 +10,7 @@
 //!   a `# Safety` doc section.
 //! - [`check_router_names`]: in the core (`scheduler/src`), only `backend.rs` (or a `backend/`
 //!   module) names a concrete router (`CpuRouter`, `CudaRouter`, `device_cpu`, `device_cuda`).
-//! - [`check_dependencies`]: the dependency table of DESIGN.md's code map, read from
+//! - [`check_dependencies`]: the dependency table of ARCHITECTURE.md, read from
 //!   `cargo metadata`.
 //! - [`check_lints_opt_in`]: every crate's manifest says `[lints] workspace = true`, so the one
 //!   lint table of the root manifest applies everywhere.
@@ -343,7 +343,7 @@ const fn only(crates: &'static [&'static str]) -> Rule {
 
 const ROUTER_DEPS: &[&str] = &["device-io", "model", "kv-cache", "ssm-snapshot"];
 
-/// DESIGN.md's code map, column "may depend on (workspace)".
+/// ARCHITECTURE.md's dependency rules, column "may depend on (workspace)".
 const RULES: &[(&str, Rule)] = &[
     ("device-io", only(&[])),
     ("kv-cache", only(&[])),
@@ -360,6 +360,8 @@ const RULES: &[(&str, Rule)] = &[
             optional: Allow::Any,
         },
     ),
+    // The main job's binary: the engine and its host router through `scheduler`'s features.
+    ("replay", only(&["scheduler"])),
     (
         "xtask",
         Rule {
@@ -391,7 +393,7 @@ pub fn check_dependencies(metadata: &Metadata, root: &Path) -> Vec<Violation> {
                 line: 1,
                 message: format!(
                     "workspace crate `{name}` has no dependency rule: add it to RULES in xtask/src/tidy.rs \
-                     and to DESIGN.md's code map"
+                     and to ARCHITECTURE.md's dependency rules"
                 ),
             });
             continue;
@@ -413,7 +415,7 @@ pub fn check_dependencies(metadata: &Metadata, root: &Path) -> Vec<Violation> {
                         path: manifest_path.clone(),
                         line: manifest_line(&manifest, &dep.name),
                         message: format!(
-                            "`{name}` must not have the {optional}dependency `{}`; it may depend on {} (DESIGN.md)",
+                            "`{name}` must not have the {optional}dependency `{}`; it may depend on {} (ARCHITECTURE.md)",
                             dep.name,
                             describe(allowed)
                         ),
@@ -854,13 +856,13 @@ mod tests {
             "device-io/Cargo.toml:1: `device-io` must never depend on a device crate or cudarc, \
              but reaches `cudarc` via device-io -> helper -> cudarc",
             "kv-cache/Cargo.toml:1: `kv-cache` must not have the dependency `device-io`; \
-             it may depend on no workspace crate (DESIGN.md)",
+             it may depend on no workspace crate (ARCHITECTURE.md)",
             "kv-cache/Cargo.toml:1: `kv-cache` must never depend on a device crate or cudarc, \
              but reaches `cudarc` via kv-cache -> device-io -> helper -> cudarc",
             "newcomer/Cargo.toml:1: workspace crate `newcomer` has no dependency rule: \
-             add it to RULES in xtask/src/tidy.rs and to DESIGN.md's code map",
+             add it to RULES in xtask/src/tidy.rs and to ARCHITECTURE.md's dependency rules",
             "scheduler/Cargo.toml:1: `scheduler` must not have the dependency `device-cpu`; \
-             it may depend on `device-io` (DESIGN.md)",
+             it may depend on `device-io` (ARCHITECTURE.md)",
         ]
         );
     }

@@ -1,0 +1,445 @@
+//! The main job: replay a multi-turn workload through the engine on the host router and report
+//! what it took (`cargo run --release -p replay -- --help` lists the options).
+//!
+//! The run checks everything it can before the work starts (the command line, the model's
+//! `config.json`, the whole workload, that the `--json` file can be written), then builds the
+//! model and the router, replays the workload once (or twice with `--verify`), and prints what
+//! was configured and what happened. Exit status: 0 when every turn completed (and, with
+//! `--verify`, every digest matched), 1 otherwise, 2 for a bad command line.
+#![forbid(unsafe_code)]
+
+mod cli;
+mod progress;
+mod report;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
+use scheduler::replay::{self, Replay, ReplayOptions, TurnOutcome};
+use scheduler::workload::Workload;
+use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
+
+use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
+use crate::progress::Progress;
+use crate::report::{Setup, Verdict};
+
+/// Tokens per KV block.
+const BLOCK_SIZE: usize = 16;
+/// Default KV blocks per in-flight turn (`--kv-blocks` unset).
+const BLOCKS_PER_TURN: u64 = 48;
+
+/// The embedded models (seeded random weights, built in code), by `--embedded` name.
+///
+/// - `small` (default): `ModelConfig::small_512()`, NemotronH-shaped: vocab 4096, hidden 512,
+///   16 layers `MEM*MEM-MEM*MEM-` (8 Mamba2, 4 MoE, 2 attention, 2 MLP); Mamba2 16 heads of 64
+///   with state 64 in 4 groups; attention 8 query / 2 KV heads of 64; MLP 2048; MoE 16 routed
+///   experts of 256 (top 4) plus a shared expert of 512. About 43 M parameters. The default
+///   replay takes about 25 s on two cores.
+/// - `mini`: the same family at hidden 256 and 8 layers `MEM*MEM-` (about 7.6 M parameters),
+///   for quick runs (about 6 s).
+fn embedded_model_config(which: Embedded) -> ModelConfig {
+    match which {
+        Embedded::Small => ModelConfig::small_512(),
+        Embedded::Mini => {
+            let layer_kinds: Vec<backend::LayerKind> = "MEM*MEM-"
+                .chars()
+                .filter_map(backend::LayerKind::from_letter)
+                .collect();
+            ModelConfig {
+                hidden_size: 256,
+                num_hidden_layers: layer_kinds.len(),
+                layer_kinds,
+                mamba_num_heads: 8,
+                n_groups: 2,
+                num_attention_heads: 4,
+                intermediate_size: 1024,
+                n_routed_experts: 8,
+                num_experts_per_tok: 2,
+                n_group: 2,
+                topk_group: 1,
+                ..ModelConfig::small_512()
+            }
+        }
+    }
+}
+
+/// A failure that ends the run, with the message the user sees.
+#[derive(Debug)]
+struct Failure(String);
+
+/// The exit status of a run refused before any work started (clap uses it for its own errors).
+const EXIT_REFUSED: u8 = 2;
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(err: E) -> Self {
+        Failure(err.to_string())
+    }
+}
+
+/// An output file opened before the work starts, so an unwritable path fails in the first second.
+/// If the run fails before writing it and the file did not exist before, it is removed again.
+#[derive(Debug)]
+struct OutputFile {
+    path: PathBuf,
+    file: Option<File>,
+    created: bool,
+}
+
+impl OutputFile {
+    fn open(flag: &str, path: &Path) -> Result<OutputFile, Failure> {
+        let existed = path.exists();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|err| {
+                Failure(format!(
+                    "{flag} {}: cannot write there: {err}",
+                    path.display()
+                ))
+            })?;
+        Ok(OutputFile {
+            path: path.to_path_buf(),
+            file: Some(file),
+            created: !existed,
+        })
+    }
+
+    fn write(mut self, flag: &str, text: &str) -> Result<(), Failure> {
+        use std::io::Write;
+        let Some(mut file) = self.file.take() else {
+            return Ok(());
+        };
+        let path = self.path.clone();
+        let written = file
+            .set_len(0)
+            .and_then(|()| file.write_all(text.as_bytes()))
+            .and_then(|()| file.flush());
+        // Written (or failed while writing): either way the file is no longer ours to remove.
+        self.created = false;
+        written.map_err(|err| Failure(format!("{flag} {}: {err}", path.display())))
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        if self.created {
+            drop(self.file.take());
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Everything decided before the replay starts.
+#[derive(Debug)]
+struct Plan {
+    args: Args,
+    model_config: ModelConfig,
+    workload: Workload,
+    kv_blocks: usize,
+    max_context: usize,
+    json: Option<OutputFile>,
+}
+
+/// Checks the command line, the model's configuration and the workload, and opens the output
+/// files, without building anything heavy.
+fn plan(args: Args) -> Result<Plan, Failure> {
+    if args.trace.is_some() && !cfg!(feature = "trace") {
+        return Err(Failure(
+            "--trace needs the `trace` feature (cargo run --release -p replay --features trace -- ...)"
+                .into(),
+        ));
+    }
+    if args.device == DeviceName::Cuda && !cfg!(feature = "cuda") {
+        return Err(Failure(
+            "--device cuda: this build has no `cuda` feature (and no CUDA router yet); use --device cpu"
+                .into(),
+        ));
+    }
+    let json = args
+        .json
+        .as_deref()
+        .map(|path| OutputFile::open("--json", path))
+        .transpose()?;
+    let model_config = match &args.model {
+        Some(dir) => ModelConfig::from_file(&dir.join("config.json"))
+            .map_err(|err| Failure(format!("--model {}: {err}", dir.display())))?,
+        None => embedded_model_config(args.embedded),
+    };
+    let vocab = model_config.vocab_size;
+    let mut workload = match &args.workload {
+        WorkloadSpec::Chat => Workload::resolve("chat", vocab, args.seed)?,
+        WorkloadSpec::Agentic => Workload::resolve("agentic", vocab, args.seed)?,
+        WorkloadSpec::File(path) => Workload::load(path, vocab)
+            .map_err(|err| Failure(format!("--workload {}: {err}", path.display())))?,
+    };
+    if workload.turns.is_empty() {
+        let name = match &args.workload {
+            WorkloadSpec::File(path) => path.display().to_string(),
+            _ => workload.name.clone(),
+        };
+        return Err(Failure(format!(
+            "--workload {name}: the trace has no turns"
+        )));
+    }
+    if let Some(n) = args.max_requests {
+        workload.truncate(usize::try_from(n).unwrap_or(usize::MAX));
+    }
+    let longest = workload.longest_turn().max(1);
+    let max_context = longest.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
+    let needed = (max_context / BLOCK_SIZE) as u64;
+    let kv_blocks = match args.kv_blocks {
+        Some(given) if given < needed => {
+            eprintln!(
+                "note: --kv-blocks {given} raised to {needed}: the longest turn ({longest} tokens) needs {needed} blocks of {BLOCK_SIZE}"
+            );
+            needed
+        }
+        Some(given) => given,
+        None => (BLOCKS_PER_TURN * args.max_in_flight).max(needed),
+    };
+    // Block ids are 32-bit; say which flag made the pool that large.
+    let kv_blocks = usize::try_from(kv_blocks)
+        .ok()
+        .filter(|&blocks| u32::try_from(blocks).is_ok())
+        .ok_or_else(|| {
+            let cause = match args.kv_blocks {
+                Some(given) => format!("--kv-blocks {given}"),
+                None => format!(
+                    "--max-in-flight {} (the pool defaults to {BLOCKS_PER_TURN} KV blocks per in-flight turn)",
+                    args.max_in_flight
+                ),
+            };
+            Failure(format!(
+                "{cause}: {kv_blocks} KV blocks is more than block ids allow ({})",
+                u32::MAX
+            ))
+        })?;
+    Ok(Plan {
+        args,
+        model_config,
+        workload,
+        kv_blocks,
+        max_context,
+        json,
+    })
+}
+
+/// One replay pass with the caches as given.
+fn run_pass(
+    plan: &Plan,
+    model: &Model,
+    prefix_cache: bool,
+    label: &str,
+    digests: bool,
+) -> Result<(Replay, Setup), Failure> {
+    let args = &plan.args;
+    let max_seqs = args.max_in_flight as usize;
+    let options = BackendOptions {
+        #[cfg(feature = "trace")]
+        trace: trace_sink(args, label)?,
+        device: device(args.device),
+        max_context: plan.max_context,
+        prefix_cache,
+        marconi: !args.no_marconi,
+        ..BackendOptions::new(plan.kv_blocks, max_seqs)
+    };
+    let preemption = match args.preempt {
+        PreemptMode::Spill => Preemption::Spill(SpillTarget::Directory(std::env::temp_dir())),
+        PreemptMode::Recompute => Preemption::Recompute,
+    };
+    let config = EngineConfig {
+        max_running: max_seqs,
+        max_step_tokens: 512.max(max_seqs + 1),
+        max_prefill_chunk: 256,
+        preemption,
+        ..EngineConfig::default()
+    };
+    let setup = Setup::new(plan, model.config(), &options, &config);
+    let mut engine = backend::build_engine(model.clone(), options, config)
+        .map_err(|err| Failure(allocation_hint(plan, err.to_string())))?;
+    let progress = Progress::start(label, plan.workload.turns.len() as u64, args.progress);
+    let replay_options = ReplayOptions {
+        max_in_flight: max_seqs,
+        digests,
+        pace: args.pace,
+    };
+    let mut replay = replay::replay(
+        &mut engine,
+        &plan.workload,
+        &replay_options,
+        &mut |_, outcome| match outcome {
+            TurnOutcome::Done { usage, .. } => {
+                progress.turn_done(usage.generated_tokens as u64, false)
+            }
+            TurnOutcome::Failed(_) => progress.turn_done(0, true),
+            TurnOutcome::Skipped => progress.turn_done(0, false),
+        },
+    );
+    progress.finish();
+    replay.report.cache = backend::cache_stats(engine.router());
+    engine
+        .shutdown(ShutdownMode::Drain)
+        .map_err(|err| Failure(format!("shutdown: {err}")))?;
+    Ok((replay, setup))
+}
+
+/// A router construction error, with the flag that sized what could not be built.
+fn allocation_hint(plan: &Plan, message: String) -> String {
+    let args = &plan.args;
+    let sized_by = match args.kv_blocks {
+        Some(blocks) => format!(
+            "--kv-blocks {blocks} and --max-in-flight {}",
+            args.max_in_flight
+        ),
+        None => format!(
+            "--max-in-flight {} ({BLOCKS_PER_TURN} KV blocks per in-flight turn by default)",
+            args.max_in_flight
+        ),
+    };
+    format!("building the router for {sized_by}: {message}")
+}
+
+/// The sink for `--trace FILE` (the caches-off pass of `--verify` writes `FILE.off`).
+#[cfg(feature = "trace")]
+fn trace_sink(args: &Args, label: &str) -> Result<Option<backend::TraceSink>, Failure> {
+    let Some(path) = &args.trace else {
+        return Ok(None);
+    };
+    let path = if label == "caches off" && args.verify {
+        path.with_extension("off")
+    } else {
+        path.clone()
+    };
+    let file =
+        File::create(&path).map_err(|err| Failure(format!("--trace {}: {err}", path.display())))?;
+    Ok(Some(backend::TraceSink::writer(std::io::BufWriter::new(
+        file,
+    ))))
+}
+
+fn device(name: DeviceName) -> Device {
+    match name {
+        DeviceName::Cpu => Device::Cpu,
+        #[cfg(feature = "cuda")]
+        DeviceName::Cuda => Device::Cuda,
+        // Refused in `plan` before any work.
+        #[cfg(not(feature = "cuda"))]
+        DeviceName::Cuda => Device::Cpu,
+    }
+}
+
+/// Runs the replay: `Ok(success)`, or the failure and the exit status to end with.
+fn run(args: Args) -> Result<bool, (Failure, u8)> {
+    let mut plan = plan(args).map_err(|failure| (failure, EXIT_REFUSED))?;
+    work(&mut plan).map_err(|failure| (failure, 1))
+}
+
+fn work(plan: &mut Plan) -> Result<bool, Failure> {
+    let started = Instant::now();
+    let model = match &plan.args.model {
+        Some(dir) => backend::load_model(dir)
+            .map_err(|err| Failure(format!("--model {}: {err}", dir.display())))?,
+        None => backend::random_model(plan.model_config.clone(), plan.args.seed)?,
+    };
+    let config = model.config();
+    println!(
+        "model: {} (pattern {}, hidden {}, vocab {}); built in {:.1} s",
+        plan.args.model.as_ref().map_or(
+            format!(
+                "embedded {:?}, seeded random weights",
+                plan.args.embedded.name()
+            ),
+            |dir| dir.display().to_string()
+        ),
+        config.pattern(),
+        config.hidden_size,
+        config.vocab_size,
+        started.elapsed().as_secs_f64()
+    );
+    let workload = &plan.workload;
+    println!(
+        "workload: {} ({} turns, {} input and {} output tokens)",
+        workload.name,
+        workload.turns.len(),
+        workload.input_tokens(),
+        workload.output_tokens()
+    );
+    let json = plan.json.take();
+    if !plan.args.verify {
+        let prefix_cache = !plan.args.no_prefix_cache;
+        let label = if prefix_cache {
+            "caches on"
+        } else {
+            "caches off"
+        };
+        let (replay, setup) = run_pass(plan, &model, prefix_cache, label, false)?;
+        setup.print();
+        report::print(label, &replay.report);
+        if let Some(json) = json {
+            let key = if prefix_cache {
+                "caches_on"
+            } else {
+                "caches_off"
+            };
+            let value = serde_json::json!({
+                "setup": setup,
+                key: replay.report,
+            });
+            write_json(json, &value)?;
+        }
+        return Ok(replay.report.failed == 0);
+    }
+    let (on, setup) = run_pass(plan, &model, true, "caches on", true)?;
+    let (off, _) = run_pass(plan, &model, false, "caches off", true)?;
+    setup.print();
+    report::print("caches on", &on.report);
+    report::print("caches off", &off.report);
+    let verdict = Verdict::compare(&plan.workload, &on, &off);
+    verdict.print();
+    if let Some(json) = json {
+        let value = serde_json::json!({
+            "setup": setup,
+            "caches_on": on.report,
+            "caches_off": off.report,
+            "verify": verdict,
+        });
+        write_json(json, &value)?;
+    }
+    Ok(verdict.verified)
+}
+
+fn write_json(file: OutputFile, value: &serde_json::Value) -> Result<(), Failure> {
+    let path = file.path.clone();
+    let text = serde_json::to_string_pretty(value)?;
+    file.write("--json", &(text + "\n"))?;
+    println!("report written to {}", path.display());
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    // Warnings (a failed spill, a refused checkpoint) go to stderr; `REPLAY_LOG=debug` shows more.
+    let level = match std::env::var("REPLAY_LOG").as_deref() {
+        Ok("debug") => tracing::Level::DEBUG,
+        Ok("info") => tracing::Level::INFO,
+        _ => tracing::Level::WARN,
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err((Failure(message), status)) => {
+            eprintln!("replay: {message}");
+            ExitCode::from(status)
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The `replay` binary as a user meets it: refusals before any work (exit status 2, the flag
+//! named, nothing left behind), and a short run on the tiny fixture checkpoint whose report and
+//! JSON say what was configured.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The tiny NemotronH fixture checkpoint (vocabulary 256).
+fn fixture_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/nemotron-h-tiny/model")
+}
+
+fn replay(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_replay"))
+        .args(args)
+        .output()
+        .expect("the replay binary runs")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// One Marconi-format trace line.
+fn record(session: u64, turn: u64, input: &[u32], output: &[u32]) -> String {
+    serde_json::json!({
+        "session_id": session,
+        "turn_id": turn,
+        "ts": turn as f64,
+        "num_input_tokens": input.len(),
+        "num_output_tokens": output.len(),
+        "input_tokens": input,
+        "output_tokens": output,
+    })
+    .to_string()
+}
+
+#[test]
+fn refusals_name_the_flag_and_exit_2_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture_model();
+    let model = model.to_str().unwrap();
+
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = replay(&["--model", model, "--workload", empty.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim_end(),
+        format!(
+            "replay: --workload {}: the trace has no turns",
+            empty.display()
+        )
+    );
+    assert_eq!(stdout(&out), "");
+
+    // The --json path is checked before the model is built.
+    let unwritable = dir.path().join("no-such-dir").join("report.json");
+    let out = replay(&["--json", unwritable.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with(&format!(
+            "replay: --json {}: cannot write there:",
+            unwritable.display()
+        )),
+        "{}",
+        stderr(&out)
+    );
+
+    // A run refused after the --json file was opened leaves no empty file behind.
+    let json = dir.path().join("report.json");
+    let out = replay(&[
+        "--json",
+        json.to_str().unwrap(),
+        "--model",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).starts_with(&format!("replay: --model {}:", dir.path().display())),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!json.exists());
+
+    // Past what block ids allow, the flag that sized the pool is named.
+    let out = replay(&["--model", model, "--kv-blocks", "5000000000"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim_end(),
+        "replay: --kv-blocks 5000000000: 5000000000 KV blocks is more than block ids allow (4294967295)"
+    );
+
+    let out = replay(&["--kv-blocks", "1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("'--kv-blocks <N>'"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let lines = [
+        record(1, 0, &[5, 6, 7, 8, 9, 10, 11, 12], &[20, 21, 22]),
+        record(
+            1,
+            1,
+            &[5, 6, 7, 8, 9, 10, 11, 12, 20, 21, 22, 30, 31],
+            &[40, 41],
+        ),
+        record(2, 0, &[5, 6, 7, 8, 1, 2], &[]),
+    ];
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let json = dir.path().join("report.json");
+    let out = replay(&[
+        "--model",
+        fixture_model().to_str().unwrap(),
+        "--workload",
+        trace.to_str().unwrap(),
+        "--kv-blocks",
+        "64",
+        "--max-in-flight",
+        "2",
+        "--verify",
+        "--progress",
+        "lines",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    for expected in [
+        "router              cpu (host router)",
+        "KV pool             64 blocks of 16 tokens, ",
+        "in flight           at most 2 turns; pipelining depth 1; preemption by recompute",
+        "prefix cache        on; SSM checkpoint eviction: marconi (FLOP-aware, tuned by shadow stores)",
+        "requests            3 (2 completed, 0 failed, 1 skipped (no recorded output to force))",
+        "verify: 2 turns with identical logits digests, 0 mismatched: OK",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in\n{text}");
+    }
+    // Each pass ends with its summary line on stderr.
+    let err = stderr(&out);
+    assert!(
+        err.contains("caches on: 3/3 turns, 5 output tokens"),
+        "{err}"
+    );
+    assert!(
+        err.contains("caches off: 3/3 turns, 5 output tokens"),
+        "{err}"
+    );
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["setup"]["kv_blocks"], 64);
+    assert_eq!(report["setup"]["max_in_flight"], 2);
+    assert_eq!(report["setup"]["prefix_cache"], true);
+    assert_eq!(report["setup"]["depth"], 1);
+    assert_eq!(report["caches_on"]["completed"], 2);
+    assert_eq!(report["caches_off"]["prefill_tokens_cached"], 0);
+    assert_eq!(report["verify"]["verified"], true);
+    assert_eq!(report["verify"]["identical"], 2);
+    assert_eq!(report["verify"]["skipped"], 1);
+    assert_eq!(report["verify"]["mismatched"], 0);
+}
