@@ -44,7 +44,7 @@ pub struct Setup {
     pub state_slot_bytes: u64,
     /// Pipelining depth: steps in flight (1: each step is read before the next is launched).
     pub depth: usize,
-    /// How preempted turns come back (`recompute`, or `spill to DIR`).
+    /// How preempted turns come back (`recompute`, or `spill (to a fresh directory under DIR)`).
     pub preemption: String,
     /// Token ids at or above the vocabulary were folded into it (`--fold-token-ids`).
     pub fold_token_ids: bool,
@@ -84,7 +84,7 @@ impl Setup {
         let preemption = match &config.preemption {
             Preemption::Recompute => "recompute".to_string(),
             Preemption::Spill(SpillTarget::Directory(dir)) => {
-                format!("spill to {}", dir.display())
+                format!("spill (to a fresh directory under {})", dir.display())
             }
             #[allow(unreachable_patterns)] // other spill targets, should the engine add them.
             Preemption::Spill(_) => "spill".to_string(),
