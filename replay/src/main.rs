@@ -20,7 +20,8 @@ use std::time::Instant;
 use clap::Parser;
 use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
 use scheduler::replay::{self, Replay, ReplayOptions, TurnOutcome};
-use scheduler::workload::Workload;
+use scheduler::workload::{TokenIds, Workload, WorkloadError};
+use scheduler::workload_trace::{Problem, TraceError};
 use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
@@ -172,24 +173,29 @@ fn plan(args: Args) -> Result<Plan, Failure> {
         None => embedded_model_config(args.embedded),
     };
     let vocab = model_config.vocab_size;
-    let mut workload = match &args.workload {
-        WorkloadSpec::Chat => Workload::resolve("chat", vocab, args.seed)?,
-        WorkloadSpec::Agentic => Workload::resolve("agentic", vocab, args.seed)?,
-        WorkloadSpec::File(path) => Workload::load(path, vocab)
-            .map_err(|err| Failure(format!("--workload {}: {err}", path.display())))?,
+    let ids = if args.fold_token_ids {
+        TokenIds::Fold
+    } else {
+        TokenIds::Refuse
     };
-    if workload.turns.is_empty() {
-        let name = match &args.workload {
-            WorkloadSpec::File(path) => path.display().to_string(),
-            _ => workload.name.clone(),
-        };
-        return Err(Failure(format!(
-            "--workload {name}: the trace has no turns"
-        )));
-    }
+    let mut workload = match &args.workload {
+        WorkloadSpec::Chat => Workload::resolve("chat", vocab, args.seed, ids)?,
+        WorkloadSpec::Agentic => Workload::resolve("agentic", vocab, args.seed, ids)?,
+        WorkloadSpec::File(path) => Workload::load(path, vocab, ids).map_err(|err| {
+            let hint = match &err {
+                WorkloadError::Trace(TraceError {
+                    problem: Problem::OutOfVocabulary { .. },
+                    ..
+                }) => " (the model's vocabulary; --fold-token-ids folds such ids into it)",
+                _ => "",
+            };
+            Failure(format!("--workload {err}{hint}"))
+        })?,
+    };
     if let Some(n) = args.max_requests {
         workload.truncate(usize::try_from(n).unwrap_or(usize::MAX));
     }
+    note_skipped_turns(&workload);
     let longest = workload.longest_turn().max(1);
     let max_context = longest.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
     let needed = (max_context / BLOCK_SIZE) as u64;
@@ -228,6 +234,33 @@ fn plan(args: Args) -> Result<Plan, Failure> {
         max_context,
         json,
     })
+}
+
+/// Says on stderr which turns will be skipped, and why, before the replay starts.
+fn note_skipped_turns(workload: &Workload) {
+    let lines: Vec<String> = workload
+        .turns
+        .iter()
+        .filter(|turn| turn.output.is_empty())
+        .map(|turn| match turn.source_line {
+            Some(line) => format!("line {line}"),
+            None => format!("session {} turn {}", turn.session, turn.turn),
+        })
+        .collect();
+    if lines.is_empty() {
+        return;
+    }
+    let shown: Vec<&str> = lines.iter().take(10).map(String::as_str).collect();
+    let more = if lines.len() > shown.len() {
+        format!(" and {} more", lines.len() - shown.len())
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "note: {} turn(s) record no output, so there is nothing to force and they are skipped: {}{more}",
+        lines.len(),
+        shown.join(", ")
+    );
 }
 
 /// One replay pass with the caches as given.

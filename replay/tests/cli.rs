@@ -52,8 +52,22 @@ fn refusals_name_the_flag_and_exit_2_before_any_work() {
     assert_eq!(
         stderr(&out).trim_end(),
         format!(
-            "replay: --workload {}: the trace has no turns",
+            "replay: --workload {}: no records (the file is empty or has only blank lines)",
             empty.display()
+        )
+    );
+
+    // Token ids past the model's vocabulary (256) are refused unless --fold-token-ids.
+    let wide = dir.path().join("wide.jsonl");
+    std::fs::write(&wide, record(1, 0, &[1, 999], &[3]) + "\n").unwrap();
+    let out = replay(&["--model", model, "--workload", wide.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim_end(),
+        format!(
+            "replay: --workload {}:1: token id 999 at `input_tokens[1]` is not below the \
+             vocabulary size 256 (the model's vocabulary; --fold-token-ids folds such ids into it)",
+            wide.display()
         )
     );
     assert_eq!(stdout(&out), "");
@@ -147,8 +161,14 @@ fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
     ] {
         assert!(text.contains(expected), "missing {expected:?} in\n{text}");
     }
-    // Each pass ends with its summary line on stderr.
+    // The skipped turn is named before the replay; each pass ends with a summary line.
     let err = stderr(&out);
+    assert!(
+        err.starts_with(
+            "note: 1 turn(s) record no output, so there is nothing to force and they are skipped: line 3\n"
+        ),
+        "{err}"
+    );
     assert!(
         err.contains("caches on: 3/3 turns, 5 output tokens"),
         "{err}"

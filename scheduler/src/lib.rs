@@ -74,3 +74,5 @@ pub use handle::{Completion, EngineClient, EngineThread, RequestHandle, Shutdown
 pub use metrics::{Metrics, StepReport};
 pub use request::{Limits, RandomSampling, Request, RequestError, Sampling};
 pub use spill::{SpillError, SpillTarget};
+/// The trace format's reader, shared with the simulator ([`workload::Workload::load`] uses it).
+pub use workload_trace;

@@ -378,6 +378,7 @@ mod tests {
             ts,
             input: vec![1],
             output: vec![1],
+            source_line: None,
         };
         let now = Instant::now();
         assert_eq!(not_yet_due(&turn(5.0), 5.0, Some(1.0), now), None);

@@ -3,19 +3,20 @@
 //!
 //! A [`Workload`] is a list of [`Turn`]s in arrival order. Each turn's input is the whole
 //! context the client sends (earlier turns' inputs and outputs included, as the trace recorded
-//! it), and its output is the tokens the trace recorded, which replay forces. Token ids are
-//! already mapped into the model's vocabulary (`id % vocab_size`).
+//! it), and its output is the tokens the trace recorded, which replay forces. Traces are read by
+//! `workload_trace` (the reader the simulator shares): an id at or above the model's vocabulary
+//! is an error unless [`TokenIds::Fold`] folds it (`id % vocab_size`).
 //!
 //! Invariants: `turns` is sorted by `ts` (stable, so equal times keep file order); within a
 //! session turns appear in increasing `turn` order; every token id is below the vocabulary size
 //! the workload was built for; `session` values are dense indices `0..sessions`.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Deserialize;
+use workload_trace::{Entry, ReadOptions, SessionId, TraceError, TraceReader};
 
 /// One request of a workload.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +31,8 @@ pub struct Turn {
     pub input: Vec<u32>,
     /// The recorded output.
     pub output: Vec<u32>,
+    /// The 1-based line of the trace file it came from (`None` for a generated workload).
+    pub source_line: Option<usize>,
 }
 
 /// A workload: turns in arrival order.
@@ -41,45 +44,24 @@ pub struct Workload {
     pub turns: Vec<Turn>,
 }
 
+/// What to do with a trace's token ids at or above the model's vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TokenIds {
+    /// Refuse the trace, naming the line and the id (the default: a trace recorded with another
+    /// tokenizer is a mistake to report, not to paper over).
+    #[default]
+    Refuse,
+    /// Fold each such id into the vocabulary (`id % vocab_size`), for traces whose ids are
+    /// only placeholders (the Marconi artifact's synthetic traces).
+    Fold,
+}
+
 /// Why a workload could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
-    /// The file could not be read.
-    #[error("reading {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A line is not a valid trace record.
-    #[error("line {line}: {source}")]
-    Json {
-        /// The 1-based line number.
-        line: usize,
-        /// The parser's error.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A declared token count disagrees with the token list.
-    #[error("line {line}: {field} has {actual} tokens but the record declares {declared}")]
-    CountMismatch {
-        /// The 1-based line number.
-        line: usize,
-        /// `input_tokens` or `output_tokens`.
-        field: &'static str,
-        /// The declared count (`num_input_tokens` / `num_output_tokens`).
-        declared: usize,
-        /// The list's length.
-        actual: usize,
-    },
-    /// A turn has no input tokens.
-    #[error("line {line}: input_tokens is empty")]
-    EmptyInput {
-        /// The 1-based line number.
-        line: usize,
-    },
+    /// The trace could not be read (the file, the line and the field at fault).
+    #[error(transparent)]
+    Trace(#[from] TraceError),
     /// The vocabulary size is 0.
     #[error("vocabulary size 0: token ids cannot be mapped")]
     ZeroVocab,
@@ -100,121 +82,80 @@ pub enum WorkloadError {
     Unknown(String),
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SessionId {
-    Number(u64),
-    Text(String),
-}
-
-#[derive(Deserialize)]
-struct Record {
-    session_id: SessionId,
-    turn_id: u64,
-    ts: f64,
-    num_input_tokens: usize,
-    num_output_tokens: usize,
-    input_tokens: Vec<u64>,
-    output_tokens: Vec<u64>,
-}
-
-fn map_ids(ids: &[u64], vocab_size: usize) -> Vec<u32> {
-    ids.iter()
-        .map(|&id| (id % vocab_size as u64) as u32)
-        .collect()
+fn read_options(vocab_size: usize, ids: TokenIds) -> Result<ReadOptions, WorkloadError> {
+    if vocab_size == 0 {
+        return Err(WorkloadError::ZeroVocab);
+    }
+    let vocab = u32::try_from(vocab_size).map_err(|_| WorkloadError::BadOption {
+        field: "vocab_size",
+        value: vocab_size.to_string(),
+        rule: "token ids are u32",
+    })?;
+    Ok(ReadOptions {
+        vocab_size: Some(vocab),
+        fold_token_ids: ids == TokenIds::Fold,
+    })
 }
 
 impl Workload {
-    /// Parses a trace in the Marconi artifact's JSONL format (one record per line; blank lines
-    /// are skipped), mapping token ids into a vocabulary of `vocab_size`.
+    /// Parses a trace in the Marconi artifact's JSONL format (see `workload_trace`; `name` names
+    /// it in errors and becomes the workload's name), checking token ids against a vocabulary of
+    /// `vocab_size` as `ids` says.
     pub fn from_jsonl(
         name: &str,
         text: &str,
         vocab_size: usize,
+        ids: TokenIds,
     ) -> Result<Workload, WorkloadError> {
-        if vocab_size == 0 {
-            return Err(WorkloadError::ZeroVocab);
-        }
-        if u32::try_from(vocab_size).is_err() {
-            return Err(WorkloadError::BadOption {
-                field: "vocab_size",
-                value: vocab_size.to_string(),
-                rule: "token ids are u32",
-            });
-        }
-        let mut sessions: HashMap<String, u64> = HashMap::new();
+        let options = read_options(vocab_size, ids)?;
+        Workload::from_entries(name, TraceReader::new(name, text.as_bytes(), options))
+    }
+
+    fn from_entries(
+        name: &str,
+        entries: impl Iterator<Item = Result<Entry, TraceError>>,
+    ) -> Result<Workload, WorkloadError> {
+        let mut sessions: HashMap<SessionId, u64> = HashMap::new();
         let mut turns = Vec::new();
-        for (index, line) in text.lines().enumerate() {
-            let line_no = index + 1;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let record: Record =
-                serde_json::from_str(line).map_err(|source| WorkloadError::Json {
-                    line: line_no,
-                    source,
-                })?;
-            let checks = [
-                (
-                    "input_tokens",
-                    record.num_input_tokens,
-                    record.input_tokens.len(),
-                ),
-                (
-                    "output_tokens",
-                    record.num_output_tokens,
-                    record.output_tokens.len(),
-                ),
-            ];
-            for (field, declared, actual) in checks {
-                if declared != actual {
-                    return Err(WorkloadError::CountMismatch {
-                        line: line_no,
-                        field,
-                        declared,
-                        actual,
-                    });
-                }
-            }
-            if record.input_tokens.is_empty() {
-                return Err(WorkloadError::EmptyInput { line: line_no });
-            }
-            let key = match record.session_id {
-                SessionId::Number(n) => format!("n{n}"),
-                SessionId::Text(s) => format!("s{s}"),
-            };
+        for entry in entries {
+            let Entry { line, record } = entry?;
             let next = sessions.len() as u64;
-            let session = *sessions.entry(key).or_insert(next);
+            let session = *sessions.entry(record.session_id).or_insert(next);
             turns.push(Turn {
                 session,
                 turn: record.turn_id,
                 ts: record.ts,
-                input: map_ids(&record.input_tokens, vocab_size),
-                output: map_ids(&record.output_tokens, vocab_size),
+                input: record.input_tokens,
+                output: record.output_tokens,
+                source_line: Some(line),
             });
         }
         Ok(Workload::sorted(name.to_string(), turns))
     }
 
-    /// Reads a JSONL trace file (see [`Workload::from_jsonl`]).
-    pub fn load(path: &Path, vocab_size: usize) -> Result<Workload, WorkloadError> {
-        let text = std::fs::read_to_string(path).map_err(|source| WorkloadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    /// Reads a JSONL trace file (see [`Workload::from_jsonl`]); errors name the file by `path`,
+    /// the workload by its file name.
+    pub fn load(path: &Path, vocab_size: usize, ids: TokenIds) -> Result<Workload, WorkloadError> {
+        let options = read_options(vocab_size, ids)?;
+        let reader = TraceReader::open(path, options)?;
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| path.display().to_string());
-        Workload::from_jsonl(&name, &text, vocab_size)
+        Workload::from_entries(&name, reader)
     }
 
     /// A file path, or the name of a built-in workload (generated with `seed`).
-    pub fn resolve(spec: &str, vocab_size: usize, seed: u64) -> Result<Workload, WorkloadError> {
+    pub fn resolve(
+        spec: &str,
+        vocab_size: usize,
+        seed: u64,
+        ids: TokenIds,
+    ) -> Result<Workload, WorkloadError> {
         match spec {
             "chat" => Workload::chat(&GenOptions::chat(seed), vocab_size),
             "agentic" => Workload::agentic(&GenOptions::agentic(seed), vocab_size),
-            path if Path::new(path).is_file() => Workload::load(Path::new(path), vocab_size),
+            path if Path::new(path).is_file() => Workload::load(Path::new(path), vocab_size, ids),
             other => Err(WorkloadError::Unknown(other.to_string())),
         }
     }
@@ -252,6 +193,7 @@ impl Workload {
                     ts,
                     input: history.clone(),
                     output: output.clone(),
+                    source_line: None,
                 });
                 history.extend(output);
                 ts += options.think_time_s;
@@ -290,6 +232,7 @@ impl Workload {
                     ts,
                     input: history.clone(),
                     output: output.clone(),
+                    source_line: None,
                 });
                 history.extend(output);
                 ts += options.think_time_s;
@@ -419,18 +362,33 @@ mod tests {
 {"session_id": 7, "turn_id": 0, "ts": 0.5, "num_input_tokens": 1, "num_output_tokens": 0, "input_tokens": [5], "output_tokens": []}
 {"session_id": "a", "turn_id": 1, "ts": 3.0, "num_input_tokens": 4, "num_output_tokens": 1, "input_tokens": [1, 2, 3, 0], "output_tokens": [4]}
 "#;
-        let workload = Workload::from_jsonl("t", text, 1000).unwrap();
-        let got: Vec<(u64, u64, Vec<u32>, Vec<u32>)> = workload
+        // Ids at or above the vocabulary are refused unless folding is asked for.
+        let err = Workload::from_jsonl("t.jsonl", text, 1000, TokenIds::Refuse).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "t.jsonl:1: token id 1003 at `input_tokens[2]` is not below the vocabulary size 1000"
+        );
+        let workload = Workload::from_jsonl("t", text, 1000, TokenIds::Fold).unwrap();
+        type Seen = (u64, u64, Vec<u32>, Vec<u32>, Option<usize>);
+        let got: Vec<Seen> = workload
             .turns
             .iter()
-            .map(|t| (t.session, t.turn, t.input.clone(), t.output.clone()))
+            .map(|t| {
+                (
+                    t.session,
+                    t.turn,
+                    t.input.clone(),
+                    t.output.clone(),
+                    t.source_line,
+                )
+            })
             .collect();
         assert_eq!(
             got,
             vec![
-                (1, 0, vec![5], vec![]),
-                (0, 0, vec![1, 2, 3], vec![0]),
-                (0, 1, vec![1, 2, 3, 0], vec![4]),
+                (1, 0, vec![5], vec![], Some(3)),
+                (0, 0, vec![1, 2, 3], vec![0], Some(1)),
+                (0, 1, vec![1, 2, 3, 0], vec![4], Some(4)),
             ]
         );
         assert_eq!(workload.input_tokens(), 8);
@@ -440,32 +398,34 @@ mod tests {
 
     #[test]
     fn bad_records_name_the_line() {
-        let mismatch = r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 2, "num_output_tokens": 0, "input_tokens": [5], "output_tokens": []}"#;
+        // The shared reader's messages (its own tests cover every rule).
+        let check = |text: &str, expected: &str| {
+            let err = Workload::from_jsonl("t.jsonl", text, 10, TokenIds::Refuse).unwrap_err();
+            assert!(matches!(err, WorkloadError::Trace(_)), "{err:?}");
+            assert_eq!(err.to_string(), expected);
+        };
+        check(
+            r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 2, "num_output_tokens": 0, "input_tokens": [5], "output_tokens": []}"#,
+            "t.jsonl:1: field `input_tokens` lists 1 tokens but `num_input_tokens` says 2",
+        );
+        check(
+            "\n{\"session_id\": 1}",
+            "t.jsonl:2: missing field `turn_id`",
+        );
+        check(
+            r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 0, "num_output_tokens": 0, "input_tokens": [], "output_tokens": []}"#,
+            "t.jsonl:1: field `input_tokens` is empty: a request needs at least one input token",
+        );
+        check(
+            "",
+            "t.jsonl: no records (the file is empty or has only blank lines)",
+        );
         assert!(matches!(
-            Workload::from_jsonl("t", mismatch, 10),
-            Err(WorkloadError::CountMismatch {
-                line: 1,
-                field: "input_tokens",
-                declared: 2,
-                actual: 1
-            })
-        ));
-        let broken = "\n{\"session_id\": 1}";
-        assert!(matches!(
-            Workload::from_jsonl("t", broken, 10),
-            Err(WorkloadError::Json { line: 2, .. })
-        ));
-        let empty = r#"{"session_id": 1, "turn_id": 0, "ts": 0, "num_input_tokens": 0, "num_output_tokens": 0, "input_tokens": [], "output_tokens": []}"#;
-        assert!(matches!(
-            Workload::from_jsonl("t", empty, 10),
-            Err(WorkloadError::EmptyInput { line: 1 })
-        ));
-        assert!(matches!(
-            Workload::from_jsonl("t", "", 0),
+            Workload::from_jsonl("t", "", 0, TokenIds::Fold),
             Err(WorkloadError::ZeroVocab)
         ));
         assert!(matches!(
-            Workload::resolve("no-such-workload", 10, 0),
+            Workload::resolve("no-such-workload", 10, 0, TokenIds::Refuse),
             Err(WorkloadError::Unknown(_))
         ));
         let no_openers = GenOptions {

@@ -10,7 +10,7 @@ use device_io::{
 };
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
-use scheduler::workload::{GenOptions, Workload};
+use scheduler::workload::{GenOptions, TokenIds, Workload};
 use scheduler::{
     Completion, Engine, EngineConfig, EngineError, EngineThread, Event, FinishReason, Preemption,
     RandomSampling, Request, RequestError, RequestHandle, Sampling, ServeError, ShutdownMode,
@@ -700,7 +700,7 @@ fn replay_skips_turns_without_output_and_reports_refused_ones() {
 {"session_id": "x", "turn_id": 1, "ts": 1.0, "num_input_tokens": 2, "num_output_tokens": 0, "input_tokens": [1, 2], "output_tokens": []}
 {"session_id": "y", "turn_id": 0, "ts": 2.0, "num_input_tokens": 70, "num_output_tokens": 1, "input_tokens": [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9], "output_tokens": [1]}
 "#;
-    let workload = Workload::from_jsonl("trace", text, 1000).unwrap();
+    let workload = Workload::from_jsonl("trace", text, 1000, TokenIds::Refuse).unwrap();
     let mut engine = engine(16, 4, config());
     let result = replay(
         &mut engine,

@@ -22,7 +22,7 @@
 #![forbid(unsafe_code)]
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter};
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -30,7 +30,7 @@ use clap::{Parser, ValueEnum};
 
 use ssm_snapshot::paper::{PaperCache, PaperConfig, PaperVersion};
 use ssm_snapshot::sim::{
-    generate, read_trace, write_trace, Policy, SimConfig, Simulation, TraceKind,
+    generate, read_trace_file, write_trace, Policy, SimConfig, Simulation, TraceKind,
 };
 use ssm_snapshot::tuning::{
     default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS, DEFAULT_COOLDOWN, DEFAULT_HALF_LIFE,
@@ -363,8 +363,7 @@ fn run_paper(
         config.bootstrap_multiplier = multiplier;
     }
     let mut cache = PaperCache::new(config)?;
-    let file = File::open(trace).map_err(io_error(trace))?;
-    read_trace(BufReader::new(file), |record| {
+    read_trace_file(trace, |record| {
         cache.serve(&record.input_tokens, &record.output_tokens);
         Ok(())
     })?;
@@ -514,8 +513,7 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
     };
 
     let mut sim = Simulation::new(config)?;
-    let file = File::open(trace).map_err(io_error(trace))?;
-    read_trace(BufReader::new(file), |record| sim.step(&record))?;
+    read_trace_file(trace, |record| sim.step(&record))?;
     let history = sim.tuner().history().to_vec();
     if !history.is_empty() {
         let text: Vec<String> = history

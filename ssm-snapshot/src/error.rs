@@ -76,14 +76,9 @@ pub enum SnapshotError {
         /// Block ids needed.
         needed: usize,
     },
-    /// A trace line could not be read.
-    #[error("trace line {line}: {message}")]
-    BadTrace {
-        /// 1-based line number.
-        line: usize,
-        /// What is wrong.
-        message: String,
-    },
+    /// A trace could not be read (the file, the line and the field at fault).
+    #[error(transparent)]
+    Trace(#[from] workload_trace::TraceError),
     /// A bad command-line argument for the simulator.
     #[error("bad argument: {0}")]
     BadArgument(String),

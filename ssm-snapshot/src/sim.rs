@@ -9,12 +9,14 @@
 //! no matching retain, or if references remain once the tree is cleared.
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::BufRead;
+use std::path::Path;
 
 use kv_cache::BlockId;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use workload_trace::{ReadOptions, TraceReader};
 
 use crate::cost::CostModel;
 use crate::error::SnapshotError;
@@ -24,82 +26,45 @@ use crate::store::{
 };
 use crate::tuning::{default_tuning, AlphaTuner, Objective, RecordedRequest, TuningMode};
 
-/// A session id in a trace: the artifact writes numbers or strings.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum SessionId {
-    /// A numeric id.
-    Number(u64),
-    /// A textual id.
-    Text(String),
-}
+/// The trace format's record, session id and writer, re-exported from `workload-trace`, the one
+/// reader the replay shares.
+pub use workload_trace::{write_trace, SessionId, TraceRecord};
 
-/// One request of a trace (one JSONL line).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TraceRecord {
-    /// Conversation the request belongs to.
-    pub session_id: SessionId,
-    /// Turn within the session.
-    pub turn_id: u64,
-    /// Arrival time in seconds.
-    pub ts: f64,
-    /// `input_tokens.len()`.
-    pub num_input_tokens: usize,
-    /// `output_tokens.len()`.
-    pub num_output_tokens: usize,
-    /// Prompt token ids (the whole conversation so far).
-    pub input_tokens: Vec<u32>,
-    /// Generated token ids.
-    pub output_tokens: Vec<u32>,
-}
-
-/// Reads a JSONL trace, calling `each` on every record in file order.
-pub fn read_trace(
+/// Reads a JSONL trace with the replay's rules (see `workload_trace`; no vocabulary, so token
+/// ids need only fit in 32 bits), calling `each` on every record in file order; `name` is the
+/// file's name in errors. Returns the number of records.
+pub fn read_trace_named(
+    name: &str,
     reader: impl BufRead,
     mut each: impl FnMut(TraceRecord) -> Result<(), SnapshotError>,
 ) -> Result<usize, SnapshotError> {
     let mut count = 0;
-    for (i, line) in reader.lines().enumerate() {
-        let line_no = i + 1;
-        let line = line.map_err(|e| SnapshotError::BadTrace {
-            line: line_no,
-            message: e.to_string(),
-        })?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let record: TraceRecord =
-            serde_json::from_str(&line).map_err(|e| SnapshotError::BadTrace {
-                line: line_no,
-                message: e.to_string(),
-            })?;
-        if record.num_input_tokens != record.input_tokens.len()
-            || record.num_output_tokens != record.output_tokens.len()
-        {
-            return Err(SnapshotError::BadTrace {
-                line: line_no,
-                message: format!(
-                    "num_input_tokens {} / num_output_tokens {} disagree with the token lists ({} / {})",
-                    record.num_input_tokens,
-                    record.num_output_tokens,
-                    record.input_tokens.len(),
-                    record.output_tokens.len()
-                ),
-            });
-        }
-        each(record)?;
+    for entry in TraceReader::new(name, reader, ReadOptions::default()) {
+        each(entry?.record)?;
         count += 1;
     }
     Ok(count)
 }
 
-/// Writes records as JSONL.
-pub fn write_trace(mut writer: impl Write, records: &[TraceRecord]) -> std::io::Result<()> {
-    for record in records {
-        serde_json::to_writer(&mut writer, record)?;
-        writer.write_all(b"\n")?;
+/// [`read_trace_named`] for a reader without a file name (errors call it `trace`).
+pub fn read_trace(
+    reader: impl BufRead,
+    each: impl FnMut(TraceRecord) -> Result<(), SnapshotError>,
+) -> Result<usize, SnapshotError> {
+    read_trace_named("trace", reader, each)
+}
+
+/// [`read_trace_named`] for the file at `path`.
+pub fn read_trace_file(
+    path: &Path,
+    mut each: impl FnMut(TraceRecord) -> Result<(), SnapshotError>,
+) -> Result<usize, SnapshotError> {
+    let mut count = 0;
+    for entry in TraceReader::open(path, ReadOptions::default())? {
+        each(entry?.record)?;
+        count += 1;
     }
-    writer.flush()
+    Ok(count)
 }
 
 /// Fresh synthetic block ids for a replay.

@@ -156,11 +156,12 @@ fn traces_round_trip_and_bad_lines_are_named() {
     let err = read_trace(text.as_bytes(), |_| Ok(())).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "trace line 3: num_input_tokens 3 / num_output_tokens 0 disagree with the token lists (2 / 0)"
+        "trace:3: field `input_tokens` lists 2 tokens but `num_input_tokens` says 3"
     );
     let err = read_trace("{\"session_id\":1}".as_bytes(), |_| Ok(())).unwrap_err();
+    assert_eq!(err.to_string(), "trace:1: missing field `turn_id`");
     assert!(
-        matches!(err, SnapshotError::BadTrace { line: 1, .. }),
+        matches!(&err, SnapshotError::Trace(trace) if trace.line == Some(1)),
         "{err}"
     );
 }

@@ -27,6 +27,7 @@ pub const ALONE: &[&str] = &[
     "device-io",
     "device-trace",
     "kv-cache",
+    "workload-trace",
     "ssm-snapshot",
     "model",
     "device-cpu",

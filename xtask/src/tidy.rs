@@ -347,7 +347,8 @@ const ROUTER_DEPS: &[&str] = &["device-io", "model", "kv-cache", "ssm-snapshot"]
 const RULES: &[(&str, Rule)] = &[
     ("device-io", only(&[])),
     ("kv-cache", only(&[])),
-    ("ssm-snapshot", only(&["kv-cache"])),
+    ("workload-trace", only(&[])),
+    ("ssm-snapshot", only(&["kv-cache", "workload-trace"])),
     ("model", only(&[])),
     ("device-trace", only(&["device-io"])),
     ("device-cpu", only(ROUTER_DEPS)),
@@ -356,7 +357,7 @@ const RULES: &[(&str, Rule)] = &[
     (
         "scheduler",
         Rule {
-            required: Allow::Only(&["device-io"]),
+            required: Allow::Only(&["device-io", "workload-trace"]),
             optional: Allow::Any,
         },
     ),
@@ -862,7 +863,7 @@ mod tests {
             "newcomer/Cargo.toml:1: workspace crate `newcomer` has no dependency rule: \
              add it to RULES in xtask/src/tidy.rs and to ARCHITECTURE.md's dependency rules",
             "scheduler/Cargo.toml:1: `scheduler` must not have the dependency `device-cpu`; \
-             it may depend on `device-io` (ARCHITECTURE.md)",
+             it may depend on `device-io`, `workload-trace` (ARCHITECTURE.md)",
         ]
         );
     }
