@@ -23,8 +23,11 @@
 //! is an error.
 //!
 //! Every error is a [`TraceError`] naming the file and the 1-based line, and its [`Problem`]
-//! speaks of the record's fields (`field `input_tokens[3]`: expected a token id (a non-negative
-//! integer), got "x"`), never of the reader's internal types.
+//! speaks of the record's fields, never of the reader's internal types:
+//!
+//! ```text
+//! chat.jsonl:3: field `input_tokens[3]`: expected a token id (a non-negative integer), got "x"
+//! ```
 //!
 //! # Example
 //!
