@@ -5,7 +5,8 @@
 //! `await_result`, `apply`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
 //! readback=Argmax}`, `fx apply ReserveKv`); after the call, one line with what came back
 //! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`). `model`,
-//! `facts` and `max_depth` pass through silently. Errors pass through unchanged.
+//! `facts` and `max_depth` pass through silently. Errors pass through unchanged. A sink that
+//! panics loses the line (counted in [`TracingDeviceIo::dropped_lines`]), never the call.
 //!
 //! Lines are deterministic (labels only, no timings, no addresses), so a recorded scenario is a
 //! byte-stable golden file. Timings go to `tracing` spans (target `device_trace`), never into lines.
@@ -35,6 +36,11 @@ impl<D: DeviceIo> TracingDeviceIo<D> {
     /// The wrapped router.
     pub fn inner(&self) -> &D {
         &self.inner
+    }
+
+    /// Trace lines lost because the sink panicked while taking them (the calls went on).
+    pub fn dropped_lines(&self) -> u64 {
+        self.sink.dropped_lines()
     }
 
     /// Unwraps the router, dropping the sink.

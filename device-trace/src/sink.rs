@@ -2,15 +2,20 @@
 
 use std::fmt;
 use std::io::Write;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// The destination of a [`TracingDeviceIo`](crate::TracingDeviceIo)'s lines.
 ///
 /// Lines arrive from `&self` methods of the router, so every destination sits behind a mutex.
-/// A poisoned mutex (a panicking callback) is recovered rather than propagated: the trace is a
-/// diagnostic and must never take the router down with it.
+/// The trace is a diagnostic and must never take the router down with it: a destination that
+/// panics (a callback, a writer) loses that line, which is counted ([`TraceSink::dropped_lines`])
+/// and reported once through `tracing`, and the router's call goes on; the poisoned mutex it
+/// leaves is recovered for the next line.
 pub struct TraceSink {
     kind: SinkKind,
+    dropped: AtomicU64,
 }
 
 type Callback = Box<dyn FnMut(&str) + Send>;
@@ -31,6 +36,7 @@ impl TraceSink {
     pub fn callback(f: impl FnMut(&str) + Send + 'static) -> Self {
         TraceSink {
             kind: SinkKind::Callback(Mutex::new(Box::new(f))),
+            dropped: AtomicU64::new(0),
         }
     }
 
@@ -40,6 +46,7 @@ impl TraceSink {
         (
             TraceSink {
                 kind: SinkKind::Memory(buffer.clone()),
+                dropped: AtomicU64::new(0),
             },
             buffer,
         )
@@ -50,6 +57,7 @@ impl TraceSink {
     pub fn writer(writer: impl Write + Send + 'static) -> Self {
         TraceSink {
             kind: SinkKind::Writer(Mutex::new(Box::new(writer))),
+            dropped: AtomicU64::new(0),
         }
     }
 
@@ -57,11 +65,19 @@ impl TraceSink {
     pub fn tracing() -> Self {
         TraceSink {
             kind: SinkKind::Tracing,
+            dropped: AtomicU64::new(0),
         }
     }
 
+    /// Lines lost because the destination panicked while taking them.
+    pub fn dropped_lines(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn record(&self, line: &str) {
-        match &self.kind {
+        // Nothing the closure touches is left half-updated by an unwind: the destinations sit
+        // behind mutexes whose poisoning `lock` recovers from, and the line is simply lost.
+        let written = catch_unwind(AssertUnwindSafe(|| match &self.kind {
             SinkKind::Callback(f) => (lock(f))(line),
             SinkKind::Memory(buffer) => lock(&buffer.lines).push(line.to_owned()),
             SinkKind::Writer(writer) => {
@@ -70,6 +86,12 @@ impl TraceSink {
                 }
             }
             SinkKind::Tracing => tracing::info!(target: "device_trace", "{line}"),
+        }));
+        if written.is_err() && self.dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(
+                target: "device_trace",
+                "the trace sink panicked; its lines are dropped (and counted), the router goes on"
+            );
         }
     }
 }

@@ -179,3 +179,95 @@ fn handles_are_send() {
     assert_send::<TraceSink>();
     assert_send::<device_trace::TraceBuffer>();
 }
+
+#[test]
+fn a_panicking_sink_loses_its_lines_not_the_call() {
+    // The callback panics on every second line it is given.
+    let calls = Arc::new(Mutex::new(0usize));
+    let counted = Arc::clone(&calls);
+    let sink = TraceSink::callback(move |_| {
+        let calls = {
+            let mut calls = counted.lock().unwrap();
+            *calls += 1;
+            *calls
+        };
+        if calls % 2 == 0 {
+            panic!("sink failure {calls}");
+        }
+    });
+    let router = TracingDeviceIo::new(ScriptedRouter::new(ScriptedConfig::default()), sink);
+    let outcomes =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario_calls(&router)));
+    let outcomes = outcomes.expect("a panicking sink took the router call down with it");
+    assert_eq!(
+        outcomes,
+        scenario_calls(&ScriptedRouter::new(ScriptedConfig::default()))
+    );
+    // Eight calls, two lines each: every second line was dropped.
+    assert_eq!(*calls.lock().unwrap(), 16);
+    assert_eq!(router.dropped_lines(), 8);
+
+    // A writer that panics is isolated the same way.
+    struct Exploding;
+    impl std::io::Write for Exploding {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            panic!("writer failure")
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let router = TracingDeviceIo::new(
+        ScriptedRouter::new(ScriptedConfig::default()),
+        TraceSink::writer(Exploding),
+    );
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        router.apply(Effect::SyncSecondary)
+    }));
+    assert_eq!(
+        result.expect("the writer's panic escaped"),
+        Ok(EffectOutcome::Unit)
+    );
+    assert_eq!(router.dropped_lines(), 2);
+}
+
+/// Eight traced calls through `&router` (launch, two awaits, four effects, one more launch).
+fn scenario_calls<D: DeviceIo<Seq = ScriptedSeq>>(router: &D) -> Vec<String> {
+    let mut a = seq(1, &[5, 6, 7, 8, 9]);
+    let mut outcomes = Vec::new();
+    let ticket = router
+        .launch(
+            StepPlan::Prefill {
+                budgets: &[8],
+                readback: Readback::Argmax,
+            },
+            &mut [&mut a],
+        )
+        .unwrap();
+    outcomes.push(format!("{:?}", router.await_result(ticket).map(|s| s.rows)));
+    outcomes.push(format!("{:?}", router.await_result(ticket).err()));
+    outcomes.push(format!(
+        "{:?}",
+        router.apply(Effect::ReserveKv { seq: &mut a })
+    ));
+    outcomes.push(format!("{:?}", router.apply(Effect::SyncSecondary)));
+    outcomes.push(format!("{:?}", router.apply(Effect::Quiesce { stream: 0 })));
+    outcomes.push(format!(
+        "{:?}",
+        router.apply(Effect::ReleaseSeq {
+            seq: &mut a,
+            cache: false,
+            what: "finish"
+        })
+    ));
+    let mut b = seq(2, &[1]);
+    let plan = StepPlan::Prefill {
+        budgets: &[8],
+        readback: Readback::Argmax,
+    };
+    outcomes.push(format!(
+        "{:?}",
+        router.launch(plan, &mut [&mut b]).map(|_| ())
+    ));
+    outcomes
+}
