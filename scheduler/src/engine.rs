@@ -30,6 +30,12 @@
 //! it is the only live sequence fails with [`ServeError::CannotFit`]. Any other launch error fails
 //! exactly that plan's rows.
 //!
+//! A lost device is different: when any router call answers `DeviceLost`, or panics (every call
+//! goes through `Guarded`, which turns a panic into `DeviceLost`), the engine fails every live and
+//! waiting request with [`ServeError::DeviceLost`] (a request whose output was already complete
+//! finishes), refuses new submissions, calls the router no more, and its shutdown answers
+//! [`EngineError::DeviceLost`] after the router's teardown.
+//!
 //! # Invariants
 //!
 //! - A request is in exactly one of `waiting` and `running`, or has ended and been sent its
@@ -54,6 +60,7 @@ use device_io::{
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::event::{Event, FinishReason, ServeError, Usage};
+use crate::guard::Guarded;
 use crate::handle::{Command, EngineClient, Intake, RequestHandle, ShutdownMode};
 use crate::metrics::{Metrics, StepReport};
 use crate::request::{Limits, Request, RequestError};
@@ -134,6 +141,11 @@ pub enum EngineError {
     /// The router's teardown failed (for example, sequences still held resources).
     #[error("router teardown failed: {0}")]
     Teardown(#[source] DeviceError),
+    /// The device was lost (a router call answered `DeviceLost`, or panicked) before the
+    /// shutdown; every request was failed then, and the shutdown touched the router no more than
+    /// its teardown.
+    #[error("the device was lost: {0}")]
+    DeviceLost(#[source] DeviceError),
     /// The engine thread panicked.
     #[error("the engine thread panicked")]
     ThreadPanicked,
@@ -338,7 +350,7 @@ impl PlanKind {
 /// End it with [`Engine::shutdown`]: dropping it instead drops the router without `teardown`
 /// and cuts every request's stream ([`ServeError::EngineStopped`] on the handles).
 pub struct Engine<D: DeviceIo> {
-    router: Box<D>,
+    router: Guarded<D>,
     config: EngineConfig,
     limits: Arc<Limits>,
     waiting: VecDeque<Waiting<D::Seq>>,
@@ -412,6 +424,7 @@ where
                 Some(SpillStore::open(target).map_err(EngineError::SpillDirectory)?)
             }
         };
+        let router = Guarded::new(router);
         let limits = Arc::new(Limits::new(&router.facts(), config.adapters.clone()));
         let (command_tx, commands) = crossbeam_channel::unbounded();
         let scratch = Scratch {
@@ -421,7 +434,7 @@ where
             ..Scratch::default()
         };
         Ok(Engine {
-            router: Box::new(router),
+            router,
             config,
             limits,
             waiting: VecDeque::new(),
@@ -443,7 +456,13 @@ where
 
     /// The router (for facts and inspection; the engine owns every sequence).
     pub fn router(&self) -> &D {
-        &self.router
+        self.router.inner()
+    }
+
+    /// The error that lost the device, if one did: every request was failed then, new ones are
+    /// refused, and the router is called no more (but for its teardown at shutdown).
+    pub fn device_lost(&self) -> Option<&DeviceError> {
+        self.router.lost()
     }
 
     /// What requests are checked against.
@@ -501,7 +520,7 @@ where
 
     /// Validates and queues `request`; its events arrive on the handle as steps run.
     pub fn submit(&mut self, request: Request) -> Result<RequestHandle, RequestError> {
-        if self.closed {
+        if self.closed || self.router.lost().is_some() {
             return Err(RequestError::EngineStopped);
         }
         self.limits.validate(&request)?;
@@ -546,10 +565,12 @@ where
         self.step_ended = 0;
         self.step_no += 1;
         self.metrics.steps += 1;
-        let mut report = StepReport {
-            admitted: self.admit(),
-            ..StepReport::default()
-        };
+        let mut report = StepReport::default();
+        if self.abandon_if_lost() {
+            report.ended = std::mem::take(&mut self.step_ended);
+            return report;
+        }
+        report.admitted = self.admit();
         let preemptions_before = self.metrics.preemptions;
         report.decode_rows = self.launch_loop(PlanKind::Decode, 0).0;
         let (rows, tokens) = self.launch_loop(PlanKind::Prefill, report.decode_rows);
@@ -557,19 +578,73 @@ where
         report.prefill_tokens = tokens;
         report.preempted = (self.metrics.preemptions - preemptions_before) as usize;
         self.checkpoints();
-        self.retire_ended();
-        for _ in 0..3 {
-            // A failed `CompactSlot` ends its request; release it and compact again.
-            if self.compact() {
-                break;
-            }
+        // A device lost during the step fails everything before anything is released on it.
+        if !self.abandon_if_lost() {
             self.retire_ended();
+            for _ in 0..3 {
+                // A failed `CompactSlot` ends its request; release it and compact again.
+                if self.compact() {
+                    break;
+                }
+                self.retire_ended();
+            }
+            if !self.orphans.is_empty() {
+                self.release_orphans();
+            }
+            self.abandon_if_lost();
         }
         report.ended = std::mem::take(&mut self.step_ended);
-        if !self.orphans.is_empty() {
-            self.release_orphans();
-        }
         report
+    }
+
+    /// When the device is lost, ends every request at once without touching the router: a
+    /// request whose output was complete finishes, every other one fails with
+    /// [`ServeError::DeviceLost`] (unless it had already failed for another reason); spilled
+    /// images are dropped, orphans forgotten, and new submissions refused. Answers whether the
+    /// device is lost.
+    fn abandon_if_lost(&mut self) -> bool {
+        let Some(lost) = self.router.lost() else {
+            return false;
+        };
+        let message = match lost {
+            DeviceError::DeviceLost(message) => message.clone(),
+            other => other.to_string(),
+        };
+        self.intake.close();
+        self.orphans.clear();
+        for mut waiting in std::mem::take(&mut self.waiting) {
+            if let Some(store) = &mut self.spill {
+                store.remove(waiting.req.id);
+            }
+            self.metrics.failed += 1;
+            self.step_ended += 1;
+            waiting
+                .req
+                .send_final(End::Fail(ServeError::DeviceLost(message.clone())));
+        }
+        for Active { mut req, .. } in std::mem::take(&mut self.running) {
+            self.step_ended += 1;
+            let end = match req.end.take() {
+                Some(End::Finish(reason)) => {
+                    if reason == FinishReason::Cancelled {
+                        self.metrics.cancelled += 1;
+                    } else {
+                        self.metrics.finished += 1;
+                    }
+                    End::Finish(reason)
+                }
+                Some(End::Fail(err)) if !is_loss(&err) => {
+                    self.metrics.failed += 1;
+                    End::Fail(err)
+                }
+                _ => {
+                    self.metrics.failed += 1;
+                    End::Fail(ServeError::DeviceLost(message.clone()))
+                }
+            };
+            req.send_final(end);
+        }
+        true
     }
 
     /// Shuts down: finishes (`Drain`) or fails (`Abort`) every request, then applies
@@ -585,6 +660,17 @@ where
             while !self.is_idle() {
                 self.step();
             }
+        }
+        if self.abandon_if_lost() {
+            // Nothing but the teardown reaches a lost router; what it reports is moot.
+            let Engine { router, .. } = self;
+            let lost = router.lost().cloned();
+            if let Err(err) = router.teardown() {
+                tracing::warn!(%err, "teardown of the lost router");
+            }
+            return Err(EngineError::DeviceLost(
+                lost.unwrap_or_else(|| DeviceError::DeviceLost("unknown".to_string())),
+            ));
         }
         for mut waiting in std::mem::take(&mut self.waiting) {
             if let Some(store) = &mut self.spill {
@@ -635,7 +721,8 @@ where
         match command {
             Command::Submit(req) => {
                 let mut req = *req;
-                if self.closed || self.shutdown_requested.is_some() {
+                if self.closed || self.shutdown_requested.is_some() || self.router.lost().is_some()
+                {
                     // It arrived after the engine stopped taking requests.
                     self.metrics.failed += 1;
                     req.send_final(End::Fail(ServeError::EngineStopped));
@@ -813,6 +900,9 @@ where
     /// without the victim. Answers the rows and computed prompt tokens of the settled plan.
     fn launch_loop(&mut self, kind: PlanKind, decode_rows: usize) -> (usize, usize) {
         loop {
+            if self.router.lost().is_some() {
+                return (0, 0);
+            }
             let (rows, wants_logits) = self.mark_rows(kind, decode_rows);
             if rows == 0 {
                 return (0, 0);
@@ -828,6 +918,10 @@ where
                     if !self.make_room(kind, err) {
                         return (0, 0);
                     }
+                }
+                Err(DeviceError::DeviceLost(message)) => {
+                    self.fail_plan_rows(|| ServeError::DeviceLost(message.clone()));
+                    return (0, 0);
                 }
                 Err(err) => {
                     tracing::warn!(plan = kind.name(), %err, "step failed; failing its rows");
@@ -1143,6 +1237,8 @@ where
             what,
         }) {
             Ok(_) => return Ok(seq),
+            // Nothing on a lost device needs releasing any more, and nothing could be.
+            Err(err @ DeviceError::DeviceLost(_)) => return Err(err),
             Err(err) => err,
         };
         tracing::warn!(id = seq.id(), %err, "release failed; retrying without caching");
@@ -1151,6 +1247,9 @@ where
             cache: false,
             what: "fault",
         }) {
+            if matches!(again, DeviceError::DeviceLost(_)) {
+                return Err(err);
+            }
             tracing::error!(id = seq.id(), err = %again, "release failed twice; retrying every step");
             self.metrics.orphaned_sequences += 1;
             self.orphans.push(seq);
@@ -1330,6 +1429,18 @@ enum Restored<S> {
     Later(Spilled<S>),
     /// The image could not be restored; prefill prompt plus generated tokens again.
     Recompute,
+}
+
+/// Whether a request's failure is the loss of the device (in either form).
+fn is_loss(err: &ServeError) -> bool {
+    matches!(
+        err,
+        ServeError::DeviceLost(_)
+            | ServeError::Device {
+                source: DeviceError::DeviceLost(_),
+                ..
+            }
+    )
 }
 
 /// Whether a restored sequence is the one that was spilled: same request, same computed length,

@@ -82,6 +82,10 @@ pub enum ServeError {
     /// Spilling or restoring the request's state failed.
     #[error("spill store: {0}")]
     Spill(String),
+    /// The device was lost (a router call answered `DeviceLost`, or panicked) while the request
+    /// was waiting or running; the engine serves nothing more.
+    #[error("the device was lost: {0}")]
+    DeviceLost(String),
     /// The engine shut down before the request completed.
     #[error("the engine shut down before the request completed")]
     Shutdown,

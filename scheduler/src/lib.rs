@@ -60,6 +60,7 @@
 pub mod backend;
 mod engine;
 mod event;
+mod guard;
 mod handle;
 mod metrics;
 pub mod replay;

@@ -3,15 +3,19 @@
 //! case a failure costs the requests it hit and nothing else, and every accepted request gets
 //! exactly one final event.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use crossbeam_channel::{Receiver, Sender};
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
     DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Phase, StepPlan,
     StepResult, Ticket,
 };
+use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
-    Engine, EngineConfig, EngineThread, Event, Request, RequestError, RequestHandle, ServeError,
-    ShutdownMode,
+    Engine, EngineConfig, EngineError, EngineThread, Event, Request, RequestError, RequestHandle,
+    ServeError, ShutdownMode,
 };
 
 fn router(num_blocks: usize, num_slots: usize) -> ScriptedRouter {
@@ -188,4 +192,178 @@ fn a_submit_while_shutdown_is_under_way_is_refused_or_gets_a_final_error() {
             RequestError::EngineStopped
         );
     }
+}
+
+/// A router that forwards to a [`ScriptedRouter`], counts launches, and panics at launch number
+/// `panic_at` (counting from 1).
+#[derive(Debug)]
+struct Probe {
+    inner: ScriptedRouter,
+    launches: AtomicUsize,
+    panic_at: Option<usize>,
+}
+
+impl Probe {
+    fn new(inner: ScriptedRouter, panic_at: Option<usize>) -> Self {
+        Probe {
+            inner,
+            launches: AtomicUsize::new(0),
+            panic_at,
+        }
+    }
+
+    fn launches(&self) -> usize {
+        self.launches.load(Ordering::SeqCst)
+    }
+}
+
+impl DeviceIo for Probe {
+    type Seq = ScriptedSeq;
+    type Ptr = u64;
+    type Model = ScriptedConfig;
+    type LoraCmd = LoraCommand;
+    type LoraAck = ();
+
+    fn model(&self) -> &ScriptedConfig {
+        self.inner.model()
+    }
+    fn facts(&self) -> DeviceFacts {
+        self.inner.facts()
+    }
+    fn max_depth(&self) -> usize {
+        self.inner.max_depth()
+    }
+    fn launch(
+        &self,
+        plan: StepPlan<'_>,
+        rows: &mut [&mut ScriptedSeq],
+    ) -> Result<Ticket, DeviceError> {
+        let n = self.launches.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.panic_at == Some(n) {
+            panic!("injected router panic at launch {n}");
+        }
+        self.inner.launch(plan, rows)
+    }
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
+        self.inner.await_result(ticket)
+    }
+    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
+        self.inner.apply(effect)
+    }
+    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+        self.inner.lora(cmd)
+    }
+    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
+        Box::new(self.inner).teardown()
+    }
+}
+
+/// Whether `events` are some tokens followed by exactly one final event that says the device was
+/// lost.
+fn ends_with_device_lost(events: &[Event]) -> bool {
+    let Some((last, tokens)) = events.split_last() else {
+        return false;
+    };
+    tokens.iter().all(|e| matches!(e, Event::Token(_)))
+        && matches!(last, Event::Error(ServeError::DeviceLost(_)))
+}
+
+#[test]
+fn a_panicking_router_call_fails_every_request_with_a_typed_error_and_the_engine_stops_cleanly() {
+    // Four requests running, two waiting (4 slots); the router panics at the 5th launch.
+    let probe = Probe::new(router(64, 4), Some(5));
+    let thread = EngineThread::spawn(Engine::new(probe, config()).unwrap()).unwrap();
+    let client = thread.client();
+    let handles: Vec<_> = (0..6)
+        .map(|i| client.submit(Request::greedy(prompt(4, i), 20)).unwrap())
+        .collect();
+    for handle in &handles {
+        let events = all_events(handle);
+        assert!(
+            ends_with_device_lost(&events),
+            "request {}: {events:?}",
+            handle.id()
+        );
+    }
+    assert_eq!(
+        client.submit(Request::greedy(prompt(4, 9), 2)).unwrap_err(),
+        RequestError::EngineStopped
+    );
+    assert!(matches!(
+        thread.shutdown(ShutdownMode::Drain),
+        Err(EngineError::DeviceLost(DeviceError::DeviceLost(_)))
+    ));
+}
+
+#[test]
+fn a_lost_device_fails_every_live_and_waiting_request_and_nothing_more_is_launched() {
+    let mut engine = Engine::new(Probe::new(router(64, 4), None), config()).unwrap();
+    let handles: Vec<_> = (0..6)
+        .map(|i| engine.submit(Request::greedy(prompt(4, i), 20)).unwrap())
+        .collect();
+    for _ in 0..3 {
+        engine.step();
+    }
+    assert_eq!((engine.running_len(), engine.waiting_len()), (4, 2));
+    engine
+        .router()
+        .inner
+        .inject(FaultAt::Launch, DeviceError::DeviceLost("gone".into()));
+    engine.step();
+    for handle in &handles {
+        let events: Vec<Event> = handle.events().try_iter().collect();
+        assert!(
+            ends_with_device_lost(&events),
+            "request {}: {events:?}",
+            handle.id()
+        );
+    }
+    assert!(engine.is_idle());
+    assert_eq!(engine.metrics().failed, 6);
+    assert_eq!(
+        engine.submit(Request::greedy(prompt(4, 9), 2)).unwrap_err(),
+        RequestError::EngineStopped
+    );
+    let launches = engine.router().launches();
+    let effects = engine.router().inner.effects().len();
+    for _ in 0..3 {
+        engine.step();
+    }
+    assert_eq!(engine.router().launches(), launches);
+    assert_eq!(engine.router().inner.effects().len(), effects);
+    assert!(matches!(
+        engine.shutdown(ShutdownMode::Drain),
+        Err(EngineError::DeviceLost(DeviceError::DeviceLost(message))) if message == "gone"
+    ));
+}
+
+#[test]
+fn a_panicking_trace_sink_costs_trace_lines_not_requests() {
+    // The sink panics on every third line; every request still completes on the engine thread.
+    let lines = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&lines);
+    let sink = TraceSink::callback(move |_| {
+        if counted.fetch_add(1, Ordering::SeqCst) % 3 == 2 {
+            panic!("sink failure");
+        }
+    });
+    let traced = TracingDeviceIo::new(router(64, 8), sink);
+    let engine = Engine::new(traced, config()).unwrap();
+    let thread = EngineThread::spawn(engine).unwrap();
+    let client = thread.client();
+    let handles: Vec<_> = (0..16)
+        .map(|i| client.submit(Request::greedy(prompt(4, i), 6)).unwrap())
+        .collect();
+    let reference = router(64, 8);
+    for handle in handles {
+        let id = handle.id();
+        assert_eq!(
+            handle.wait().map(|c| c.tokens),
+            Ok(expected(&reference, id, 4, 6)),
+            "request {id}"
+        );
+    }
+    let metrics = thread.shutdown(ShutdownMode::Drain).unwrap();
+    assert_eq!(metrics.finished, 16);
+    assert!(lines.load(Ordering::SeqCst) >= 3);
 }
