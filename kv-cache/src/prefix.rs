@@ -1,33 +1,63 @@
 //! The hash-chain prefix cache: `KvCache` (a [`BlockPool`] plus the seeded [`BlockHasher`]),
-//! `match_prefix` and `insert`.
+//! `match_prefix` / `match_keys` and `insert` / `insert_keys`.
 //!
 //! # Model
 //!
-//! Only full blocks are cached. Block `i` of a token sequence is keyed by
-//! `hash(parent key, extra, its tokens)` (see [`crate::hash`]), so a key stands for the whole
-//! prefix up to the end of its block. The pool keeps, per cached block, its key, its parent's key,
-//! its extra key and its tokens; the index maps key to block.
+//! Only full blocks are cached. Block `i` of a token sequence is keyed by a hash of the key of
+//! block `i - 1` (or of the namespace, for a first block) and its tokens (see [`crate::hash`]), so
+//! a key stands for the whole prefix up to the end of its block. The pool keeps, per cached
+//! block, the key, the *parent* (the cached block of the position before it), the namespace of a
+//! first block, the *first child* (see [`crate::pool`]) and the tokens; the index maps key to
+//! block for first blocks and for children other than first children.
 //!
-//! `match_prefix` walks the query block by block, stops at the first key that is missing, and
-//! **verifies** every hit: the block's stored parent key, extra key and tokens must equal the
-//! query's. A hash collision therefore costs a miss (counted in
+//! # Exact hits
+//!
+//! `match_keys` walks the query block by block: along first-child links while they lead to a
+//! block holding the query's tokens, else through the index under the query's key, and stops at
+//! the first block it cannot find. It **verifies** every hit: the block must record as its parent
+//! exactly the block matched one position earlier (a first block: no parent, and the query's
+//! namespace), and hold exactly the query's tokens. By induction every matched block holds
+//! exactly the query's prefix, whatever the hash: a collision costs a miss (counted in
 //! [`CacheCounters::hash_collisions`](crate::CacheCounters)), never another prefix's (or another
-//! tenant's) K/V: vLLM's cross-tenant collision problem cannot happen here whatever the hash width.
-//! The verification reads `block_size` tokens per hit, which the tokens just hashed made hot.
+//! tenant's) K/V, so vLLM's cross-tenant collision problem cannot happen here whatever the hash
+//! width. The pool never evicts a block before its cached descendants (see [`crate::pool`]), so a
+//! parent link always names the block the child was registered after.
 //!
-//! `insert` registers a sequence's full blocks. A block whose key is already cached under another
-//! block stays uncached (the cached twin keeps serving hits); after a collision nothing further
-//! down that chain is registered (it could never be reached).
+//! # Keys computed once
+//!
+//! A sequence's keys live in a [`BlockKeys`]. `match_keys` hashes only where it consults the
+//! index (a first block, a branch point, the first miss) and copies the keys of the blocks it
+//! found along first-child links from the cache; `insert_keys` takes the keys it lacks from the
+//! cached blocks it checks and hashes only the blocks it registers. So no block of a sequence is
+//! hashed twice, and most are never hashed. The token forms (`match_prefix`, `insert`) work the
+//! same way on the cache's own scratch keys.
+//!
+//! `insert_keys` registers a sequence's full blocks. A block already registered is checked by its
+//! link to the previous position and by key, or token by token where the key is not known yet. A
+//! block whose contents are already cached under the same parent is a duplicate: it stays
+//! uncached, the cached twin keeps serving hits, and the rest of the chain is registered under
+//! the twin (which the new blocks pin, so it outlives them). After a collision nothing further
+//! down that chain is registered (it could never be reached). A block registered under a block
+//! this same call registered needs no probe: it cannot have a twin.
 //!
 //! # Eviction order: tails before heads
 //!
-//! Evictable blocks leave in the order they were released, oldest first. Tables release their
-//! blocks last-to-first ([`BlockTable::release_all`](crate::BlockTable::release_all)), so when a
-//! sequence ends, the tail of its chain is queued for eviction before its head: a chain is
+//! Evictable blocks leave least recently used first, where a block is used while it or a
+//! descendant is held, and a block is never evicted while it has cached descendants: a chain is
 //! shortened from its end, and a shared system prompt outlives the conversations under it.
+//!
+//! # Performance
+//!
+//! `taskset -c 0 cargo bench -p kv-cache --bench op_trace` replays the operation trace of a
+//! multi-turn chat workload (lookup, allocate, insert, free per request) and prints ns per block
+//! operation and µs per request; the crate docs quote its figures.
 
-use crate::pool::BlockKey;
+use crate::hash::BlockKeys;
+use crate::pool::{Probe, ROOT};
 use crate::{BlockHash, BlockHasher, BlockId, BlockPool, ExtraKey, HashKind, KvError};
+
+/// First children a lookup collects before comparing their tokens.
+const RUN_BLOCKS: usize = 32;
 
 /// How to build a [`KvCache`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,12 +106,12 @@ pub struct PrefixMatch {
 pub struct KvCache {
     pool: BlockPool,
     hasher: BlockHasher,
-    /// Bytes of the block being hashed; reused so lookups do not allocate.
+    /// Bytes of the block being hashed; reused so hashing does not allocate.
     scratch: Vec<u8>,
-    /// Keys computed by `insert` before it mutates anything.
-    pending: Vec<BlockHash>,
-    /// Block ids `insert` checks for duplicates.
-    seen: Vec<BlockId>,
+    /// The keys of the token forms (`match_prefix`, `insert`, ...), reused.
+    keys: BlockKeys,
+    /// One bit per block: the blocks `insert` has seen in the current call (duplicate check).
+    marks: Vec<u64>,
 }
 
 impl KvCache {
@@ -96,13 +126,24 @@ impl KvCache {
     }
 
     /// A cache over an existing pool (which may hold blocks already) with the given hasher.
-    pub fn with_pool(pool: BlockPool, hasher: BlockHasher) -> Self {
+    /// Allocates the prefix cache's storage for the whole pool now (the tokens of every block,
+    /// the index), so that no lookup or registration allocates. Keys already cached in the pool
+    /// are dropped if they have the other width.
+    pub fn with_pool(mut pool: BlockPool, hasher: BlockHasher) -> Self {
+        pool.enable_prefix_cache(hasher.kind() == HashKind::Xxh3x128);
+        let marks = vec![0; pool.num_blocks().div_ceil(64)];
+        let keys = BlockKeys {
+            extra: ExtraKey::NONE,
+            namespace: hasher.namespace_key(ExtraKey::NONE),
+            hashes: Vec::new(),
+        };
+        let scratch = vec![0; crate::hash::PREFIX_BYTES + 4 * pool.block_size()];
         Self {
             pool,
             hasher,
-            scratch: Vec::new(),
-            pending: Vec::new(),
-            seen: Vec::new(),
+            scratch,
+            keys,
+            marks,
         }
     }
 
@@ -126,6 +167,289 @@ impl KvCache {
         &self.hasher
     }
 
+    // ----- keys computed once per sequence -----
+
+    /// Empty keys for a sequence in the namespace of `extra`.
+    pub fn keys(&self, extra: ExtraKey) -> BlockKeys {
+        let mut keys = BlockKeys::default();
+        self.reset_keys(&mut keys, extra);
+        keys
+    }
+
+    /// Empties `keys` for a new sequence in the namespace of `extra`, keeping their capacity.
+    pub fn reset_keys(&self, keys: &mut BlockKeys, extra: ExtraKey) {
+        keys.hashes.clear();
+        keys.extra = extra;
+        keys.namespace = self.hasher.namespace_key(extra);
+    }
+
+    /// Computes the keys of the full blocks of `tokens` that `keys` lacks. `tokens` must start
+    /// with the tokens the keys were computed from (the same sequence, grown).
+    pub fn extend_keys(&mut self, keys: &mut BlockKeys, tokens: &[u32]) {
+        let block_size = self.pool.block_size();
+        let full = tokens.len() / block_size;
+        keys.hashes.reserve(full.saturating_sub(keys.hashes.len()));
+        for i in keys.hashes.len()..full {
+            let chunk = &tokens[i * block_size..(i + 1) * block_size];
+            let key = self
+                .hasher
+                .chain(keys.prefix_of(i), chunk, &mut self.scratch);
+            keys.hashes.push(key);
+        }
+    }
+
+    /// The longest cached prefix of `tokens` (whose keys, as far as computed, are `keys`), with
+    /// a reference taken on each block, into `out` (cleared first); returns the tokens matched.
+    /// Computes the keys it needs that `keys` lacks and leaves them there. Allocates nothing once
+    /// `out` and `keys` have the capacity.
+    ///
+    /// Only whole blocks match. A caller that needs logits for the last prompt token passes all
+    /// but that token, so that at least one token is computed.
+    pub fn match_keys(
+        &mut self,
+        keys: &mut BlockKeys,
+        tokens: &[u32],
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        out.clear();
+        let block_size = self.pool.block_size();
+        let blocks = tokens.len() / block_size;
+        let mut parent = ROOT;
+        loop {
+            let i = out.len();
+            if i == blocks {
+                break;
+            }
+            if parent != ROOT {
+                // A run of first children: their ids by following the links (records only),
+                // then their tokens compared in one pass whose loads do not wait on each other.
+                // An exact hit needs no key: its key is the cached block's, the one the hasher
+                // would compute.
+                let limit = (blocks - i).min(RUN_BLOCKS);
+                let found = self.pool.first_children(parent, limit, out);
+                let verified = out[i..]
+                    .iter()
+                    .zip(tokens[i * block_size..].chunks_exact(block_size))
+                    .take_while(|(id, chunk)| self.pool.holds(id.0, chunk))
+                    .count();
+                out.truncate(i + verified);
+                for (k, id) in out[i..].iter().enumerate() {
+                    if keys.hashes.len() == i + k {
+                        keys.hashes.push(self.pool.key_of(id.0));
+                    }
+                }
+                if let Some(last) = out.last() {
+                    parent = last.0;
+                }
+                if verified == limit && found == limit {
+                    // The run may go on.
+                    continue;
+                }
+            }
+            // The index: a first block, or a block that is not its parent's first child.
+            let i = out.len();
+            if i == blocks {
+                break;
+            }
+            let chunk = &tokens[i * block_size..(i + 1) * block_size];
+            let key = match keys.hashes.get(i) {
+                Some(&key) => key,
+                None => {
+                    let key = self
+                        .hasher
+                        .chain(keys.prefix_of(i), chunk, &mut self.scratch);
+                    keys.hashes.push(key);
+                    key
+                }
+            };
+            match self.pool.probe_index(key, parent, keys.extra, chunk) {
+                Probe::Hit(id) => {
+                    out.push(BlockId(id));
+                    parent = id;
+                }
+                Probe::Collision(id) => {
+                    self.pool.counters_mut().hash_collisions += 1;
+                    tracing::debug!(%key, block = id, "prefix cache hash collision: treated as a miss");
+                    break;
+                }
+                Probe::Miss => break,
+            }
+        }
+        // References are taken after the walk, so the walk's loop stays short and its loads
+        // (records and tokens of the next blocks) overlap.
+        for (taken, &id) in out.iter().enumerate() {
+            // A cached block can always be retained short of u32::MAX holders; stop there.
+            if !self.pool.retain_hit(id.0) {
+                out.truncate(taken);
+                break;
+            }
+        }
+        let matched = out.len() * block_size;
+        let counters = self.pool.counters_mut();
+        counters.lookups += 1;
+        counters.lookup_tokens += tokens.len() as u64;
+        counters.hit_blocks += out.len() as u64;
+        counters.hit_tokens += matched as u64;
+        matched
+    }
+
+    /// Registers the full blocks of a sequence: `blocks[i]` holds `tokens[i*B..(i+1)*B]`, whose
+    /// keys (as far as computed) are `keys`; the missing keys are computed and left in `keys`.
+    /// Trailing tokens of a partial block, and blocks past the full ones, are ignored. Returns how
+    /// many blocks were newly registered.
+    ///
+    /// The caller must hold every block it passes (a table's blocks, typically). Errors, which
+    /// change nothing in the cache: an unknown or unheld block, a block given twice, a block
+    /// already cached with other contents, fewer blocks than full blocks.
+    pub fn insert_keys(
+        &mut self,
+        keys: &mut BlockKeys,
+        tokens: &[u32],
+        blocks: &[BlockId],
+    ) -> Result<usize, KvError> {
+        let block_size = self.pool.block_size();
+        let full = tokens.len() / block_size;
+        if blocks.len() < full {
+            return Err(KvError::TooFewBlocks {
+                tokens: tokens.len(),
+                needed: full,
+                blocks: blocks.len(),
+            });
+        }
+        let blocks = &blocks[..full];
+        let tokens = &tokens[..full * block_size];
+        let first_new = self.validate_insert(keys, tokens, blocks)?;
+
+        let mut stored = 0;
+        let mut parent = match first_new.checked_sub(1) {
+            Some(previous) => blocks[previous].0,
+            None => ROOT,
+        };
+        // Whether `parent` was registered by this call: then it has no child, so nothing can be
+        // a duplicate under it and the block becomes its first child without a probe.
+        let mut fresh_parent = false;
+        let new_tokens = tokens[first_new * block_size..].chunks_exact(block_size);
+        for (i, (chunk, &id)) in (first_new..).zip(new_tokens.zip(&blocks[first_new..])) {
+            if self.pool.is_cached(id) {
+                parent = id.0;
+                fresh_parent = false;
+                continue;
+            }
+            let key = keys.hashes[i];
+            let probe = if fresh_parent {
+                Probe::Miss
+            } else {
+                self.pool.probe(key, parent, keys.extra, chunk)
+            };
+            match probe {
+                Probe::Hit(twin) => {
+                    self.pool.counters_mut().deduplicated_blocks += 1;
+                    parent = twin;
+                    fresh_parent = false;
+                }
+                Probe::Collision(other) => {
+                    self.pool.counters_mut().hash_collisions += 1;
+                    tracing::debug!(%key, block = id.0, other,
+                        "prefix cache hash collision on insert: the rest of the chain stays uncached");
+                    break;
+                }
+                Probe::Miss => {
+                    self.pool.register(id.0, key, parent, keys.extra, chunk);
+                    stored += 1;
+                    parent = id.0;
+                    fresh_parent = true;
+                }
+            }
+        }
+        Ok(stored)
+    }
+
+    /// Checks `insert_keys`'s blocks before anything changes in the cache, completing `keys` as
+    /// it goes; returns the position of the first uncached block (`blocks.len()` if none).
+    ///
+    /// Each block must be known and held. An uncached block must not be given twice. A cached
+    /// block must be cached exactly there: a first block in this namespace at position 0, else
+    /// a child of the block at the previous position (or of a block keyed like it, a twin), and
+    /// hold these tokens: checked by its key where `keys` has it, else token by token (and its
+    /// key copied into `keys`, so the chain of keys needs no hashing up to the first new block).
+    fn validate_insert(
+        &mut self,
+        keys: &mut BlockKeys,
+        tokens: &[u32],
+        blocks: &[BlockId],
+    ) -> Result<usize, KvError> {
+        let block_size = self.pool.block_size();
+        let mut result = Ok(blocks.len());
+        let mut first_new = None;
+        let mut checked = 0;
+        for (position, (&id, chunk)) in blocks
+            .iter()
+            .zip(tokens.chunks_exact(block_size))
+            .enumerate()
+        {
+            let Some(record) = self.pool.record(id) else {
+                result = Err(KvError::UnknownBlock {
+                    block: id,
+                    num_blocks: self.pool.num_blocks(),
+                });
+                break;
+            };
+            if record.ref_count == 0 {
+                result = Err(KvError::NotHeld { block: id });
+                break;
+            }
+            checked = position + 1;
+            if record.cached() {
+                let parent = record.parent();
+                let linked = match position.checked_sub(1) {
+                    Some(previous) => {
+                        parent == Some(blocks[previous].0)
+                            || parent.is_some_and(|p| self.pool.key_of(p) == keys.hashes[previous])
+                    }
+                    None => self.pool.is_first_block_in(id.0, keys.extra),
+                };
+                let holds = match keys.hashes.get(position) {
+                    Some(&key) => self.pool.has_key(id.0, &record, key),
+                    None => self.pool.holds(id.0, chunk),
+                };
+                if !(linked && holds) {
+                    result = Err(KvError::CachedWithOtherContents {
+                        block: id,
+                        position,
+                    });
+                    break;
+                }
+                if keys.hashes.len() == position {
+                    keys.hashes.push(self.pool.key_of(id.0));
+                }
+                continue;
+            }
+            first_new.get_or_insert(position);
+            let (word, bit) = (id.index() / 64, 1u64 << (id.index() % 64));
+            if self.marks[word] & bit != 0 {
+                result = Err(KvError::DuplicateBlock { block: id });
+                break;
+            }
+            self.marks[word] |= bit;
+            if keys.hashes.len() == position {
+                let key = self
+                    .hasher
+                    .chain(keys.prefix_of(position), chunk, &mut self.scratch);
+                keys.hashes.push(key);
+            }
+        }
+        // Outside this function every mark is clear, so clearing whole words is enough (and
+        // stores do not wait on each other as read-modify-writes of one word would).
+        for &id in &blocks[..checked] {
+            if let Some(word) = self.marks.get_mut(id.index() / 64) {
+                *word = 0;
+            }
+        }
+        result.map(|all| first_new.unwrap_or(all))
+    }
+
+    // ----- the token forms -----
+
     /// The longest cached prefix of `tokens` under `extra`, with a reference taken on each block.
     ///
     /// Only whole blocks match. A caller that needs logits for the last prompt token passes all
@@ -144,34 +468,10 @@ impl KvCache {
         extra: ExtraKey,
         out: &mut Vec<BlockId>,
     ) -> usize {
-        out.clear();
-        let block_size = self.pool.block_size();
-        let mut parent = None;
-        for chunk in tokens.chunks_exact(block_size) {
-            let hash = self
-                .hasher
-                .hash_block(parent, extra, chunk, &mut self.scratch);
-            let Some(id) = self.pool.lookup(hash) else {
-                break;
-            };
-            if !self.pool.key_matches(id, parent, extra, chunk) {
-                self.pool.counters_mut().hash_collisions += 1;
-                tracing::debug!(%hash, block = id.0, "prefix cache hash collision: treated as a miss");
-                break;
-            }
-            // A cached block can always be retained short of u32::MAX holders; stop there.
-            if self.pool.retain(id).is_err() {
-                break;
-            }
-            out.push(id);
-            parent = Some(hash);
-        }
-        let matched = out.len() * block_size;
-        let counters = self.pool.counters_mut();
-        counters.lookups += 1;
-        counters.lookup_tokens += tokens.len() as u64;
-        counters.hit_blocks += out.len() as u64;
-        counters.hit_tokens += matched as u64;
+        let mut keys = std::mem::take(&mut self.keys);
+        self.reset_keys(&mut keys, extra);
+        let matched = self.match_keys(&mut keys, tokens, out);
+        self.keys = keys;
         matched
     }
 
@@ -181,18 +481,18 @@ impl KvCache {
     /// between this call and the match may evict some of those blocks.
     pub fn cached_prefix_len(&mut self, tokens: &[u32], extra: ExtraKey) -> usize {
         let block_size = self.pool.block_size();
-        let mut parent = None;
+        let namespace = self.hasher.namespace_key(extra);
+        let mut prefix = namespace;
+        let mut parent = ROOT;
         let mut blocks = 0;
         for chunk in tokens.chunks_exact(block_size) {
-            let hash = self
-                .hasher
-                .hash_block(parent, extra, chunk, &mut self.scratch);
-            match self.pool.lookup(hash) {
-                Some(id) if self.pool.key_matches(id, parent, extra, chunk) => {}
+            let key = self.hasher.chain(prefix, chunk, &mut self.scratch);
+            match self.pool.probe(key, parent, extra, chunk) {
+                Probe::Hit(id) => parent = id,
                 _ => break,
             }
             blocks += 1;
-            parent = Some(hash);
+            prefix = key;
         }
         blocks * block_size
     }
@@ -200,19 +500,17 @@ impl KvCache {
     /// The keys of the full blocks of `tokens`, in order (what `insert` would register and what
     /// the events of a matching sequence carry), appended to `out`.
     pub fn block_hashes(&mut self, tokens: &[u32], extra: ExtraKey, out: &mut Vec<BlockHash>) {
-        let mut parent = None;
-        for chunk in tokens.chunks_exact(self.pool.block_size()) {
-            let hash = self
-                .hasher
-                .hash_block(parent, extra, chunk, &mut self.scratch);
-            out.push(hash);
-            parent = Some(hash);
-        }
+        let mut keys = std::mem::take(&mut self.keys);
+        self.reset_keys(&mut keys, extra);
+        self.extend_keys(&mut keys, tokens);
+        out.extend_from_slice(&keys.hashes);
+        self.keys = keys;
     }
 
     /// Registers the full blocks of a sequence: `blocks[i]` holds `tokens[i*B..(i+1)*B]`.
     /// Trailing tokens of a partial block, and blocks past the full ones, are ignored. Returns
-    /// how many blocks were newly registered.
+    /// how many blocks were newly registered. See [`insert_keys`](Self::insert_keys), which
+    /// reuses keys a lookup computed.
     ///
     /// The caller must hold every block it passes (a table's blocks, typically). Errors, which
     /// change nothing: an unknown or unheld block, a block given twice, a block already cached
@@ -223,75 +521,11 @@ impl KvCache {
         blocks: &[BlockId],
         extra: ExtraKey,
     ) -> Result<usize, KvError> {
-        let block_size = self.pool.block_size();
-        let full = tokens.len() / block_size;
-        if blocks.len() < full {
-            return Err(KvError::TooFewBlocks {
-                tokens: tokens.len(),
-                needed: full,
-                blocks: blocks.len(),
-            });
-        }
-        let blocks = &blocks[..full];
-
-        // Validate everything before the first change.
-        self.pending.clear();
-        let mut parent = None;
-        for (position, (chunk, &id)) in tokens.chunks_exact(block_size).zip(blocks).enumerate() {
-            self.pool.check_id(id)?;
-            if self.pool.ref_count(id) == 0 {
-                return Err(KvError::NotHeld { block: id });
-            }
-            let hash = self
-                .hasher
-                .hash_block(parent, extra, chunk, &mut self.scratch);
-            if let Some(key) = self.pool.key_of(id) {
-                if key.hash != hash || !self.pool.key_matches(id, parent, extra, chunk) {
-                    return Err(KvError::CachedWithOtherContents {
-                        block: id,
-                        position,
-                    });
-                }
-            }
-            self.pending.push(hash);
-            parent = Some(hash);
-        }
-        self.seen.clear();
-        self.seen.extend_from_slice(blocks);
-        self.seen.sort_unstable();
-        if let Some(pair) = self.seen.windows(2).find(|w| w[0] == w[1]) {
-            return Err(KvError::DuplicateBlock { block: pair[0] });
-        }
-
-        let mut stored = 0;
-        let mut parent = None;
-        for (i, (chunk, &id)) in tokens.chunks_exact(block_size).zip(blocks).enumerate() {
-            let hash = self.pending[i];
-            if self.pool.key_of(id).is_none() {
-                match self.pool.lookup(hash) {
-                    Some(twin) if self.pool.key_matches(twin, parent, extra, chunk) => {
-                        self.pool.counters_mut().deduplicated_blocks += 1;
-                    }
-                    Some(other) => {
-                        self.pool.counters_mut().hash_collisions += 1;
-                        tracing::debug!(%hash, block = id.0, other = other.0,
-                            "prefix cache hash collision on insert: the rest of the chain stays uncached");
-                        break;
-                    }
-                    None => {
-                        let key = BlockKey {
-                            hash,
-                            parent,
-                            extra,
-                        };
-                        self.pool.register(id, key, chunk);
-                        stored += 1;
-                    }
-                }
-            }
-            parent = Some(hash);
-        }
-        Ok(stored)
+        let mut keys = std::mem::take(&mut self.keys);
+        self.reset_keys(&mut keys, extra);
+        let result = self.insert_keys(&mut keys, tokens, blocks);
+        self.keys = keys;
+        result
     }
 
     /// Drops every cached key (publishes `AllCleared`); held blocks stay with their holders.
@@ -521,12 +755,8 @@ mod tests {
         let mut hashes = Vec::new();
         kv.block_hashes(&prompt, ExtraKey::NONE, &mut hashes);
         let impostor = kv.pool_mut().allocate().unwrap();
-        let key = BlockKey {
-            hash: hashes[0],
-            parent: None,
-            extra: ExtraKey::NONE,
-        };
-        kv.pool_mut().register(impostor, key, &tokens(4, 1));
+        kv.pool_mut()
+            .register(impostor.0, hashes[0], ROOT, ExtraKey::NONE, &tokens(4, 1));
 
         assert_eq!(
             kv.match_prefix(&prompt, ExtraKey::NONE),
@@ -539,6 +769,41 @@ mod tests {
         assert_eq!(kv.pool().counters().hash_collisions, 2);
         assert_eq!(kv.pool().cached(table.blocks()[0]), None);
         table.release_all(kv.pool_mut());
+        kv.pool().check_consistency().unwrap();
+    }
+
+    /// A collision under a branch point: the block found in the index under the query's key holds
+    /// other tokens. The lookup stops there (a counted miss) and the insert registers nothing under
+    /// it.
+    #[test]
+    fn a_collision_past_the_first_block_is_a_miss() {
+        let mut kv = kv(8);
+        let cached = tokens(8, 0);
+        let blocks = finish(&mut kv, &cached, ExtraKey::NONE);
+        let mut query = cached[..4].to_vec();
+        query.extend([900, 901, 902, 903]);
+        let mut hashes = Vec::new();
+        kv.block_hashes(&query, ExtraKey::NONE, &mut hashes);
+        // An impostor under the query's second key, a second child of the first block (so it is
+        // indexed), holding other tokens.
+        let impostor = kv.pool_mut().allocate().unwrap();
+        kv.pool_mut().register(
+            impostor.0,
+            hashes[1],
+            blocks[0].0,
+            ExtraKey::NONE,
+            &tokens(4, 77),
+        );
+        let m = kv.match_prefix(&query, ExtraKey::NONE);
+        assert_eq!(m.blocks, vec![blocks[0]]);
+        release(&mut kv, &m);
+        let mut table = BlockTable::new();
+        table.append(kv.pool_mut(), query.len()).unwrap();
+        assert_eq!(kv.insert(&query, table.blocks(), ExtraKey::NONE), Ok(0));
+        let c = kv.pool().counters();
+        assert_eq!((c.hash_collisions, c.deduplicated_blocks), (2, 1));
+        table.release_all(kv.pool_mut());
+        kv.pool_mut().release(impostor).unwrap();
         kv.pool().check_consistency().unwrap();
     }
 
@@ -578,6 +843,78 @@ mod tests {
         kv.clear();
         assert_eq!(events.try_recv(), Ok(CacheEvent::AllCleared));
         assert!(events.try_recv().is_err());
+    }
+
+    /// The defect this design removes: a block cached under another id (a duplicate on insert)
+    /// used to stay where it was in the LRU list while the new blocks were chained under its
+    /// twin, so the twin could be evicted before them and strand them. Now the new blocks pin the
+    /// twin: the chain is evicted tail first and its head keeps serving hits.
+    #[test]
+    fn a_deduplicated_twin_outlives_the_blocks_chained_under_it() {
+        let mut kv = kv(6);
+        let head = tokens(8, 3);
+        let mut whole = head.clone();
+        whole.extend(tokens(8, 40));
+        // Two sequences computed the same head concurrently; the short one is cached first.
+        let mut short = BlockTable::new();
+        short.append(kv.pool_mut(), head.len()).unwrap();
+        let mut long = BlockTable::new();
+        long.append(kv.pool_mut(), whole.len()).unwrap();
+        assert_eq!(kv.insert(&head, short.blocks(), ExtraKey::NONE), Ok(2));
+        let twins = short.blocks().to_vec();
+        short.release_all(kv.pool_mut());
+        // The long one's head is a duplicate; its tail is registered under the twins.
+        assert_eq!(kv.insert(&whole, long.blocks(), ExtraKey::NONE), Ok(2));
+        assert_eq!(kv.pool().counters().deduplicated_blocks, 2);
+        let tail = long.blocks()[2..].to_vec();
+        assert_eq!(kv.pool().state(twins[1]), Some(BlockState::CachedHeld));
+        long.release_all(kv.pool_mut());
+        kv.pool().check_consistency().unwrap();
+
+        // Two free blocks (the duplicates), then evictions: the tail's last block goes first.
+        let mut out = Vec::new();
+        kv.pool_mut().allocate_many(3, &mut out).unwrap();
+        assert_eq!(out[2], tail[1]);
+        let m = kv.match_prefix(&whole, ExtraKey::NONE);
+        assert_eq!(m.blocks, vec![twins[0], twins[1], tail[0]]);
+        release(&mut kv, &m);
+        for id in out {
+            kv.pool_mut().release(id).unwrap();
+        }
+        kv.pool().check_consistency().unwrap();
+    }
+
+    /// Keys computed by a lookup are reused by the insert, and match what the token forms
+    /// compute.
+    #[test]
+    fn keys_are_computed_once_and_shared() {
+        let mut kv = kv(16);
+        let extra = ExtraKey::NONE.with_salt(5);
+        let prompt = tokens(10, 1);
+        finish(&mut kv, &prompt[..4], extra);
+        let mut keys = kv.keys(extra);
+        let mut blocks = Vec::new();
+        // One hit, then one miss: two keys computed, the partial block none.
+        assert_eq!(kv.match_keys(&mut keys, &prompt, &mut blocks), 4);
+        assert_eq!(keys.len(), 2);
+        let mut table = BlockTable::from_prefix(PrefixMatch {
+            blocks: blocks.clone(),
+            tokens: 4,
+        });
+        let mut full = prompt.clone();
+        full.extend(tokens(6, 9));
+        table.append(kv.pool_mut(), full.len() - 4).unwrap();
+        assert_eq!(kv.insert_keys(&mut keys, &full, table.blocks()), Ok(3));
+        assert_eq!(keys.len(), 4);
+        let mut expected = Vec::new();
+        kv.block_hashes(&full, extra, &mut expected);
+        assert_eq!(keys.hashes(), &expected[..]);
+        table.release_all(kv.pool_mut());
+        assert_eq!(kv.cached_prefix_len(&full, extra), 16);
+        kv.reset_keys(&mut keys, ExtraKey::NONE);
+        assert!(keys.is_empty());
+        assert_eq!(kv.match_keys(&mut keys, &full, &mut blocks), 0);
+        kv.pool().check_consistency().unwrap();
     }
 
     #[test]

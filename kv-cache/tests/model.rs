@@ -5,15 +5,21 @@
 //! Checked after every step: each block's reference count equals its number of holders (table
 //! entries, ledger entries, outside holders); free + cached + used = total, and each block's state
 //! is the model's; no block is held by a table twice and `allocate` never hands out a held block
-//! (the model predicts every allocated id); every match returns blocks whose registered tokens
-//! equal the query's tokens, and exactly the model's blocks; reserve then rollback is the
-//! identity; the event stream stores and removes each key alternately; `check_consistency` holds.
+//! (the model predicts every allocated id); eviction takes the model's least recently unpinned
+//! block and never a block with a registered descendant; every match returns blocks whose
+//! registered tokens equal the query's tokens, and exactly the model's blocks; reserve then
+//! rollback is the identity; the event stream stores and removes each key alternately;
+//! `check_consistency` holds.
+//!
+//! The model's eviction policy, stated naively: a registered block is *pinned* while it has a
+//! holder or a registered descendant with a holder; unpinned registered blocks are evictable, in
+//! the order they became unpinned (when one release unpins several, the deepest first).
 
 use std::collections::{HashMap, HashSet};
 
 use kv_cache::{
-    Appended, BlockCopy, BlockId, BlockState, BlockTable, CacheEvent, Exhausted, ExtraKey, KvCache,
-    KvCacheConfig, KvError,
+    Appended, BlockCopy, BlockId, BlockState, BlockTable, CacheEvent, Exhausted, ExtraKey,
+    HashKind, KvCache, KvCacheConfig, KvError,
 };
 use proptest::prelude::*;
 
@@ -44,7 +50,7 @@ struct Model {
     num_blocks: usize,
     /// The free list: the last entry is handed out next.
     free: Vec<u32>,
-    /// Evictable cached blocks, least recently released first.
+    /// Evictable cached blocks, least recently unpinned first.
     lru: Vec<u32>,
     registry: HashMap<u32, Key>,
     by_key: HashMap<Key, u32>,
@@ -162,9 +168,10 @@ impl Model {
 }
 
 impl Harness {
-    fn new(num_blocks: usize, block_size: usize) -> Self {
+    fn new(num_blocks: usize, block_size: usize, hash_kind: HashKind) -> Self {
         let config = KvCacheConfig {
             seed: Some(5),
+            hash_kind,
             ..KvCacheConfig::new(num_blocks, block_size)
         };
         let mut kv = KvCache::new(config).unwrap();
@@ -195,12 +202,54 @@ impl Harness {
         in_tables + self.outside.iter().filter(|&&b| b == block).count()
     }
 
+    /// The registered block whose key is the key of `block` without its last block (its parent
+    /// in the chain), if `block` is registered and not a first block.
+    fn parent(&self, block: u32) -> Option<u32> {
+        let (prefix, extra) = self.model.registry.get(&block)?;
+        let shorter = prefix.len().checked_sub(self.model.block_size)?;
+        if shorter == 0 {
+            return None;
+        }
+        let key = (prefix[..shorter].to_vec(), *extra);
+        Some(
+            *self
+                .model
+                .by_key
+                .get(&key)
+                .expect("a registered block's parent is registered"),
+        )
+    }
+
+    /// Blocks with a holder (plus one more holder on `extra_holder`), and every registered
+    /// ancestor of a registered block among them.
+    fn pinned(&self, extra_holder: Option<u32>) -> HashSet<u32> {
+        let mut pinned = HashSet::new();
+        for block in 0..self.model.num_blocks as u32 {
+            if self.holders(block) > 0 || extra_holder == Some(block) {
+                let mut cursor = Some(block);
+                while let Some(b) = cursor {
+                    if !pinned.insert(b) && b != block {
+                        break;
+                    }
+                    cursor = self.parent(b);
+                }
+            }
+        }
+        pinned
+    }
+
     /// Hands out a block the model's way: the free list's top, else the LRU head (evicted).
     fn model_allocate(&mut self) -> u32 {
         let block = match self.model.free.pop() {
             Some(b) => b,
             None => {
                 let b = self.model.lru.remove(0);
+                let has_child = self
+                    .model
+                    .registry
+                    .keys()
+                    .any(|&other| self.parent(other) == Some(b));
+                assert!(!has_child, "block {b} evicted before its descendants");
                 let key = self
                     .model
                     .registry
@@ -220,26 +269,32 @@ impl Harness {
 
     /// Called after a holder entry of `block` was removed.
     fn model_released(&mut self, block: u32) {
-        if self.holders(block) == 0 {
-            if self.model.registry.contains_key(&block) {
-                self.model.lru.push(block);
-            } else {
-                self.model.free.push(block);
-            }
+        let before = self.pinned(Some(block));
+        let after = self.pinned(None);
+        if after.contains(&block) {
+            return;
         }
+        if !self.model.registry.contains_key(&block) {
+            self.model.free.push(block);
+            return;
+        }
+        // The blocks this release unpinned: `block` and some of its ancestors, deepest first.
+        let mut unpinned: Vec<u32> = before.difference(&after).copied().collect();
+        unpinned.sort_by_key(|b| std::cmp::Reverse(self.model.registry[b].0.len()));
+        self.model.lru.extend(unpinned);
     }
 
     /// Called before a holder entry of `block` is added.
     fn model_retaining(&mut self, block: u32) {
-        if self.holders(block) == 0 {
-            let at = self
-                .model
-                .lru
-                .iter()
-                .position(|&b| b == block)
-                .expect("evictable");
-            self.model.lru.remove(at);
-        }
+        let after = self.pinned(Some(block));
+        self.model.lru.retain(|b| !after.contains(b));
+    }
+
+    /// Called after blocks were registered: a held block registered under an unpinned block pins
+    /// it (and its ancestors).
+    fn model_registered(&mut self) {
+        let pinned = self.pinned(None);
+        self.model.lru.retain(|b| !pinned.contains(b));
     }
 
     fn exclusive(&self, block: u32) -> bool {
@@ -399,6 +454,7 @@ impl Harness {
             self.model.by_key.insert(key, b);
             stored += 1;
         }
+        self.model_registered();
         stored
     }
 
@@ -657,8 +713,20 @@ impl Harness {
             }
             Op::Clear => {
                 self.kv.clear();
+                let pinned = self.pinned(None);
                 let lru = std::mem::take(&mut self.model.lru);
                 self.model.free.extend(lru);
+                // Registered blocks without holders that only a held descendant pinned are
+                // freed too, by id.
+                let mut pinned_only: Vec<u32> = self
+                    .model
+                    .registry
+                    .keys()
+                    .copied()
+                    .filter(|&b| self.holders(b) == 0 && pinned.contains(&b))
+                    .collect();
+                pinned_only.sort_unstable();
+                self.model.free.extend(pinned_only);
                 self.model.registry.clear();
                 self.model.by_key.clear();
             }
@@ -696,6 +764,7 @@ impl Harness {
             (pool.free_blocks(), pool.cached_blocks()),
             (self.model.free.len(), self.model.lru.len())
         );
+        let pinned = self.pinned(None);
         for b in 0..total as u32 {
             let holders = self.holders(b);
             assert_eq!(
@@ -704,11 +773,11 @@ impl Harness {
                 "ref count of block {b}"
             );
             let registered = self.model.registry.get(&b);
-            let expected = match (holders, registered.is_some()) {
-                (0, false) => BlockState::Free,
-                (0, true) => BlockState::CachedEvictable,
-                (_, false) => BlockState::Owned,
-                (_, true) => BlockState::CachedHeld,
+            let expected = match (pinned.contains(&b), registered.is_some()) {
+                (false, false) => BlockState::Free,
+                (false, true) => BlockState::CachedEvictable,
+                (true, false) => BlockState::Owned,
+                (true, true) => BlockState::CachedHeld,
             };
             assert_eq!(pool.state(BlockId(b)), Some(expected), "state of block {b}");
             if let Some((prefix, extra)) = registered {
@@ -752,9 +821,11 @@ proptest! {
     fn cache_matches_the_naive_model(
         num_blocks in 4usize..14,
         block_size in 1usize..4,
+        wide in any::<bool>(),
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut harness = Harness::new(num_blocks, block_size);
+        let kind = if wide { HashKind::Xxh3x128 } else { HashKind::Xxh3x64 };
+        let mut harness = Harness::new(num_blocks, block_size, kind);
         for op in &ops {
             harness.apply(op);
             harness.check();
