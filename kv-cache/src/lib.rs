@@ -104,15 +104,15 @@
 //!
 //! | prompts, pool | ns/block op | median µs/request | p99 µs/request | hit tokens | evictions |
 //! |---|---|---|---|---|---|
-//! | 1×, N = 16,384 (evicts) | 25.2 | 3.79 | 7.71 | 3,005,280 | 10,797 |
-//! | 1×, N = 262,144 (never evicts) | 25.2 | 3.83 | 7.42 | 3,005,280 | 0 |
-//! | 8×, N = 131,072 (evicts) | 19.4 | 23.45 | 46.75 | 24,114,720 | 86,593 |
-//! | 8×, N = 2,097,152 (never evicts) | 19.3 | 23.29 | 46.35 | 24,114,720 | 0 |
+//! | 1×, N = 16,384 (evicts) | 25.8 | 3.90 | 7.68 | 3,005,280 | 10,797 |
+//! | 1×, N = 262,144 (never evicts) | 25.4 | 3.82 | 7.21 | 3,005,280 | 0 |
+//! | 8×, N = 131,072 (evicts) | 19.2 | 22.87 | 47.58 | 24,114,720 | 86,593 |
+//! | 8×, N = 2,097,152 (never evicts) | 18.3 | 21.93 | 43.59 | 24,114,720 | 0 |
 //!
 //! with no heap allocation in the timed operations, hit digests `130d11bc18c09885` (1×) and
-//! `e3e8b668ecbf3f6a` (8×), and, per phase at 1×, lookup 15.0, allocate 0.9, insert 6.7 and
-//! free 2.8 ns per block operation. Figures on a shared machine move by several percent from run
-//! to run.
+//! `e3e8b668ecbf3f6a` (8×), and, per phase at 1× (N = 16,384), lookup 14.8, allocate 0.9, insert
+//! 6.5 and free 2.9 ns per block operation. Figures on a shared machine move by several percent
+//! from run to run.
 //!
 //! At the never-evicting size the per-request hits equal those of the bench's naive model. A
 //! block operation costs less at 8× longer prompts than at 1× (per-request costs spread over more

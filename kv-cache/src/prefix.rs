@@ -233,9 +233,15 @@ impl KvCache {
                     .take_while(|(id, chunk)| self.pool.holds(id.0, chunk))
                     .count();
                 out.truncate(i + verified);
-                for (k, id) in out[i..].iter().enumerate() {
-                    if keys.hashes.len() == i + k {
-                        keys.hashes.push(self.pool.key_of(id.0));
+                if keys.hashes.len() == i {
+                    let pool = &self.pool;
+                    keys.hashes
+                        .extend(out[i..].iter().map(|id| pool.key_of(id.0)));
+                } else {
+                    for (k, id) in out[i..].iter().enumerate() {
+                        if keys.hashes.len() == i + k {
+                            keys.hashes.push(self.pool.key_of(id.0));
+                        }
                     }
                 }
                 if let Some(last) = out.last() {
@@ -440,7 +446,8 @@ impl KvCache {
         }
         // Outside this function every mark is clear, so clearing whole words is enough (and
         // stores do not wait on each other as read-modify-writes of one word would).
-        for &id in &blocks[..checked] {
+        // Only uncached blocks were marked, and none comes before `first_new`.
+        for &id in &blocks[first_new.unwrap_or(checked).min(checked)..checked] {
             if let Some(word) = self.marks.get_mut(id.index() / 64) {
                 *word = 0;
             }
