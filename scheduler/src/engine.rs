@@ -14,7 +14,8 @@
 //!    digest), then `HostLogits`.
 //! 4. **Prefill**: sequences whose prompt is not complete advance by chunks, within the step's
 //!    token budget (`max_step_tokens` minus the decode rows) and `max_prefill_chunk` per row.
-//! 5. `MarconiCheckpoint` for every sequence that [`Sequence::checkpoint_due`].
+//! 5. `MarconiCheckpoint` for every sequence that [`Sequence::checkpoint_due`] (live, or ended
+//!    by its own output this step: that position is real).
 //! 6. Ended requests are released (`ReleaseSeq { cache: true }` when finished or cancelled,
 //!    `cache: false` when failed) and their final event is sent. A release the router refuses is
 //!    retried without caching; if that fails too, the sequence becomes an *orphan* that is
@@ -22,6 +23,11 @@
 //! 7. **Compaction**: survivors holding slots at or above `n` (the number of slot holders,
 //!    orphans included) move down with `CompactSlot` into slots below `n` that neither a survivor
 //!    nor an orphan holds, so live sequences occupy slots `0..n`.
+//!
+//! With a router whose `max_depth()` is 2, a step with only greedy or forced decode rows keeps
+//! one decode step in flight instead: it launches step t+1 (`DecodeFed`) before it reads step t,
+//! and falls back to the step above (after awaiting what is in flight) by the drain rule; see
+//! [`pipeline`] for the protocol, the over-run rollback and the rule.
 //!
 //! A launch that finds the KV pool (or the slots) dry changed nothing; the engine first releases
 //! requests that ended earlier in the step, else preempts a victim (fewest generated tokens, not
@@ -58,6 +64,10 @@ use device_io::{
     DeviceError, DeviceIo, Effect, Readback, RowOutput, SeqSpec, Sequence, StepPlan, StepResult,
 };
 use xxhash_rust::xxh3::Xxh3;
+
+mod pipeline;
+
+pub use pipeline::PipelineFault;
 
 use crate::event::{Event, FinishReason, ServeError, Usage};
 use crate::guard::Guarded;
@@ -294,6 +304,10 @@ struct Active<S> {
     req: Tracked,
     /// Whether the sequence is a row of the plan being built or settled.
     in_plan: bool,
+    /// Whether the sequence is a row of the decode step in flight (depth 2).
+    in_flight: bool,
+    /// Never offer the sequence to the prefix cache (a rollback of its over-run failed).
+    no_cache: bool,
 }
 
 #[derive(Debug)]
@@ -320,6 +334,12 @@ struct Scratch {
     slot_used: Vec<bool>,
     /// The allocation of the per-launch `Vec<&mut Seq>`, kept empty between launches.
     rows: Vec<usize>,
+    /// The per-row sources of a fed step.
+    sources: Vec<device_io::Feed>,
+    /// Logits copied with `ReadLogits` for digests at depth 2.
+    logit_bytes: Vec<u8>,
+    /// A spare row-id list for the next step in flight.
+    flight_ids: Vec<u64>,
 }
 
 /// Reuses the allocation of an (emptied) vector for elements of another type of the same size
@@ -371,6 +391,12 @@ pub struct Engine<D: DeviceIo> {
     shutdown_requested: Option<ShutdownMode>,
     closed: bool,
     scratch: Scratch,
+    /// The router's depth (2: the engine may keep a decode step in flight).
+    depth: usize,
+    /// The decode step in flight, launched and not awaited yet (depth 2).
+    flight: Option<pipeline::Flight>,
+    /// A deliberate fault of the depth-2 protocol (the oracle's negative control).
+    pipeline_fault: Option<PipelineFault>,
 }
 
 impl<D: DeviceIo> std::fmt::Debug for Engine<D> {
@@ -431,8 +457,11 @@ where
             rows: Vec::with_capacity(config.max_running),
             tokens: Vec::with_capacity(config.max_running),
             budgets: Vec::with_capacity(config.max_running),
+            sources: Vec::with_capacity(config.max_running),
+            flight_ids: Vec::with_capacity(config.max_running),
             ..Scratch::default()
         };
+        let depth = router.inner().max_depth();
         Ok(Engine {
             router,
             config,
@@ -451,6 +480,9 @@ where
             shutdown_requested: None,
             closed: false,
             scratch,
+            depth,
+            flight: None,
+            pipeline_fault: None,
         })
     }
 
@@ -567,20 +599,51 @@ where
         self.metrics.steps += 1;
         let mut report = StepReport::default();
         if self.abandon_if_lost() {
-            report.ended = std::mem::take(&mut self.step_ended);
-            return report;
+            return self.end_step(report);
+        }
+        // Depth 2: run ahead (launch the next fed step, then read the one in flight), or drain.
+        if self.flight.is_some() && self.run_ahead(&mut report) {
+            self.checkpoints(false);
+            // Rows of the step in flight stay; compaction waits for a step with nothing in flight.
+            self.release_ended(false);
+            return self.end_step(report);
+        }
+        if self.abandon_if_lost() {
+            return self.end_step(report);
         }
         report.admitted = self.admit();
+        if self.can_start_flight() {
+            self.release_ended(true);
+            if self.router.lost().is_none() && self.start_flight() {
+                self.checkpoints(false);
+                self.abandon_if_lost();
+                return self.end_step(report);
+            }
+        }
         let preemptions_before = self.metrics.preemptions;
-        report.decode_rows = self.launch_loop(PlanKind::Decode, 0).0;
-        let (rows, tokens) = self.launch_loop(PlanKind::Prefill, report.decode_rows);
+        let (decode_rows, _) = self.launch_loop(PlanKind::Decode, 0);
+        report.decode_rows += decode_rows;
+        let (rows, tokens) = self.launch_loop(PlanKind::Prefill, decode_rows);
         report.prefill_rows = rows;
         report.prefill_tokens = tokens;
         report.preempted = (self.metrics.preemptions - preemptions_before) as usize;
-        self.checkpoints();
+        // A row that ended by its own output this step still computed a real position, so its
+        // checkpoint is taken as at depth 2 (where it is taken before the output is read).
+        self.checkpoints(true);
+        self.release_ended(true);
+        self.end_step(report)
+    }
+
+    /// Releases the ended requests that are not rows of a step in flight, compacts the
+    /// survivors' slots (when `compact`), and retries the orphans; unless the device is lost,
+    /// which ends every request at once with nothing released on it.
+    fn release_ended(&mut self, compact: bool) {
         // A device lost during the step fails everything before anything is released on it.
-        if !self.abandon_if_lost() {
-            self.retire_ended();
+        if self.abandon_if_lost() {
+            return;
+        }
+        self.retire_ended();
+        if compact {
             for _ in 0..3 {
                 // A failed `CompactSlot` ends its request; release it and compact again.
                 if self.compact() {
@@ -588,11 +651,14 @@ where
                 }
                 self.retire_ended();
             }
-            if !self.orphans.is_empty() {
-                self.release_orphans();
-            }
-            self.abandon_if_lost();
         }
+        if !self.orphans.is_empty() {
+            self.release_orphans();
+        }
+        self.abandon_if_lost();
+    }
+
+    fn end_step(&mut self, mut report: StepReport) -> StepReport {
         report.ended = std::mem::take(&mut self.step_ended);
         report
     }
@@ -606,6 +672,8 @@ where
         let Some(lost) = self.router.lost() else {
             return false;
         };
+        // A step in flight on a lost device is never awaited.
+        self.flight = None;
         let message = match lost {
             DeviceError::DeviceLost(message) => message.clone(),
             other => other.to_string(),
@@ -661,6 +729,8 @@ where
                 self.step();
             }
         }
+        // Nothing may be released while a step computes on it.
+        self.drain_flight();
         if self.abandon_if_lost() {
             // Nothing but the teardown reaches a lost router; what it reports is moot.
             let Engine { router, .. } = self;
@@ -770,7 +840,8 @@ where
             .sum()
     }
 
-    fn admit(&mut self) -> usize {
+    /// How many requests may run at once now, and the KV blocks admission may still hand out.
+    fn admission_room(&self) -> (usize, usize) {
         let facts = self.router.facts();
         // Orphans still hold their slots until the router takes them back.
         let slots = facts.live_slots_total.saturating_sub(self.orphans.len());
@@ -786,16 +857,34 @@ where
             .sum();
         let reclaimable = (facts.kv_blocks_free + facts.kv_blocks_cached)
             .min(facts.kv_blocks_total.saturating_sub(held));
-        let mut available = reclaimable.saturating_sub(self.committed_blocks());
+        (cap, reclaimable.saturating_sub(self.committed_blocks()))
+    }
+
+    /// Whether the waiting request at the head of the queue fits now (what `admit` checks).
+    fn head_fits(&self, available: usize) -> bool {
+        self.waiting.front().is_some_and(|front| {
+            let needed = self.limits.blocks_for(front.req.tokens.len() + 1);
+            // With nothing running the head always goes: the pool can hold it alone, since
+            // requests that can never fit were refused at submission.
+            needed <= available || self.running.is_empty()
+        })
+    }
+
+    /// Whether `admit` would admit a request now.
+    fn would_admit(&self) -> bool {
+        let (cap, available) = self.admission_room();
+        self.running.len() < cap && self.head_fits(available)
+    }
+
+    fn admit(&mut self) -> usize {
+        let (cap, mut available) = self.admission_room();
         let mut admitted = 0;
         while self.running.len() < cap {
             let Some(front) = self.waiting.front() else {
                 break;
             };
             let needed = self.limits.blocks_for(front.req.tokens.len() + 1);
-            // With nothing running the head always goes: the pool can hold it alone, since
-            // requests that can never fit were refused at submission.
-            if needed > available && !self.running.is_empty() {
+            if !self.head_fits(available) {
                 break;
             }
             let Some(Waiting { mut req, spilled }) = self.waiting.pop_front() else {
@@ -838,6 +927,8 @@ where
                 seq,
                 req,
                 in_plan: false,
+                in_flight: false,
+                no_cache: false,
             });
         }
         admitted
@@ -1273,16 +1364,26 @@ where
         });
     }
 
-    fn checkpoints(&mut self) {
+    /// Applies `MarconiCheckpoint` to every live sequence the router asked it for; with
+    /// `ended_by_output`, also to those whose output ended them in this step (not failed ones).
+    fn checkpoints(&mut self, ended_by_output: bool) {
+        if self.router.lost().is_some() {
+            return;
+        }
         let Engine {
             router,
             running,
             metrics,
             ..
         } = self;
+        let wanted = |a: &Active<D::Seq>| match &a.req.end {
+            None => true,
+            Some(End::Finish(_)) => ended_by_output,
+            Some(End::Fail(_)) => false,
+        };
         for active in running
             .iter_mut()
-            .filter(|a| a.req.end.is_none() && a.seq.checkpoint_due())
+            .filter(|a| a.seq.checkpoint_due() && wanted(a))
         {
             match router.apply(Effect::MarconiCheckpoint {
                 seq: &mut active.seq,
@@ -1301,11 +1402,18 @@ where
     fn retire_ended(&mut self) {
         let mut index = 0;
         while index < self.running.len() {
-            if self.running[index].req.end.is_none() {
+            let active = &self.running[index];
+            // A row in flight is released once its step settles (and its over-run is undone).
+            if active.req.end.is_none() || active.in_flight {
                 index += 1;
                 continue;
             }
-            let Active { seq, mut req, .. } = self.running.remove(index);
+            let Active {
+                seq,
+                mut req,
+                no_cache,
+                ..
+            } = self.running.remove(index);
             self.step_ended += 1;
             let Some(end) = req.end.take() else {
                 continue;
@@ -1317,7 +1425,7 @@ where
                     } else {
                         "finish"
                     };
-                    match self.release(seq, true, what) {
+                    match self.release(seq, !no_cache, what) {
                         Ok(_) => {
                             if reason == FinishReason::Cancelled {
                                 self.metrics.cancelled += 1;

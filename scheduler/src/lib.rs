@@ -69,6 +69,8 @@ pub mod sampling;
 pub mod spill;
 pub mod workload;
 
+#[doc(hidden)]
+pub use engine::PipelineFault;
 pub use engine::{Engine, EngineConfig, EngineError, Preemption};
 pub use event::{Event, FinishReason, ServeError, Usage};
 pub use handle::{Completion, EngineClient, EngineThread, RequestHandle, ShutdownMode};

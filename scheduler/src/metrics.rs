@@ -58,6 +58,17 @@ pub struct Metrics {
     /// Sequences whose release failed twice; the engine retries it every step (and before
     /// teardown) until the router takes them back.
     pub orphaned_sequences: u64,
+    /// `DecodeFed` steps launched ahead of the host (depth 2); each also counts in
+    /// `decode_launches` once it settles.
+    pub fed_launches: u64,
+    /// Over-runs discarded and undone with `Rollback` (rows that stopped or were cancelled while
+    /// their next step was already computing).
+    pub rollbacks: u64,
+    /// `Rollback`s the router refused (those sequences are released without caching).
+    pub rollback_failures: u64,
+    /// Steps that found a step in flight and could not run ahead (admission, prefill work, a
+    /// compaction, host logits, a dry pool), so awaited it first and ran at depth 1.
+    pub pipeline_drains: u64,
 }
 
 impl Metrics {
@@ -89,6 +100,10 @@ impl Metrics {
             marconi_checkpoint_failures: self.marconi_checkpoint_failures
                 - earlier.marconi_checkpoint_failures,
             orphaned_sequences: self.orphaned_sequences - earlier.orphaned_sequences,
+            fed_launches: self.fed_launches - earlier.fed_launches,
+            rollbacks: self.rollbacks - earlier.rollbacks,
+            rollback_failures: self.rollback_failures - earlier.rollback_failures,
+            pipeline_drains: self.pipeline_drains - earlier.pipeline_drains,
         }
     }
 }

@@ -53,6 +53,20 @@ impl Sampler {
         matches!(self.kind, Kind::Random { .. })
     }
 
+    /// Where the input after the next chosen token comes from before the host has read it: the
+    /// device argmax itself (greedy, or forced once the list is spent), the forced token, or
+    /// nowhere (a random sampler needs the logits first).
+    pub fn run_ahead(&self) -> RunAhead {
+        match &self.kind {
+            Kind::Greedy => RunAhead::DeviceArgmax,
+            Kind::Random { .. } => RunAhead::NeedsLogits,
+            Kind::Forced { tokens, next } => match tokens.get(*next) {
+                Some(&token) => RunAhead::Known(token),
+                None => RunAhead::DeviceArgmax,
+            },
+        }
+    }
+
     /// The next token when only the device argmax is known (never called for a random sampler,
     /// which [`Self::needs_logits`]).
     pub fn choose_with_argmax(&mut self, argmax: u32) -> u32 {
@@ -70,6 +84,18 @@ impl Sampler {
             Kind::Random { params, rng } => sample(logits, params, rng, scratch),
         }
     }
+}
+
+/// How the token a sampler will choose next is known ahead of the host reading the step that
+/// produces it (what lets the engine run a step ahead).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunAhead {
+    /// It is the device argmax: a fed step takes it from the device's feed cell.
+    DeviceArgmax,
+    /// It is this token, whatever the device computes.
+    Known(u32),
+    /// Only the host logits decide it.
+    NeedsLogits,
 }
 
 fn take_forced(tokens: &[u32], next: &mut usize, fallback: u32) -> u32 {
@@ -263,6 +289,28 @@ mod tests {
         assert!(!forced.needs_logits());
         assert_eq!(forced.choose_with_argmax(9), 4);
         assert_eq!(forced.choose_from_logits(&[0.0, 2.0], &mut scratch), 5);
+    }
+
+    #[test]
+    fn what_a_step_ahead_can_know() {
+        assert_eq!(
+            Sampler::new(Sampling::Greedy).run_ahead(),
+            RunAhead::DeviceArgmax
+        );
+        let mut forced = Sampler::new(Sampling::Forced(vec![4, 5]));
+        assert_eq!(forced.run_ahead(), RunAhead::Known(4));
+        forced.choose_with_argmax(0);
+        assert_eq!(forced.run_ahead(), RunAhead::Known(5));
+        forced.choose_with_argmax(0);
+        assert_eq!(forced.run_ahead(), RunAhead::DeviceArgmax);
+        let random = Sampler::new(Sampling::Random(RandomSampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 1,
+        }));
+        assert_eq!(random.run_ahead(), RunAhead::NeedsLogits);
     }
 
     #[test]

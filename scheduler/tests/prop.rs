@@ -1,9 +1,15 @@
-//! Property test of the engine over the scripted router: random submissions, cancellations,
-//! steps and injected faults on a small pool. Whatever the interleaving, every request's stream is
-//! tokens then exactly one final event; a request that finished by length produced exactly the
-//! router's tokens (preemption, spill and compaction never change them); a cancelled one produced
-//! a prefix of them; only injected faults fail requests (an injected dry pool only when the
-//! request was alone); and the pool and slots end free.
+//! Property test of the engine over the scripted router, at depth 1 and at depth 2: random
+//! submissions (some with a stop token), cancellations, steps and injected faults on a small
+//! pool. Whatever the interleaving, every request's stream is tokens then exactly one final
+//! event; a request that finished by length or by its stop token produced exactly the router's
+//! tokens up to that point (preemption, spill, compaction and pipelining never change them); a
+//! cancelled one produced a prefix of them; only injected faults fail requests (an injected dry
+//! pool only when the request was alone); and the pool and slots end free.
+//!
+//! At depth 2 the router's input log shows that the device fed each request exactly the tokens
+//! it emitted, in place, and never its last one (an over-run is rolled back, so its input is
+//! gone from the log), and the router's rollbacks name only requests that ended by a stop token,
+//! a cancel or a failure, never one that reached its length (which the engine sees coming).
 
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
@@ -14,18 +20,26 @@ use scheduler::{
 
 #[derive(Debug, Clone)]
 enum Op {
-    Submit { prompt: usize, max_tokens: usize },
+    /// With `stop_at`, the request's stop token is the router's answer at that output index.
+    Submit {
+        prompt: usize,
+        max_tokens: usize,
+        stop_at: Option<usize>,
+    },
     Cancel(usize),
     Step,
     FailNextLaunch,
     FailNextEffect(&'static str),
     ExhaustNextLaunch,
     ExhaustNextRestore,
+    /// The next `await_result` fails (its step, and a fed step after it, are lost).
+    FailNextAwait,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (1usize..20, 1usize..16).prop_map(|(prompt, max_tokens)| Op::Submit { prompt, max_tokens }),
+        4 => (1usize..20, 1usize..16, proptest::option::of(0usize..12))
+            .prop_map(|(prompt, max_tokens, stop_at)| Op::Submit { prompt, max_tokens, stop_at }),
         1 => (0usize..16).prop_map(Op::Cancel),
         6 => Just(Op::Step),
         1 => Just(Op::FailNextLaunch),
@@ -34,17 +48,21 @@ fn op() -> impl Strategy<Value = Op> {
             Just("CompactSlot"),
             Just("SaveSequenceState"),
             Just("RestoreSequenceState"),
+            Just("ReserveKv"),
+            Just("MarconiCheckpoint"),
         ]
         .prop_map(Op::FailNextEffect),
         1 => Just(Op::ExhaustNextLaunch),
         1 => Just(Op::ExhaustNextRestore),
+        1 => Just(Op::FailNextAwait),
     ]
 }
 
 struct Tracked {
     handle: RequestHandle,
-    prompt: usize,
+    prompt: Vec<u32>,
     max_tokens: usize,
+    stop: Option<u32>,
 }
 
 fn injected() -> DeviceError {
@@ -58,13 +76,13 @@ fn exhausted() -> DeviceError {
     DeviceError::KvExhausted { needed: 1, free: 0 }
 }
 
-fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseError> {
+fn run(ops: &[Op], spill: bool, max_step_tokens: usize, depth: usize) -> Result<(), TestCaseError> {
     let router = ScriptedRouter::new(ScriptedConfig {
         block_size: 4,
         num_blocks: 12,
         num_slots: 3,
         vocab_size: 500,
-        max_depth: 1,
+        max_depth: depth,
     });
     let initial = DeviceFacts {
         live_slots_used: 0,
@@ -87,13 +105,26 @@ fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseEr
     let mut faults = 0;
     for op in ops {
         match op {
-            Op::Submit { prompt, max_tokens } => {
+            Op::Submit {
+                prompt,
+                max_tokens,
+                stop_at,
+            } => {
                 let tokens: Vec<u32> = (0..*prompt as u32).map(|t| (t * 3 + 1) % 500).collect();
-                let handle = engine.submit(Request::greedy(tokens, *max_tokens)).unwrap();
+                // Ids are handed out in submission order from 1.
+                let id = requests.len() as u64 + 1;
+                let stop = stop_at.map(|at| engine.router().fallback_token(id, prompt + at));
+                let mut request = Request::greedy(tokens.clone(), *max_tokens);
+                if let Some(stop) = stop {
+                    request = request.with_stop_tokens(vec![stop]);
+                }
+                let handle = engine.submit(request).unwrap();
+                prop_assert_eq!(handle.id(), id);
                 requests.push(Tracked {
                     handle,
-                    prompt: *prompt,
+                    prompt: tokens,
                     max_tokens: *max_tokens,
+                    stop,
                 });
             }
             Op::Cancel(index) => {
@@ -122,6 +153,10 @@ fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseEr
                     .router()
                     .inject(FaultAt::Effect("RestoreSequenceState"), exhausted());
             }
+            Op::FailNextAwait => {
+                faults += 1;
+                engine.router().inject(FaultAt::Await, injected());
+            }
         }
     }
     engine.run_until_idle();
@@ -135,11 +170,19 @@ fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseEr
     }
     prop_assert_eq!(engine.orphans_len(), 0);
     let mut failures = 0;
+    let rollbacks = engine.router().rollbacks();
     for request in &requests {
         let id = request.handle.id();
-        let expected: Vec<u32> = (0..request.max_tokens)
-            .map(|i| engine.router().fallback_token(id, request.prompt + i))
-            .collect();
+        let prompt = request.prompt.len();
+        // The router's tokens, up to and including the first stop token.
+        let mut expected: Vec<u32> = Vec::new();
+        for i in 0..request.max_tokens {
+            let token = engine.router().fallback_token(id, prompt + i);
+            expected.push(token);
+            if Some(token) == request.stop {
+                break;
+            }
+        }
         let events: Vec<Event> = request.handle.events().try_iter().collect();
         let (last, tokens) = events.split_last().expect("a stream without a final event");
         let tokens: Vec<u32> = tokens
@@ -150,24 +193,50 @@ fn run(ops: &[Op], spill: bool, max_step_tokens: usize) -> Result<(), TestCaseEr
             })
             .collect::<Result<_, _>>()?;
         prop_assert!(expected.starts_with(&tokens), "{tokens:?} vs {expected:?}");
+        let rolled_back = rollbacks.iter().filter(|&&r| r == id).count();
         match last {
             Event::Finished {
-                reason: FinishReason::Length,
+                reason: reason @ (FinishReason::Length | FinishReason::Stop(_)),
                 usage,
                 ..
             } => {
                 prop_assert_eq!(&tokens, &expected);
-                prop_assert_eq!(usage.generated_tokens, request.max_tokens);
+                prop_assert_eq!(usage.generated_tokens, expected.len());
+                if *reason == FinishReason::Length {
+                    prop_assert_eq!(rolled_back, 0, "request {} reached its length", id);
+                } else {
+                    prop_assert_eq!(Some(*expected.last().unwrap()), request.stop);
+                }
             }
             Event::Finished {
                 reason: FinishReason::Cancelled,
                 ..
             } => {}
-            Event::Finished { reason, .. } => {
-                return Err(TestCaseError::fail(format!("unexpected {reason:?}")))
-            }
             Event::Error(_) => failures += 1,
             Event::Token(_) => return Err(TestCaseError::fail("the stream ends with a token")),
+        }
+        prop_assert!(
+            rolled_back <= 1,
+            "request {} rolled back {} times",
+            id,
+            rolled_back
+        );
+        if matches!(last, Event::Finished { .. }) {
+            // Every input the device consumed at a decode position is the emitted token there,
+            // and the last emitted token was never fed (an over-run's input was rolled back).
+            let mut full = request.prompt.clone();
+            full.extend_from_slice(&tokens);
+            let inputs = engine.router().inputs(id);
+            for &(pos, token) in &inputs {
+                prop_assert!(
+                    pos + 1 < full.len() && full[pos] == token,
+                    "request {}: input {} at {} of {:?}",
+                    id,
+                    token,
+                    pos,
+                    full
+                );
+            }
         }
     }
     // A fault fails at most the rows of one plan (at most 3 live sequences) or one request.
@@ -193,7 +262,8 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
         spill in any::<bool>(),
         max_step_tokens in 4usize..24,
+        depth in 1usize..=2,
     ) {
-        run(&ops, spill, max_step_tokens)?;
+        run(&ops, spill, max_step_tokens, depth)?;
     }
 }

@@ -1,8 +1,9 @@
-//! Fault injection end to end: a wrapper router injects launch failures, effect failures and KV
-//! exhaustion into the host router under the engine. In every scenario exactly the requests the
-//! fault hit fail (or, for KV exhaustion, are preempted and still complete), every other request
-//! produces the same tokens and logits digest as a fault-free run, and afterwards every KV block
-//! and live slot is free again.
+//! Fault injection end to end: a wrapper router injects launch failures, await failures, effect
+//! failures and KV exhaustion into the host router under the engine, at pipeline depth 1 and 2.
+//! In every scenario exactly the requests the fault hit fail (or, for KV exhaustion, are
+//! preempted and still complete), every other request produces the same tokens and logits
+//! digest as a fault-free run at depth 1, and afterwards every KV block and live slot is free
+//! again.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -24,6 +25,8 @@ enum Trigger {
     Launch(usize, DeviceError),
     /// Every launch whose rows include this request fails with this error.
     LaunchWith(u64, DeviceError),
+    /// The `nth` await fails with this error (the step is lost: its rows are hit).
+    Await(usize, DeviceError),
     /// The `nth` effect of this name fails with this error.
     Effect(&'static str, usize, DeviceError),
 }
@@ -32,6 +35,9 @@ enum Trigger {
 struct Faults {
     triggers: Vec<Trigger>,
     launches: usize,
+    awaits: usize,
+    /// The request ids of each launched step's rows.
+    rows: std::collections::BTreeMap<Ticket, Vec<u64>>,
     effects: Vec<(&'static str, usize)>,
     /// The request ids each injected fault hit.
     hit: BTreeSet<u64>,
@@ -126,11 +132,29 @@ where
                 return Err(err);
             }
         }
-        self.inner.launch(plan, rows)
+        let ids: Vec<u64> = rows.iter().map(|seq| seq.id()).collect();
+        let ticket = self.inner.launch(plan, rows)?;
+        self.faults.lock().unwrap().rows.insert(ticket, ids);
+        Ok(ticket)
     }
 
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<D::Ptr>, DeviceError> {
-        self.inner.await_result(ticket)
+        let result = self.inner.await_result(ticket);
+        let mut faults = self.faults.lock().unwrap();
+        faults.awaits += 1;
+        let n = faults.awaits;
+        let ids = faults.rows.remove(&ticket).unwrap_or_default();
+        let fired = faults.triggers.iter().find_map(|trigger| match trigger {
+            Trigger::Await(nth, err) if *nth == n => Some(err.clone()),
+            _ => None,
+        });
+        if let Some(err) = fired {
+            // The step ran on the device, but its result is lost.
+            faults.hit.extend(ids);
+            faults.injected += 1;
+            return Err(err);
+        }
+        result
     }
 
     fn apply(&self, effect: Effect<'_, D::Seq, D::Ptr>) -> Result<EffectOutcome, DeviceError> {
@@ -200,8 +224,15 @@ struct Run {
     spill_fallbacks: u64,
 }
 
-fn run(model: &Model, num_blocks: usize, preemption: Preemption, triggers: Vec<Trigger>) -> Run {
+fn run(
+    model: &Model,
+    num_blocks: usize,
+    preemption: Preemption,
+    triggers: Vec<Trigger>,
+    depth: usize,
+) -> Run {
     let mut config = CpuRouterConfig::new(num_blocks, 4);
+    config.max_depth = depth;
     config.max_context = 112;
     config.prefix_cache = false;
     config.marconi = false;
@@ -238,7 +269,7 @@ fn run(model: &Model, num_blocks: usize, preemption: Preemption, triggers: Vec<T
 
 /// Checks a faulty run against the fault-free one: the hit requests failed as `expect_failure`
 /// says, every other one is identical, and the router's resources are all free again.
-fn check(name: &str, baseline: &Run, faulty: &Run, expect_failure: impl Fn(&ServeError) -> bool) {
+fn check(name: &str, baseline: &Run, faulty: &Run, expect_failure: &dyn Fn(&ServeError) -> bool) {
     assert!(faulty.injected > 0, "{name}: the fault never fired");
     assert!(!faulty.hit.is_empty(), "{name}: the fault hit no request");
     for ((id, base), (faulty_id, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
@@ -279,8 +310,10 @@ fn strip_times(mut run: Run) -> Run {
 fn each_fault_fails_only_the_requests_it_hit() {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
     let roomy = 64;
-    let baseline = strip_times(run(&model, roomy, Preemption::Recompute, vec![]));
+    let baseline = strip_times(run(&model, roomy, Preemption::Recompute, vec![], 1));
     assert_eq!(baseline.after, baseline.initial);
+    let pipelined = strip_times(run(&model, roomy, Preemption::Recompute, vec![], 2));
+    assert_eq!(pipelined.outcomes, baseline.outcomes);
 
     let device = |during: &'static str| move |err: &ServeError| matches!(err, ServeError::Device { during: d, .. } if *d == during);
     let scenarios: Vec<(&str, Vec<Trigger>, Expectation)> = vec![
@@ -299,76 +332,109 @@ fn each_fault_fails_only_the_requests_it_hit() {
             vec![Trigger::Effect("CompactSlot", 1, failed(Phase::Effect))],
             Box::new(device("CompactSlot")),
         ),
+        (
+            "the 9th await fails in the forward pass",
+            vec![Trigger::Await(9, failed(Phase::Forward))],
+            Box::new(|err: &ServeError| matches!(err, ServeError::Device { .. })),
+        ),
     ];
     for (name, triggers, expect) in scenarios {
-        let faulty = strip_times(run(&model, roomy, Preemption::Recompute, triggers));
-        check(name, &baseline, &faulty, expect);
+        for depth in [1, 2] {
+            let faulty = strip_times(run(
+                &model,
+                roomy,
+                Preemption::Recompute,
+                triggers.clone(),
+                depth,
+            ));
+            check(
+                &format!("{name}, depth {depth}"),
+                &baseline,
+                &faulty,
+                &expect,
+            );
+        }
     }
 }
 
 #[test]
 fn kv_exhaustion_preempts_instead_of_failing_unless_a_request_cannot_fit_alone() {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
-    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![]));
+    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![], 1));
     let exhausted = DeviceError::KvExhausted { needed: 1, free: 0 };
 
-    // A dry pool on the 3rd launch: the engine preempts a victim and relaunches; nobody fails.
-    let faulty = strip_times(run(
-        &model,
-        64,
-        Preemption::Recompute,
-        vec![Trigger::Launch(3, exhausted.clone())],
-    ));
-    assert_eq!(faulty.injected, 1);
-    assert!(faulty.preemptions >= 1);
-    for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
-        assert_eq!(outcome, base);
-    }
-    assert_eq!(faulty.after, faulty.initial);
-
-    // Request 3 never fits: it is preempted-around until it is alone, then fails; the others
-    // are untouched.
-    let faulty = strip_times(run(
-        &model,
-        64,
-        Preemption::Recompute,
-        vec![Trigger::LaunchWith(3, exhausted)],
-    ));
-    for ((id, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
-        if *id == 3 {
-            assert_eq!(outcome, &Err(ServeError::CannotFit { needed: 1, free: 0 }));
-        } else {
-            assert_eq!(outcome, base, "request {id}");
+    for depth in [1, 2] {
+        // A dry pool on the 3rd launch: the engine preempts a victim and relaunches (at depth
+        // 2, when it was a fed step, it decodes synchronously instead); nobody fails.
+        let faulty = strip_times(run(
+            &model,
+            64,
+            Preemption::Recompute,
+            vec![Trigger::Launch(3, exhausted.clone())],
+            depth,
+        ));
+        assert_eq!(faulty.injected, 1);
+        if depth == 1 {
+            assert!(faulty.preemptions >= 1);
         }
+        for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+            assert_eq!(outcome, base, "depth {depth}");
+        }
+        assert_eq!(faulty.after, faulty.initial);
+
+        // Request 3 never fits: it is preempted-around until it is alone, then fails; the
+        // others are untouched.
+        let faulty = strip_times(run(
+            &model,
+            64,
+            Preemption::Recompute,
+            vec![Trigger::LaunchWith(3, exhausted.clone())],
+            depth,
+        ));
+        for ((id, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+            if *id == 3 {
+                assert_eq!(
+                    outcome,
+                    &Err(ServeError::CannotFit { needed: 1, free: 0 }),
+                    "depth {depth}"
+                );
+            } else {
+                assert_eq!(outcome, base, "request {id}, depth {depth}");
+            }
+        }
+        assert_eq!(faulty.after, faulty.initial);
     }
-    assert_eq!(faulty.after, faulty.initial);
 }
 
 #[test]
 fn a_real_dry_pool_and_a_failed_spill_still_give_identical_outputs() {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
-    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![]));
-    // 10 blocks of 16 cannot hold four of these requests at once: real preemption, by spill,
-    // and the first spill's SaveSequenceState fails (the engine recomputes that one instead).
-    let faulty = strip_times(run(
-        &model,
-        10,
-        Preemption::Spill(SpillTarget::Memory),
-        vec![Trigger::Effect(
-            "SaveSequenceState",
-            1,
-            failed(Phase::Effect),
-        )],
-    ));
-    assert_eq!(faulty.injected, 1);
-    assert!(faulty.preemptions >= 2, "{}", faulty.preemptions);
-    assert_eq!(faulty.spill_fallbacks, 1);
-    assert!(faulty.spills >= 1);
-    assert_eq!(faulty.spills, faulty.restores);
-    for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
-        assert_eq!(outcome, base);
+    let baseline = strip_times(run(&model, 64, Preemption::Recompute, vec![], 1));
+    for depth in [1, 2] {
+        // 10 blocks of 16 cannot hold four of these requests at once: real preemption, by
+        // spill, and the first spill's SaveSequenceState fails (the engine recomputes that one
+        // instead).
+        let faulty = strip_times(run(
+            &model,
+            10,
+            Preemption::Spill(SpillTarget::Memory),
+            vec![Trigger::Effect(
+                "SaveSequenceState",
+                1,
+                failed(Phase::Effect),
+            )],
+            depth,
+        ));
+        assert_eq!(faulty.injected, 1);
+        assert!(faulty.preemptions >= 2, "{}", faulty.preemptions);
+        assert_eq!(faulty.spill_fallbacks, 1);
+        assert!(faulty.spills >= 1);
+        assert_eq!(faulty.spills, faulty.restores);
+        for ((_, base), (_, outcome)) in baseline.outcomes.iter().zip(&faulty.outcomes) {
+            assert_eq!(outcome, base, "depth {depth}");
+        }
+        assert_eq!(faulty.after, faulty.initial);
     }
-    assert_eq!(faulty.after, faulty.initial);
 }
 
 #[test]
@@ -376,10 +442,17 @@ fn a_dry_pool_first_reclaims_requests_that_ended_earlier_in_the_step() {
     // Step 3 decodes a's last token (a ends, still holding its blocks), then launches b's next
     // prefill chunk (launch 4), which finds the pool dry. b is the only live request, but it is
     // not alone: a's blocks come back once a is released, so b must not fail.
+    for depth in [1, 2] {
+        dry_pool_reclaim_at(depth);
+    }
+}
+
+fn dry_pool_reclaim_at(depth: usize) {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
     let mut config = CpuRouterConfig::new(16, 2);
     config.prefix_cache = false;
     config.marconi = false;
+    config.max_depth = depth;
     let exhausted = DeviceError::KvExhausted { needed: 1, free: 0 };
     let router = Faulty::new(
         CpuRouter::new(model, config).unwrap(),
@@ -414,11 +487,10 @@ fn a_dry_pool_first_reclaims_requests_that_ended_earlier_in_the_step() {
 #[test]
 fn a_refused_marconi_checkpoint_costs_only_caching() {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
-    let run = |triggers: Vec<Trigger>| {
-        let router = Faulty::new(
-            CpuRouter::new(model.clone(), CpuRouterConfig::new(64, 4)).unwrap(),
-            triggers,
-        );
+    let run = |triggers: Vec<Trigger>, depth: usize| {
+        let mut config = CpuRouterConfig::new(64, 4);
+        config.max_depth = depth;
+        let router = Faulty::new(CpuRouter::new(model.clone(), config).unwrap(), triggers);
         let mut engine = Engine::new(router, EngineConfig::default()).unwrap();
         let handles: Vec<_> = requests()
             .into_iter()
@@ -437,20 +509,29 @@ fn a_refused_marconi_checkpoint_costs_only_caching() {
         engine.shutdown(ShutdownMode::Drain).unwrap();
         (outputs, injected, metrics)
     };
-    let (reference, _, clean) = run(vec![]);
+    let (reference, _, clean) = run(vec![], 1);
     assert!(clean.marconi_checkpoints > 0, "{clean:?}");
-    let refused = Trigger::Effect("MarconiCheckpoint", 1, failed(Phase::Effect));
-    let (outputs, injected, metrics) = run(vec![refused]);
-    assert_eq!(injected, 1);
-    assert_eq!(metrics.marconi_checkpoint_failures, 1);
-    assert_eq!(metrics.failed, 0);
-    assert_eq!(outputs, reference);
+    for depth in [1, 2] {
+        let refused = Trigger::Effect("MarconiCheckpoint", 1, failed(Phase::Effect));
+        let (outputs, injected, metrics) = run(vec![refused], depth);
+        assert_eq!(injected, 1);
+        assert_eq!(metrics.marconi_checkpoint_failures, 1);
+        assert_eq!(metrics.failed, 0);
+        assert_eq!(outputs, reference, "depth {depth}");
+    }
 }
 
 #[test]
 fn a_lost_device_ends_every_unfinished_request_and_the_engine_stops_cleanly() {
+    for depth in [1, 2] {
+        lost_device_at(depth);
+    }
+}
+
+fn lost_device_at(depth: usize) {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
     let mut config = CpuRouterConfig::new(64, 4);
+    config.max_depth = depth;
     config.max_context = 112;
     config.prefix_cache = false;
     config.marconi = false;

@@ -1,7 +1,10 @@
-//! A golden trace of the engine over the host router: a small scenario that admits, prefills in
+//! Golden traces of the engine over the host router: a small scenario that admits, prefills in
 //! chunks, decodes, finishes, compacts slots and preempts by spill, recorded through
-//! `TracingDeviceIo` step by step and compared with `tests/golden/engine_scenario.trace`
-//! (regenerate with `cargo xtask codegen`).
+//! `TracingDeviceIo` step by step and compared with `tests/golden/engine_scenario.trace`; and the
+//! same scenario on the pipelined router (depth 2), where one request stops on a stop token while
+//! its next step is in flight, in `tests/golden/engine_pipelined.trace`: reservations, fed steps
+//! launched before the previous step is awaited, the rollback of the over-run, and the drains.
+//! Regenerate both with `cargo xtask codegen`.
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_trace::{TraceSink, TracingDeviceIo};
@@ -12,8 +15,15 @@ fn prompt(len: u32, salt: u32) -> Vec<u32> {
     (0..len).map(|t| (t * 11 + salt) % 256).collect()
 }
 
-#[test]
-fn engine_scenario_matches_its_golden_trace() {
+/// What a scenario run produced: the trace text and each request's tokens.
+struct Scenario {
+    text: String,
+    tokens: Vec<Vec<u32>>,
+    metrics: scheduler::Metrics,
+}
+
+/// Runs the scenario at `depth`; `c_stop` is a stop token for request c.
+fn scenario(depth: usize, c_stop: Option<u32>) -> Scenario {
     let model = Model::random(Config::tiny_demo(), 5).unwrap();
     let router_config = CpuRouterConfig {
         block_size: 16,
@@ -24,7 +34,7 @@ fn engine_scenario_matches_its_golden_trace() {
         prefix_cache: true,
         marconi: true,
         max_context: 64,
-        max_depth: 1,
+        max_depth: depth,
     };
     let (sink, trace) = TraceSink::memory();
     let router = TracingDeviceIo::new(CpuRouter::new(model, router_config).unwrap(), sink);
@@ -39,7 +49,9 @@ fn engine_scenario_matches_its_golden_trace() {
     // a and c grow to four blocks each; b is short, so it finishes first and c moves down.
     let a = engine.submit(Request::greedy(prompt(40, 1), 20)).unwrap();
     let b = engine.submit(Request::greedy(prompt(20, 2), 3)).unwrap();
-    let c = engine.submit(Request::greedy(prompt(30, 3), 20)).unwrap();
+    let c_request =
+        Request::greedy(prompt(30, 3), 20).with_stop_tokens(c_stop.into_iter().collect());
+    let c = engine.submit(c_request).unwrap();
 
     let mut text = String::new();
     let mut step = 0;
@@ -67,13 +79,25 @@ fn engine_scenario_matches_its_golden_trace() {
         text.push_str(&line);
         text.push('\n');
     }
+    let mut tokens = Vec::new();
     for (name, handle) in [("a", a), ("b", b), ("c", c)] {
         let done = handle.wait().unwrap();
         text.push_str(&format!(
             "# {name}: {:?} tokens={:?} cached={} preemptions={}\n",
             done.reason, done.tokens, done.usage.cached_tokens, done.usage.preemptions
         ));
+        tokens.push(done.tokens);
     }
+    Scenario {
+        text,
+        tokens,
+        metrics,
+    }
+}
+
+#[test]
+fn engine_scenario_matches_its_golden_trace() {
+    let Scenario { text, metrics, .. } = scenario(1, None);
     // The scenario is only worth its file if it shows every part it claims to.
     assert!(
         metrics.spills >= 1 && metrics.restores == metrics.spills,
@@ -94,4 +118,36 @@ fn engine_scenario_matches_its_golden_trace() {
         assert!(text.contains(needle), "the scenario never shows {needle}");
     }
     tests::golden::check("engine_scenario", &text);
+}
+
+#[test]
+fn pipelined_scenario_matches_its_golden_trace() {
+    // c stops on the token it produces 12th at depth 1: mid-batch, with its next step computing.
+    let synchronous = scenario(1, None);
+    let stop = synchronous.tokens[2][11];
+    let Scenario {
+        text,
+        tokens,
+        metrics,
+    } = scenario(2, Some(stop));
+    assert_eq!(tokens[..2], synchronous.tokens[..2]);
+    let stopped_at = synchronous.tokens[2]
+        .iter()
+        .position(|&t| t == stop)
+        .unwrap();
+    assert_eq!(tokens[2], synchronous.tokens[2][..=stopped_at]);
+    assert!(
+        metrics.fed_launches > 0 && metrics.rollbacks == 1,
+        "{metrics:?}"
+    );
+    for needle in [
+        "ReserveKv",
+        "DecodeFed{n=",
+        "fed=",
+        "Rollback",
+        "fx teardown",
+    ] {
+        assert!(text.contains(needle), "the scenario never shows {needle}");
+    }
+    tests::golden::check("engine_pipelined", &text);
 }

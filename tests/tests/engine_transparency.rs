@@ -1,7 +1,9 @@
 //! End-to-end cache transparency of the engine on the host router: a multi-turn chat workload
 //! (forced outputs, logits digests) replayed with the prefix cache and Marconi checkpoints on and
-//! off, and with preemption by recompute, by spill (memory and directory) and none, gives every
-//! turn the same digest: the xxh3 of the bits of every logits row it produced.
+//! off, and with preemption by recompute, by spill (memory and directory) and none, each at
+//! pipeline depth 1 and 2, gives every turn the same digest: the xxh3 of the bits of every logits
+//! row it produced. At depth 2 the forced rows run ahead with their known tokens and their
+//! digests come from `ReadLogits` of each step while the next one computes.
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_io::DeviceIo;
@@ -38,6 +40,7 @@ struct Setup {
     caches: bool,
     num_blocks: usize,
     preemption: Preemption,
+    depth: usize,
 }
 
 fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
@@ -51,7 +54,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         prefix_cache: setup.caches,
         marconi: setup.caches,
         max_context,
-        max_depth: 1,
+        max_depth: setup.depth,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let initial = router.facts();
@@ -104,27 +107,34 @@ fn caches_and_preemption_do_not_change_a_single_logit() {
             caches: false,
             num_blocks: roomy,
             preemption: Preemption::Recompute,
+            depth: 1,
         },
     );
     assert_eq!(reference.report.prefill_tokens_cached, 0);
     assert_eq!(reference.report.preemptions, 0);
     let digests = reference.digests();
 
-    let cached = run(
-        &model,
-        &workload,
-        Setup {
-            caches: true,
-            num_blocks: roomy,
-            preemption: Preemption::Recompute,
-        },
-    );
-    assert!(
-        cached.report.prefill_tokens_cached > 0,
-        "{:?}",
-        cached.report
-    );
-    assert_eq!(cached.digests(), digests, "caches on vs off");
+    for depth in [1, 2] {
+        let cached = run(
+            &model,
+            &workload,
+            Setup {
+                caches: true,
+                num_blocks: roomy,
+                preemption: Preemption::Recompute,
+                depth,
+            },
+        );
+        assert!(
+            cached.report.prefill_tokens_cached > 0,
+            "{:?}",
+            cached.report
+        );
+        assert_eq!(cached.digests(), digests, "caches on vs off, depth {depth}");
+        if depth == 2 {
+            assert_eq!(cached.report.preemptions, 0);
+        }
+    }
 
     let spill_dir = std::env::temp_dir();
     let cases = [
@@ -142,25 +152,31 @@ fn caches_and_preemption_do_not_change_a_single_logit() {
         ),
     ];
     for (name, caches, preemption) in cases {
-        let spilling = matches!(preemption, Preemption::Spill(_));
-        let result = run(
-            &model,
-            &workload,
-            Setup {
-                caches,
-                num_blocks: tight,
-                preemption,
-            },
-        );
-        let report = &result.report;
-        assert!(report.preemptions > 0, "{name}: {report:?}");
-        if spilling {
-            assert!(report.spills > 0, "{name}: {report:?}");
-            assert_eq!(report.spills, report.restores, "{name}");
-        } else {
-            assert_eq!(report.recomputes, report.preemptions, "{name}");
+        for depth in [1, 2] {
+            let spilling = matches!(preemption, Preemption::Spill(_));
+            let result = run(
+                &model,
+                &workload,
+                Setup {
+                    caches,
+                    num_blocks: tight,
+                    preemption: preemption.clone(),
+                    depth,
+                },
+            );
+            let report = &result.report;
+            assert!(report.preemptions > 0, "{name}, depth {depth}: {report:?}");
+            if spilling {
+                assert!(report.spills > 0, "{name}, depth {depth}: {report:?}");
+                assert_eq!(report.spills, report.restores, "{name}, depth {depth}");
+            } else {
+                assert_eq!(
+                    report.recomputes, report.preemptions,
+                    "{name}, depth {depth}"
+                );
+            }
+            assert_eq!(result.digests(), digests, "{name}, depth {depth}");
         }
-        assert_eq!(result.digests(), digests, "{name}");
     }
 }
 
@@ -176,10 +192,11 @@ fn seeded_sampling_gives_the_same_tokens_with_caches_on_and_off() {
         seed: 1234,
     };
     let mut outputs = Vec::new();
-    for caches in [true, false] {
+    for (caches, depth) in [(true, 1), (false, 1), (true, 2)] {
         let mut config = CpuRouterConfig::new(32, 2);
         config.prefix_cache = caches;
         config.marconi = caches;
+        config.max_depth = depth;
         let router = CpuRouter::new(model.clone(), config).unwrap();
         let mut engine = Engine::new(router, EngineConfig::default()).unwrap();
         // The same request twice: the second is served from the cache when caches are on.
@@ -201,6 +218,7 @@ fn seeded_sampling_gives_the_same_tokens_with_caches_on_and_off() {
         outputs.push(tokens.remove(0));
     }
     assert_eq!(outputs[0], outputs[1]);
+    assert_eq!(outputs[0], outputs[2]);
     // Sampling really sampled: not every token is the same.
     let mut distinct = outputs[0].0.clone();
     distinct.sort_unstable();
@@ -210,8 +228,16 @@ fn seeded_sampling_gives_the_same_tokens_with_caches_on_and_off() {
 
 #[test]
 fn cache_salts_reach_the_routers_cache_keys() {
+    for depth in [1, 2] {
+        cache_salts_at(depth);
+    }
+}
+
+fn cache_salts_at(depth: usize) {
     let model = model();
-    let router = CpuRouter::new(model, CpuRouterConfig::new(32, 2)).unwrap();
+    let mut config = CpuRouterConfig::new(32, 2);
+    config.max_depth = depth;
+    let router = CpuRouter::new(model, config).unwrap();
     let mut engine = Engine::new(router, EngineConfig::default()).unwrap();
     let prompt: Vec<u32> = (0..70).map(|i| (i * 5 + 3) % 256).collect();
     let mut cached = Vec::new();
@@ -237,9 +263,13 @@ fn the_engine_thread_gives_the_same_outputs_as_stepping() {
             Request::greedy(prompt, 5 + i as usize).with_logits_digest(true)
         })
         .collect();
-    let router = || CpuRouter::new(model.clone(), CpuRouterConfig::new(32, 3)).unwrap();
+    let router = |depth: usize| {
+        let mut config = CpuRouterConfig::new(32, 3);
+        config.max_depth = depth;
+        CpuRouter::new(model.clone(), config).unwrap()
+    };
 
-    let mut engine = Engine::new(router(), EngineConfig::default()).unwrap();
+    let mut engine = Engine::new(router(1), EngineConfig::default()).unwrap();
     let handles: Vec<_> = requests
         .iter()
         .map(|r| engine.submit(r.clone()).unwrap())
@@ -255,12 +285,25 @@ fn the_engine_thread_gives_the_same_outputs_as_stepping() {
     engine.shutdown(ShutdownMode::Drain).unwrap();
 
     // On the thread, clients on their own threads submit concurrently: batches differ, outputs
-    // must not.
-    let thread =
-        scheduler::EngineThread::spawn(Engine::new(router(), EngineConfig::default()).unwrap())
-            .unwrap();
+    // must not (at either depth).
+    for depth in [1, 2] {
+        let thread = scheduler::EngineThread::spawn(
+            Engine::new(router(depth), EngineConfig::default()).unwrap(),
+        )
+        .unwrap();
+        let threaded = submit_from_threads(&thread, &requests);
+        thread.shutdown(ShutdownMode::Drain).unwrap();
+        assert_eq!(threaded, stepped, "depth {depth}");
+    }
+}
+
+fn submit_from_threads(
+    thread: &scheduler::EngineThread,
+    requests: &[Request],
+) -> Vec<(Vec<u32>, Option<u64>)> {
     let workers: Vec<_> = requests
-        .into_iter()
+        .iter()
+        .cloned()
         .map(|request| {
             let client = thread.client();
             std::thread::spawn(move || {
@@ -269,7 +312,5 @@ fn the_engine_thread_gives_the_same_outputs_as_stepping() {
             })
         })
         .collect();
-    let threaded: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-    thread.shutdown(ShutdownMode::Drain).unwrap();
-    assert_eq!(threaded, stepped);
+    workers.into_iter().map(|w| w.join().unwrap()).collect()
 }
