@@ -54,10 +54,15 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 
-    /// Replay twice, caches on and then off, with logits digests; exit 1 unless every turn's
-    /// digest matches
+    /// Replay three times with logits digests: caches on and off at --depth, then caches on at
+    /// the other depth; exit 1 unless every turn's digest matches in all three
     #[arg(long)]
     pub verify: bool,
+
+    /// Pipelining depth: 1 reads each step before launching the next; 2 runs the router on a
+    /// worker thread and keeps one decode step in flight while the host reads the previous one
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
+    pub depth: u64,
 
     /// How a preempted turn comes back: recompute its prompt, or spill its state to a temporary
     /// directory and restore it
@@ -88,7 +93,7 @@ pub struct Args {
     pub pace: Option<f64>,
 
     /// Write every plan, effect and outcome to FILE (needs `--features trace`; the caches-off
-    /// pass of --verify writes FILE with extension .off)
+    /// pass of --verify writes FILE with extension .off, the other-depth pass extension .depth)
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
 
@@ -237,6 +242,10 @@ mod tests {
             error(&["--kv-block", "4"]),
             "error: unexpected argument '--kv-block' found"
         );
+        assert_eq!(
+            error(&["--depth", "3"]),
+            "error: invalid value '3' for '--depth <N>': 3 is not in 1..=2"
+        );
     }
 
     #[test]
@@ -246,6 +255,7 @@ mod tests {
         assert_eq!(args.embedded, Embedded::Small);
         assert_eq!(args.max_in_flight, 16);
         assert_eq!(args.preempt, PreemptMode::Recompute);
+        assert_eq!(args.depth, 1);
         assert!(args.model.is_none() && args.kv_blocks.is_none() && !args.verify);
         // The embedded default does not conflict with --model.
         let args = Args::try_parse_from(["replay", "--model", "m"]).unwrap();

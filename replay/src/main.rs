@@ -3,9 +3,10 @@
 //!
 //! The run checks everything it can before the work starts (the command line, the model's
 //! `config.json`, the whole workload, that the `--json` file can be written), then builds the
-//! model and the router, replays the workload once (or twice with `--verify`), and prints what
-//! was configured and what happened. Exit status: 0 when every turn completed (and, with
-//! `--verify`, every digest matched), 1 otherwise, 2 for a bad command line.
+//! model and the router, replays the workload once (or three times with `--verify`: caches on
+//! and off at `--depth`, and caches on at the other depth), and prints what was configured and
+//! what happened. Exit status: 0 when every turn completed (and, with `--verify`, every digest
+//! matched), 1 otherwise, 2 for a bad command line.
 #![forbid(unsafe_code)]
 
 mod cli;
@@ -263,11 +264,12 @@ fn note_skipped_turns(workload: &Workload) {
     );
 }
 
-/// One replay pass with the caches as given.
+/// One replay pass with the caches and the depth as given.
 fn run_pass(
     plan: &Plan,
     model: &Model,
     prefix_cache: bool,
+    depth: usize,
     label: &str,
     digests: bool,
 ) -> Result<(Replay, Setup), Failure> {
@@ -280,6 +282,7 @@ fn run_pass(
         max_context: plan.max_context,
         prefix_cache,
         marconi: !args.no_marconi,
+        max_depth: depth,
         ..BackendOptions::new(plan.kv_blocks, max_seqs)
     };
     let preemption = match args.preempt {
@@ -344,10 +347,11 @@ fn trace_sink(args: &Args, label: &str) -> Result<Option<backend::TraceSink>, Fa
     let Some(path) = &args.trace else {
         return Ok(None);
     };
-    let path = if label == "caches off" && args.verify {
-        path.with_extension("off")
-    } else {
-        path.clone()
+    let path = match label {
+        _ if !args.verify => path.clone(),
+        "caches off" => path.with_extension("off"),
+        label if label.starts_with("depth") => path.with_extension("depth"),
+        _ => path.clone(),
     };
     let file =
         File::create(&path).map_err(|err| Failure(format!("--trace {}: {err}", path.display())))?;
@@ -404,6 +408,7 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         workload.output_tokens()
     );
     let json = plan.json.take();
+    let depth = plan.args.depth as usize;
     if !plan.args.verify {
         let prefix_cache = !plan.args.no_prefix_cache;
         let label = if prefix_cache {
@@ -411,7 +416,7 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         } else {
             "caches off"
         };
-        let (replay, setup) = run_pass(plan, &model, prefix_cache, label, false)?;
+        let (replay, setup) = run_pass(plan, &model, prefix_cache, depth, label, false)?;
         setup.print();
         report::print(label, &replay.report);
         if let Some(json) = json {
@@ -428,23 +433,41 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         }
         return Ok(replay.report.failed == 0);
     }
-    let (on, setup) = run_pass(plan, &model, true, "caches on", true)?;
-    let (off, _) = run_pass(plan, &model, false, "caches off", true)?;
+    let other = 3 - depth;
+    let other_label = format!("depth {other}, caches on");
+    let (on, setup) = run_pass(plan, &model, true, depth, "caches on", true)?;
+    let (off, _) = run_pass(plan, &model, false, depth, "caches off", true)?;
+    let (other_on, _) = run_pass(plan, &model, true, other, &other_label, true)?;
     setup.print();
     report::print("caches on", &on.report);
     report::print("caches off", &off.report);
-    let verdict = Verdict::compare(&plan.workload, &on, &off);
-    verdict.print();
+    report::print(&other_label, &other_on.report);
+    let caches = Verdict::compare(
+        &plan.workload,
+        format!("caches on vs off at depth {depth}"),
+        &on,
+        &off,
+    );
+    caches.print();
+    let depths = Verdict::compare(
+        &plan.workload,
+        format!("depth {depth} vs depth {other}, caches on"),
+        &on,
+        &other_on,
+    );
+    depths.print();
     if let Some(json) = json {
         let value = serde_json::json!({
             "setup": setup,
             "caches_on": on.report,
             "caches_off": off.report,
-            "verify": verdict,
+            format!("depth_{other}_caches_on"): other_on.report,
+            "verify": caches,
+            "verify_depth": depths,
         });
         write_json(json, &value)?;
     }
-    Ok(verdict.verified)
+    Ok(caches.verified && depths.verified)
 }
 
 fn write_json(file: OutputFile, value: &serde_json::Value) -> Result<(), Failure> {

@@ -116,7 +116,7 @@ impl Setup {
                 0
             },
             state_slot_bytes: backend::state_slot_bytes(model),
-            depth: 1,
+            depth: options.max_depth,
             preemption,
             fold_token_ids: args.fold_token_ids,
         }
@@ -237,15 +237,17 @@ pub struct Mismatch {
     pub session: u64,
     /// The turn's number within the session.
     pub turn: u64,
-    /// Its digest with caches on, and how it ended.
-    pub caches_on: (Option<u64>, &'static str),
-    /// Its digest with caches off, and how it ended.
-    pub caches_off: (Option<u64>, &'static str),
+    /// Its digest in the first pass, and how it ended.
+    pub first: (Option<u64>, &'static str),
+    /// Its digest in the second pass, and how it ended.
+    pub second: (Option<u64>, &'static str),
 }
 
-/// `--verify`'s comparison of the caches-on and caches-off passes.
+/// `--verify`'s comparison of two passes (caches on and off, or depth 1 and 2).
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {
+    /// What the two passes were (`caches on vs off at depth 1`).
+    pub passes: String,
     /// Every digest matched and no turn failed in either pass.
     pub verified: bool,
     /// Turns with identical digests.
@@ -267,9 +269,10 @@ fn outcome_word(outcome: &TurnOutcome) -> &'static str {
 }
 
 impl Verdict {
-    /// Compares every turn's digest between the two passes.
-    pub fn compare(workload: &Workload, on: &Replay, off: &Replay) -> Verdict {
+    /// Compares every turn's digest between two passes (`passes` names them).
+    pub fn compare(workload: &Workload, passes: String, on: &Replay, off: &Replay) -> Verdict {
         let mut verdict = Verdict {
+            passes,
             verified: false,
             identical: 0,
             skipped: 0,
@@ -293,8 +296,8 @@ impl Verdict {
                         verdict.first_mismatches.push(Mismatch {
                             session: turn.session,
                             turn: turn.turn,
-                            caches_on: (*a, outcome_word(on_outcome)),
-                            caches_off: (b, outcome_word(off_outcome)),
+                            first: (*a, outcome_word(on_outcome)),
+                            second: (b, outcome_word(off_outcome)),
                         });
                     }
                 }
@@ -309,12 +312,13 @@ impl Verdict {
     pub fn print(&self) {
         for m in &self.first_mismatches {
             println!(
-                "MISMATCH session {} turn {}: caches on {:?} ({}), off {:?} ({})",
-                m.session, m.turn, m.caches_on.0, m.caches_on.1, m.caches_off.0, m.caches_off.1
+                "MISMATCH ({}) session {} turn {}: {:?} ({}) vs {:?} ({})",
+                self.passes, m.session, m.turn, m.first.0, m.first.1, m.second.0, m.second.1
             );
         }
         println!(
-            "verify: {} turns with identical logits digests, {} mismatched: {}",
+            "verify ({}): {} turns with identical logits digests, {} mismatched: {}",
+            self.passes,
             self.identical,
             self.mismatched,
             if self.verified { "OK" } else { "FAILED" }

@@ -119,7 +119,7 @@ fn refusals_name_the_flag_and_exit_2_before_any_work() {
 }
 
 #[test]
-fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
+fn a_short_run_reports_its_setup_and_writes_every_verify_pass() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.jsonl");
     let lines = [
@@ -144,6 +144,8 @@ fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
         "--max-in-flight",
         "2",
         "--verify",
+        "--depth",
+        "2",
         "--progress",
         "lines",
         "--json",
@@ -154,10 +156,11 @@ fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
     for expected in [
         "router              cpu (host router)",
         "KV pool             64 blocks of 16 tokens, ",
-        "in flight           at most 2 turns; pipelining depth 1; preemption by recompute",
+        "in flight           at most 2 turns; pipelining depth 2; preemption by recompute",
         "prefix cache        on; SSM checkpoint eviction: marconi (FLOP-aware, tuned by shadow stores)",
         "requests            3 (2 completed, 0 failed, 1 skipped (no recorded output to force))",
-        "verify: 2 turns with identical logits digests, 0 mismatched: OK",
+        "verify (caches on vs off at depth 2): 2 turns with identical logits digests, 0 mismatched: OK",
+        "verify (depth 2 vs depth 1, caches on): 2 turns with identical logits digests, 0 mismatched: OK",
     ] {
         assert!(text.contains(expected), "missing {expected:?} in\n{text}");
     }
@@ -177,17 +180,24 @@ fn a_short_run_reports_its_setup_and_writes_both_verify_passes() {
         err.contains("caches off: 3/3 turns, 5 output tokens"),
         "{err}"
     );
+    assert!(
+        err.contains("depth 1, caches on: 3/3 turns, 5 output tokens"),
+        "{err}"
+    );
 
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(report["setup"]["kv_blocks"], 64);
     assert_eq!(report["setup"]["max_in_flight"], 2);
     assert_eq!(report["setup"]["prefix_cache"], true);
-    assert_eq!(report["setup"]["depth"], 1);
+    assert_eq!(report["setup"]["depth"], 2);
     assert_eq!(report["caches_on"]["completed"], 2);
     assert_eq!(report["caches_off"]["prefill_tokens_cached"], 0);
     assert_eq!(report["verify"]["verified"], true);
     assert_eq!(report["verify"]["identical"], 2);
     assert_eq!(report["verify"]["skipped"], 1);
     assert_eq!(report["verify"]["mismatched"], 0);
+    assert_eq!(report["depth_1_caches_on"]["completed"], 2);
+    assert_eq!(report["verify_depth"]["verified"], true);
+    assert_eq!(report["verify_depth"]["identical"], 2);
 }
