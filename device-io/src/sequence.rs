@@ -28,7 +28,9 @@ pub trait Sequence: Send + Sized {
     fn prompt_len(&self) -> usize;
     /// The prompt, then every token fed to the sequence since: `tokens()[..computed_len()]` are
     /// the tokens whose KV and state exist. The core checks a restored sequence against what it
-    /// spilled with it.
+    /// spilled with it. A position fed on the device by a `DecodeFed` step ([`crate::Feed::Row`])
+    /// may hold a placeholder until the router has been handed the sequence again after that
+    /// step finished (a pipelined router learns the token only then).
     fn tokens(&self) -> &[u32];
     /// Positions whose KV and state exist on the device (cached, computed or decoded).
     fn computed_len(&self) -> usize;
