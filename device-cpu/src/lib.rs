@@ -460,14 +460,6 @@ impl CpuRouter {
         self.shape.hybrid
     }
 
-    /// Drops every cached prefix that no running sequence holds (vLLM's `reset_prefix_cache`): its
-    /// KV blocks return to the free list and its checkpoint slots to the region.
-    pub fn clear_prefix_cache(&self) -> Result<()> {
-        let mut inner = self.lock()?;
-        inner.cache.clear();
-        Ok(())
-    }
-
     /// Prefix-cache counters, for reports.
     pub fn cache_stats(&self) -> Result<CacheStats> {
         Ok(self.lock()?.cache.stats())
@@ -625,6 +617,14 @@ impl DeviceIo for CpuRouter {
     fn apply(&self, effect: Effect<'_, CpuSeq, LogitsHandle>) -> Result<EffectOutcome> {
         let mut inner = self.lock()?;
         effects::apply(&self.model, &self.shape, &mut inner, &self.device, effect)
+    }
+
+    /// Drops every cached prefix that no running sequence holds: its KV blocks return to the free
+    /// list and its checkpoint slots to the region.
+    fn clear_prefix_cache(&self) -> Result<()> {
+        let mut inner = self.lock()?;
+        inner.cache.clear();
+        Ok(())
     }
 
     fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {

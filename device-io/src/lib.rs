@@ -108,6 +108,13 @@ pub trait DeviceIo: Send {
     /// Applies one effect between steps.
     fn apply(&self, effect: Effect<'_, Self::Seq, Self::Ptr>) -> Result<EffectOutcome>;
 
+    /// Drops every cached prefix that no running sequence holds (vLLM's `reset_prefix_cache`):
+    /// its KV blocks and checkpoint slots go back to the free pools. A router without a prefix
+    /// cache has nothing to drop and answers `Ok` (the default).
+    fn clear_prefix_cache(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Applies a LoRA command; called only at quiescence.
     fn lora(&mut self, cmd: Self::LoraCmd) -> std::result::Result<Self::LoraAck, String>;
 

@@ -2,7 +2,7 @@
 //!
 //! The decorator is generic over the router it wraps and keeps its associated types, so code
 //! written against `D` runs unchanged against `TracingDeviceIo<D>`. Before forwarding `launch`,
-//! `await_result`, `apply`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
+//! `await_result`, `apply`, `clear_prefix_cache`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
 //! readback=Argmax}`, `fx apply ReserveKv`); after the call, one line with what came back
 //! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`). `model`,
 //! `facts` and `max_depth` pass through silently. Errors pass through unchanged. A sink that
@@ -109,6 +109,14 @@ where
         self.sink.record(&format!("fx apply {}", effect.label()));
         let result = self.inner.apply(effect);
         self.after(&result, |outcome| outcome.label());
+        result
+    }
+
+    fn clear_prefix_cache(&self) -> Result<(), DeviceError> {
+        let _span = tracing::debug_span!(target: "device_trace", "clear_prefix_cache").entered();
+        self.sink.record("fx clear_prefix_cache");
+        let result = self.inner.clear_prefix_cache();
+        self.after(&result, |()| "ok".to_string());
         result
     }
 

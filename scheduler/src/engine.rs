@@ -71,7 +71,7 @@ pub use pipeline::PipelineFault;
 
 use crate::event::{Event, FinishReason, ServeError, Usage};
 use crate::guard::Guarded;
-use crate::handle::{Command, EngineClient, Intake, RequestHandle, ShutdownMode};
+use crate::handle::{Command, EngineClient, EngineStats, Intake, RequestHandle, ShutdownMode};
 use crate::metrics::{Metrics, StepReport};
 use crate::request::{Limits, Request, RequestError};
 use crate::sampling::Sampler;
@@ -517,6 +517,23 @@ where
         self.spill.as_ref().and_then(SpillStore::directory)
     }
 
+    /// A snapshot of the engine and its router.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            facts: self.router.facts(),
+            metrics: self.metrics,
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            orphans: self.orphans.len(),
+            device_lost: self.router.lost().cloned(),
+        }
+    }
+
+    /// Drops every cached prefix that no running request holds (vLLM's `reset_prefix_cache`).
+    pub fn clear_prefix_cache(&self) -> Result<(), DeviceError> {
+        self.router.clear_prefix_cache()
+    }
+
     /// Requests waiting (new or preempted).
     pub fn waiting_len(&self) -> usize {
         self.waiting.len()
@@ -804,6 +821,13 @@ where
             Command::Shutdown(mode) => {
                 self.intake.close();
                 self.shutdown_requested.get_or_insert(mode);
+            }
+            // The asker may have given up waiting; that is fine.
+            Command::Stats(answer) => {
+                let _ = answer.send(self.stats());
+            }
+            Command::ClearPrefixCache(answer) => {
+                let _ = answer.send(self.clear_prefix_cache());
             }
         }
     }

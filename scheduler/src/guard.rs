@@ -92,6 +92,10 @@ impl<D: DeviceIo> Guarded<D> {
         self.call(effect.name(), |router| router.apply(effect))
     }
 
+    pub(crate) fn clear_prefix_cache(&self) -> Result<()> {
+        self.call("clear_prefix_cache", |router| router.clear_prefix_cache())
+    }
+
     /// Tears the router down; a panic there is an error like any other.
     pub(crate) fn teardown(self) -> Result<()> {
         let router = self.router;

@@ -9,7 +9,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::{DeviceIo, Sequence};
+use device_io::{DeviceError, DeviceFacts, DeviceIo, Sequence};
 
 use crate::engine::{Engine, EngineError, Tracked};
 use crate::event::{Event, FinishReason, ServeError, Usage};
@@ -22,6 +22,44 @@ pub(crate) enum Command {
     Submit(Box<Tracked>),
     Cancel(u64),
     Shutdown(ShutdownMode),
+    /// Answer a snapshot of the engine and its router.
+    Stats(Sender<EngineStats>),
+    /// Clear the router's prefix cache and answer how that went.
+    ClearPrefixCache(Sender<Result<(), DeviceError>>),
+}
+
+/// A snapshot of an engine and its router, for monitoring and leak checks
+/// ([`EngineClient::stats`], [`Engine::stats`]).
+///
+/// At idle (nothing waiting or running, no orphans) every live slot is free and every KV block is
+/// free or kept by the prefix cache; after [`EngineClient::clear_prefix_cache`] every block is
+/// free.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineStats {
+    /// The router's resources.
+    pub facts: DeviceFacts,
+    /// The engine's counters.
+    pub metrics: Metrics,
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// Sequences whose release the router refused twice and that still hold resources.
+    pub orphans: usize,
+    /// The error that lost the device, if one did.
+    pub device_lost: Option<DeviceError>,
+}
+
+/// Why a control call of a client ([`EngineClient::stats`],
+/// [`EngineClient::clear_prefix_cache`]) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// The engine has stopped (its thread ended) and answers nothing.
+    #[error("the engine has stopped")]
+    EngineStopped,
+    /// The router refused the operation.
+    #[error("the router refused: {0}")]
+    Router(#[from] DeviceError),
 }
 
 /// How the engine treats requests still in flight at shutdown.
@@ -182,6 +220,29 @@ impl EngineClient {
                 .map_err(|_| RequestError::EngineStopped)?;
             Ok(RequestHandle::new(id, events, self.commands.clone()))
         })
+    }
+}
+
+impl EngineClient {
+    /// A snapshot of the engine and its router (facts, counters, queue lengths), answered by
+    /// the engine between two steps (at once when it is idle). With an engine driven step by
+    /// step on this thread, call [`Engine::stats`] instead: this waits for the next step.
+    pub fn stats(&self) -> Result<EngineStats, ControlError> {
+        let (answer, answered) = crossbeam_channel::bounded(1);
+        self.commands
+            .send(Command::Stats(answer))
+            .map_err(|_| ControlError::EngineStopped)?;
+        answered.recv().map_err(|_| ControlError::EngineStopped)
+    }
+
+    /// Drops every cached prefix that no running request holds (vLLM's `reset_prefix_cache`),
+    /// between two steps of the engine; answers once it is done.
+    pub fn clear_prefix_cache(&self) -> Result<(), ControlError> {
+        let (answer, answered) = crossbeam_channel::bounded(1);
+        self.commands
+            .send(Command::ClearPrefixCache(answer))
+            .map_err(|_| ControlError::EngineStopped)?;
+        Ok(answered.recv().map_err(|_| ControlError::EngineStopped)??)
     }
 }
 

@@ -73,7 +73,9 @@ pub mod workload;
 pub use engine::PipelineFault;
 pub use engine::{Engine, EngineConfig, EngineError, Preemption};
 pub use event::{Event, FinishReason, ServeError, Usage};
-pub use handle::{Completion, EngineClient, EngineThread, RequestHandle, ShutdownMode};
+pub use handle::{
+    Completion, ControlError, EngineClient, EngineStats, EngineThread, RequestHandle, ShutdownMode,
+};
 pub use metrics::{Metrics, StepReport};
 pub use request::{Limits, RandomSampling, Request, RequestError, Sampling};
 pub use spill::{SpillError, SpillTarget};

@@ -14,8 +14,8 @@ use device_io::{
 };
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
-    Engine, EngineConfig, EngineError, EngineThread, Event, Request, RequestError, RequestHandle,
-    ServeError, ShutdownMode,
+    ControlError, Engine, EngineConfig, EngineError, EngineThread, Event, Request, RequestError,
+    RequestHandle, ServeError, ShutdownMode,
 };
 
 fn router(num_blocks: usize, num_slots: usize) -> ScriptedRouter {
@@ -366,4 +366,36 @@ fn a_panicking_trace_sink_costs_trace_lines_not_requests() {
     let metrics = thread.shutdown(ShutdownMode::Drain).unwrap();
     assert_eq!(metrics.finished, 16);
     assert!(lines.load(Ordering::SeqCst) >= 3);
+}
+
+#[test]
+fn a_client_reads_the_routers_facts_and_clears_its_prefix_cache() {
+    let (sink, trace) = TraceSink::memory();
+    let traced = TracingDeviceIo::new(router(64, 8), sink);
+    let thread = EngineThread::spawn(Engine::new(traced, config()).unwrap()).unwrap();
+    let client = thread.client();
+    let idle = client.stats().unwrap();
+    assert_eq!(idle.facts, idle_facts(&router(64, 8)));
+    assert_eq!((idle.waiting, idle.running, idle.orphans), (0, 0, 0));
+    assert_eq!(idle.device_lost, None);
+    let handle = client.submit(Request::greedy(prompt(6, 0), 4)).unwrap();
+    assert_eq!(handle.wait().unwrap().tokens.len(), 4);
+    let after = client.stats().unwrap();
+    assert_eq!(after.facts, idle.facts);
+    assert_eq!(after.metrics.finished, 1);
+    client.clear_prefix_cache().unwrap();
+    assert!(
+        trace
+            .lines()
+            .iter()
+            .any(|line| line == "fx clear_prefix_cache"),
+        "{:?}",
+        trace.lines()
+    );
+    thread.shutdown(ShutdownMode::Drain).unwrap();
+    assert_eq!(client.stats().unwrap_err(), ControlError::EngineStopped);
+    assert_eq!(
+        client.clear_prefix_cache().unwrap_err(),
+        ControlError::EngineStopped
+    );
 }
