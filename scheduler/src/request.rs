@@ -150,8 +150,9 @@ pub enum RequestError {
         /// The router's maximum context.
         max_context: usize,
     },
-    /// Prompt plus `max_tokens` exceed the router's context.
-    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceed the maximum context of {max_context}")]
+    /// Prompt plus `max_tokens`, less the last token (which is never fed back), exceed the
+    /// router's context.
+    #[error("prompt ({prompt} tokens) plus max_tokens ({max_tokens}) need {} positions, over the maximum context of {max_context}", prompt.saturating_add(*max_tokens).saturating_sub(1))]
     ExceedsContext {
         /// Prompt tokens.
         prompt: usize,
@@ -266,15 +267,15 @@ impl Limits {
                 max_context: self.max_context,
             });
         }
-        if prompt.saturating_add(request.max_tokens) > self.max_context {
+        // The last generated token is never fed back, so the longest the sequence gets on the
+        // device is prompt + max_tokens - 1 positions: that is what must fit the context.
+        if prompt.saturating_add(request.max_tokens - 1) > self.max_context {
             return Err(RequestError::ExceedsContext {
                 prompt,
                 max_tokens: request.max_tokens,
                 max_context: self.max_context,
             });
         }
-        // The last generated token is never fed back, so the longest the sequence gets on the
-        // device is prompt + max_tokens - 1 positions.
         let needed = self.blocks_for(prompt + request.max_tokens - 1);
         if needed > self.kv_blocks_total {
             return Err(RequestError::NeverFits {
@@ -392,10 +393,10 @@ mod tests {
             }),
         );
         check(
-            Request::greedy(vec![1; 60], 5),
+            Request::greedy(vec![1; 60], 6),
             Err(RequestError::ExceedsContext {
                 prompt: 60,
-                max_tokens: 5,
+                max_tokens: 6,
                 max_context: 64,
             }),
         );
