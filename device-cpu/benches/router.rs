@@ -36,7 +36,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
     for batch in [1usize, 8, 32] {
         group.throughput(Throughput::Elements(batch as u64));
         let mut config = CpuRouterConfig::new(batch * 64, batch);
-        config.max_context = 1024;
+        config.max_context = Some(1024);
         config.prefix_cache = false;
         let router = CpuRouter::new(model.clone(), config).unwrap();
         let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(i as u32, 32, vocab)).collect();

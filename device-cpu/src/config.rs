@@ -41,8 +41,11 @@ pub struct CpuRouterConfig {
     /// recency: SGLang's LRU). Attention-only models ignore it
     /// (they use the hash-chain prefix cache).
     pub marconi: bool,
-    /// The longest sequence (prompt plus generated tokens) the router accepts.
-    pub max_context: usize,
+    /// The longest sequence (prompt plus generated tokens) the router accepts, like vLLM's
+    /// `max_model_len`. `None` (the default): the model's `max_position_embeddings`, or what the
+    /// pool holds when that is less or the model does not say. `Some(n)`: `n`, which must not
+    /// exceed the model's `max_position_embeddings` and must fit in the pool.
+    pub max_context: Option<usize>,
     /// 1: every step completes inside `launch` (the synchronous router). 2: the pipelined router:
     /// device work runs in order on a worker thread, `launch` returns at once, and the core may
     /// launch a `DecodeFed` step before it awaits the previous one.
@@ -57,7 +60,7 @@ pub const DEFAULT_SNAPSHOT_SLOTS: usize = 4;
 impl CpuRouterConfig {
     /// A config with `num_blocks` blocks of [`DEFAULT_BLOCK_SIZE`] tokens and `max_seqs` live slots;
     /// four checkpoint slots per live slot, [`DEFAULT_SNAPSHOT_SLOTS`] ring slots, prefix cache and
-    /// Marconi on, `max_context` as large as the pool, and depth 1.
+    /// Marconi on, `max_context` the model's (or the pool's, when smaller), and depth 1.
     pub fn new(num_blocks: usize, max_seqs: usize) -> Self {
         CpuRouterConfig {
             block_size: DEFAULT_BLOCK_SIZE,
@@ -67,7 +70,7 @@ impl CpuRouterConfig {
             snapshot_slots: DEFAULT_SNAPSHOT_SLOTS,
             prefix_cache: true,
             marconi: true,
-            max_context: num_blocks * DEFAULT_BLOCK_SIZE,
+            max_context: None,
             max_depth: 1,
         }
     }
@@ -131,7 +134,7 @@ impl CpuRouterConfig {
             snapshot_slots: DEFAULT_SNAPSHOT_SLOTS,
             prefix_cache: true,
             marconi: true,
-            max_context,
+            max_context: Some(max_context),
             max_depth: 1,
         })
     }

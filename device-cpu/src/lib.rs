@@ -351,17 +351,34 @@ impl CpuRouter {
         if config.max_seqs == 0 {
             return Err(bad_config("max_seqs", 0, "must be at least 1"));
         }
-        if config.max_context == 0 {
-            return Err(bad_config("max_context", 0, "must be at least 1"));
+        let pool_tokens = config.num_blocks.saturating_mul(config.block_size);
+        let model_context = mc.max_position_embeddings;
+        let max_context = match config.max_context {
+            Some(0) => return Err(bad_config("max_context", 0, "must be at least 1")),
+            Some(asked) => match model_context {
+                Some(limit) if asked > limit => {
+                    return Err(bad_config(
+                        "max_context",
+                        asked,
+                        format!("must not exceed the model's max_position_embeddings {limit}"),
+                    ))
+                }
+                _ => asked,
+            },
+            // The model's context, or what the pool holds when that is less.
+            None => model_context.map_or(pool_tokens, |limit| limit.min(pool_tokens)),
+        };
+        if max_context == 0 {
+            return Err(bad_config("num_blocks", 0, "must be at least 1"));
         }
-        let blocks_per_context = config.max_context.div_ceil(config.block_size);
+        let blocks_per_context = max_context.div_ceil(config.block_size);
         if config.num_blocks < blocks_per_context {
             return Err(bad_config(
                 "num_blocks",
                 config.num_blocks,
                 format!(
-                    "must hold one sequence of max_context {} tokens: at least {blocks_per_context}",
-                    config.max_context
+                    "must hold one sequence of max_context {max_context} tokens: at least \
+                     {blocks_per_context}"
                 ),
             ));
         }
@@ -394,7 +411,7 @@ impl CpuRouter {
             block_size: config.block_size,
             floats_per_block: kv.floats_per_block(),
             floats_per_slot: state_floats,
-            max_context: config.max_context,
+            max_context,
             vocab_size: mc.vocab_size,
         };
         let shape = Shape {
@@ -403,7 +420,7 @@ impl CpuRouter {
             max_seqs: config.max_seqs,
             checkpoint_slots,
             snapshot_slots,
-            max_context: config.max_context,
+            max_context,
             vocab_size: mc.vocab_size,
             hybrid,
             layout,

@@ -192,7 +192,7 @@ fn a_byte_budget_is_split_by_the_documented_rule() {
     assert_eq!(split.checkpoints, CheckpointBudget::Bytes(rest / 4));
     assert_eq!(split.num_blocks as u64, (rest - rest / 4) / block);
     assert_eq!(split.checkpoint_slots(state), (rest / 4 / state) as usize);
-    assert_eq!((split.max_seqs, split.max_context), (8, 1024));
+    assert_eq!((split.max_seqs, split.max_context), (8, Some(1024)));
     CpuRouter::new(Model::random(config.clone(), 1).unwrap(), split).unwrap();
 
     let err = CpuRouterConfig::from_byte_budget(&config, state, 8, 1024).unwrap_err();
@@ -225,17 +225,47 @@ fn bad_configs_name_the_field() {
     };
     check(|c| c.block_size = 0, "block_size");
     check(|c| c.max_seqs = 0, "max_seqs");
-    check(|c| c.max_context = 0, "max_context");
-    check(|c| c.max_context = 8 * 16 + 1, "num_blocks");
+    check(|c| c.max_context = Some(0), "max_context");
+    check(|c| c.max_context = Some(8 * 16 + 1), "num_blocks");
     let err = CpuRouter::new(hybrid(), {
         let mut c = CpuRouterConfig::new(8, 2);
-        c.max_context = 200;
+        c.max_context = Some(200);
         c
     })
     .unwrap_err();
     assert_eq!(
         err.to_string(),
         "invalid router config: num_blocks = 8 (must hold one sequence of max_context 200 tokens: at least 13)"
+    );
+}
+
+#[test]
+fn max_context_defaults_to_the_models_context_and_may_not_exceed_it() {
+    let config = Config {
+        max_position_embeddings: Some(100),
+        ..Config::tiny_demo()
+    };
+    let model = Model::random(config, 11).unwrap();
+    let context = |max_context: Option<usize>, num_blocks: usize| {
+        let mut c = CpuRouterConfig::new(num_blocks, 2);
+        c.max_context = max_context;
+        CpuRouter::new(model.clone(), c).map(|r| r.facts().max_context)
+    };
+    // The model's 100 tokens, unless the pool holds less; a smaller value may be asked for.
+    assert_eq!(context(None, 32).unwrap(), 100);
+    assert_eq!(context(None, 4).unwrap(), 64);
+    assert_eq!(context(Some(80), 32).unwrap(), 80);
+    assert_eq!(
+        context(Some(101), 32).unwrap_err().to_string(),
+        "invalid router config: max_context = 101 (must not exceed the model's \
+         max_position_embeddings 100)"
+    );
+    // Without a declared context the pool decides, as before.
+    let mut c = CpuRouterConfig::new(32, 2);
+    c.max_context = None;
+    assert_eq!(
+        CpuRouter::new(hybrid(), c).unwrap().facts().max_context,
+        512
     );
 }
 

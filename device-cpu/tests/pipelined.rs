@@ -17,7 +17,7 @@ const BLOCK: usize = 4;
 fn router(depth: usize) -> CpuRouter {
     let mut config = CpuRouterConfig::new(64, 4);
     config.block_size = BLOCK;
-    config.max_context = 200;
+    config.max_context = Some(200);
     config.checkpoints = CheckpointBudget::Slots(16);
     config.max_depth = depth;
     CpuRouter::new(hybrid_model(), config).unwrap()

@@ -172,6 +172,10 @@ pub struct Config {
     pub eos_token_ids: Vec<u32>,
     /// Padding token, if declared.
     pub pad_token_id: Option<u32>,
+    /// The longest sequence the model was trained for (`max_position_embeddings`), if declared.
+    /// A router's context defaults to it (see `device_cpu::CpuRouterConfig::max_context`), the
+    /// way vLLM derives `max_model_len`.
+    pub max_position_embeddings: Option<usize>,
 }
 
 /// A JSON float that may be written as `{"__float__": "Infinity"}` (transformers' encoding of
@@ -270,6 +274,7 @@ struct RawConfig {
     bos_token_id: Option<u32>,
     eos_token_id: Option<OneOrMany>,
     pad_token_id: Option<u32>,
+    max_position_embeddings: Option<usize>,
 }
 
 fn required<T>(
@@ -510,6 +515,7 @@ impl Config {
                 Some(OneOrMany::Many(ids)) => ids,
             },
             pad_token_id: raw.pad_token_id,
+            max_position_embeddings: raw.max_position_embeddings,
             layer_kinds,
         };
         config.validate()?;
@@ -536,6 +542,13 @@ impl Config {
             ));
         }
         nonzero("hidden_size", self.hidden_size)?;
+        if self.max_position_embeddings == Some(0) {
+            return Err(invalid(
+                "max_position_embeddings",
+                0,
+                "must be at least 1 (or absent)",
+            ));
+        }
         if self.layer_kinds.is_empty() {
             return Err(invalid(
                 "layers_block_type",
@@ -817,11 +830,13 @@ impl Config {
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
             "pad_token_id": self.pad_token_id,
+            "max_position_embeddings": self.max_position_embeddings,
         });
         serde_json::to_string_pretty(&value).unwrap_or_default()
     }
 
-    /// The shared fixture's shape (`nemotron-h-tiny`): vocab 256, hidden 64, pattern `MEM*-ME*M-`.
+    /// The shared fixture's shape (`nemotron-h-tiny`): vocab 256, hidden 64, pattern `MEM*-ME*M-`
+    /// (without its declared context length: `max_position_embeddings` is `None`).
     pub fn tiny_demo() -> Config {
         let config = Config {
             vocab_size: 256,
@@ -863,6 +878,7 @@ impl Config {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             pad_token_id: Some(0),
+            max_position_embeddings: None,
         };
         debug_assert!(config.validate().is_ok());
         config
@@ -914,7 +930,12 @@ mod tests {
     #[test]
     fn fixture_config_parses_to_the_tiny_demo() {
         let config = Config::from_json_str(FIXTURE_CONFIG).unwrap();
-        assert_eq!(config, Config::tiny_demo());
+        // The built-in config declares no context length; the fixture's file says 4096.
+        let tiny = Config {
+            max_position_embeddings: Some(4096),
+            ..Config::tiny_demo()
+        };
+        assert_eq!(config, tiny);
         assert_eq!(config.pattern(), "MEM*-ME*M-");
         assert_eq!(config.time_step_limit, (0.0, f64::INFINITY));
         assert_eq!(config.mamba_in_proj_dim(), 196);

@@ -279,7 +279,11 @@ fn run_pass(
         #[cfg(feature = "trace")]
         trace: trace_sink(args, label)?,
         device: device(args.device),
-        max_context: plan.max_context,
+        // Turns longer than the model's context are refused at submission, not the whole replay.
+        max_context: Some(match plan.model_config.max_position_embeddings {
+            Some(limit) => plan.max_context.min(limit),
+            None => plan.max_context,
+        }),
         prefix_cache,
         marconi: !args.no_marconi,
         max_depth: depth,

@@ -106,7 +106,10 @@ impl Setup {
             kv_blocks: options.kv_blocks,
             block_size: options.block_size,
             kv_bytes: kv_block_bytes.saturating_mul(options.kv_blocks as u64),
-            max_context: options.max_context,
+            // The replay always sets it (see `main`); the pool's size is the router's default.
+            max_context: options
+                .max_context
+                .unwrap_or(options.kv_blocks * options.block_size),
             max_in_flight: options.max_seqs,
             prefix_cache,
             ssm_checkpoint_eviction: eviction.to_string(),

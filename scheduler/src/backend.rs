@@ -88,8 +88,9 @@ mod cpu {
         pub block_size: usize,
         /// Live-state slots (the most sequences running at once).
         pub max_seqs: usize,
-        /// The longest sequence the router accepts.
-        pub max_context: usize,
+        /// The longest sequence the router accepts; `None`: the model's `max_position_embeddings`
+        /// (or what the pool holds, when that is less or the model does not say).
+        pub max_context: Option<usize>,
         /// SSM checkpoint slots of the prefix cache (hybrid models).
         pub checkpoint_slots: usize,
         /// Keep a prefix cache (needs feature `prefix-cache`).
@@ -107,7 +108,8 @@ mod cpu {
 
     impl BackendOptions {
         /// A pool of `kv_blocks` blocks of 16 tokens, `max_seqs` slots, four checkpoint slots
-        /// per slot, the context as long as the pool, both caches on (where compiled), depth 1.
+        /// per slot, the model's context (or the pool's, when smaller), both caches on (where
+        /// compiled), depth 1.
         pub fn new(kv_blocks: usize, max_seqs: usize) -> Self {
             let block_size = device_cpu::DEFAULT_BLOCK_SIZE;
             BackendOptions {
@@ -115,7 +117,7 @@ mod cpu {
                 kv_blocks,
                 block_size,
                 max_seqs,
-                max_context: kv_blocks * block_size,
+                max_context: None,
                 checkpoint_slots: 4 * max_seqs,
                 prefix_cache: true,
                 marconi: true,

@@ -9,7 +9,7 @@ use scheduler::{Engine, EngineConfig, Request, RequestError, ShutdownMode};
 
 fn engine(max_context: usize) -> Engine<CpuRouter> {
     let mut config = CpuRouterConfig::new(16, 2);
-    config.max_context = max_context;
+    config.max_context = Some(max_context);
     let router = CpuRouter::new(Model::random(Config::tiny_demo(), 2).unwrap(), config).unwrap();
     Engine::new(router, EngineConfig::default()).unwrap()
 }
@@ -37,6 +37,30 @@ fn a_request_that_reaches_the_context_limit_exactly_is_served() {
         RequestError::PromptTooLong {
             len: 41,
             max_context: 40
+        }
+    );
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+}
+
+fn fixture() -> Model {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures/nemotron-h-tiny/model");
+    Model::load(&dir).unwrap()
+}
+
+#[test]
+fn the_models_context_length_bounds_what_the_router_accepts() {
+    // The fixture's config.json says max_position_embeddings = 4096; the pool could hold 4800.
+    let router = CpuRouter::new(fixture(), CpuRouterConfig::new(300, 2)).unwrap();
+    let mut engine = Engine::new(router, EngineConfig::default()).unwrap();
+    assert_eq!(engine.limits().max_context, 4096);
+    assert_eq!(
+        engine
+            .submit(Request::greedy(vec![1; 4097], 1))
+            .unwrap_err(),
+        RequestError::PromptTooLong {
+            len: 4097,
+            max_context: 4096
         }
     );
     engine.shutdown(ShutdownMode::Drain).unwrap();

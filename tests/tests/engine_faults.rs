@@ -233,7 +233,7 @@ fn run(
 ) -> Run {
     let mut config = CpuRouterConfig::new(num_blocks, 4);
     config.max_depth = depth;
-    config.max_context = 112;
+    config.max_context = Some(112);
     config.prefix_cache = false;
     config.marconi = false;
     let router = Faulty::new(CpuRouter::new(model.clone(), config).unwrap(), triggers);
@@ -532,7 +532,7 @@ fn lost_device_at(depth: usize) {
     let model = Model::random(Config::tiny_demo(), 3).unwrap();
     let mut config = CpuRouterConfig::new(64, 4);
     config.max_depth = depth;
-    config.max_context = 112;
+    config.max_context = Some(112);
     config.prefix_cache = false;
     config.marconi = false;
     let lost = DeviceError::DeviceLost("injected".into());

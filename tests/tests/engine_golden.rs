@@ -33,7 +33,7 @@ fn scenario(depth: usize, c_stop: Option<u32>) -> Scenario {
         snapshot_slots: 1,
         prefix_cache: true,
         marconi: true,
-        max_context: 64,
+        max_context: Some(64),
         max_depth: depth,
     };
     let (sink, trace) = TraceSink::memory();

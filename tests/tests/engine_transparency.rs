@@ -53,7 +53,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         snapshot_slots: 2,
         prefix_cache: setup.caches,
         marconi: setup.caches,
-        max_context,
+        max_context: Some(max_context),
         max_depth: setup.depth,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();

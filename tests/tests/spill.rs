@@ -14,7 +14,7 @@ use scheduler::{Engine, EngineConfig, Preemption, Request, ShutdownMode, SpillTa
 fn router(model: &Model, num_blocks: usize) -> CpuRouter {
     let mut config = CpuRouterConfig::new(num_blocks, 4);
     config.block_size = 4;
-    config.max_context = 40;
+    config.max_context = Some(40);
     config.prefix_cache = false;
     config.marconi = false;
     CpuRouter::new(model.clone(), config).unwrap()

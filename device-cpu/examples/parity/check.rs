@@ -212,7 +212,7 @@ pub fn check_fixture(dir: &Path) -> Result<Vec<RunReport>, String> {
         .max()
         .unwrap_or(1);
     let mut config = CpuRouterConfig::new(8 * longest.div_ceil(16) + 8, 4);
-    config.max_context = longest.div_ceil(16) * 16;
+    config.max_context = Some(longest.div_ceil(16) * 16);
     let router = CpuRouter::new(model, config).map_err(|e| format!("router: {e}"))?;
     let mut reports = Vec::new();
     for (i, case) in cases.iter().enumerate() {

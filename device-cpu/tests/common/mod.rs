@@ -36,7 +36,7 @@ pub fn attention_model() -> Model {
 pub fn router(model: Model, block_size: usize, prefix_cache: bool) -> CpuRouter {
     let mut config = CpuRouterConfig::new(64, 4);
     config.block_size = block_size;
-    config.max_context = 256;
+    config.max_context = Some(256);
     config.checkpoints = device_cpu::CheckpointBudget::Slots(16);
     config.prefix_cache = prefix_cache;
     CpuRouter::new(model, config).unwrap()
