@@ -66,6 +66,19 @@ pub enum ModelError {
         /// What the parser reported.
         reason: String,
     },
+    /// A tensor holds NaN or an infinity: the checkpoint is corrupt (a forward pass over it
+    /// would produce garbage, e.g. the same token forever).
+    #[error("tensor `{name}` in {path} holds a non-finite value ({value}) at element {index}")]
+    NonFiniteWeight {
+        /// The file.
+        path: PathBuf,
+        /// The checkpoint name.
+        name: String,
+        /// The first bad element (row-major).
+        index: usize,
+        /// Its value (NaN or ±inf).
+        value: f32,
+    },
     /// A tensor the config requires is not in the checkpoint.
     #[error("tensor `{name}` is missing from the checkpoint")]
     MissingTensor {
@@ -73,8 +86,10 @@ pub enum ModelError {
         name: String,
     },
     /// A tensor has a shape that does not match the config.
-    #[error("tensor `{name}` has shape {actual:?}, the config requires {expected:?}")]
+    #[error("tensor `{name}` in {path} has shape {actual:?}, the config requires {expected:?}")]
     TensorShape {
+        /// The file.
+        path: PathBuf,
         /// The checkpoint name.
         name: String,
         /// The shape the config implies.
@@ -83,16 +98,20 @@ pub enum ModelError {
         actual: Vec<usize>,
     },
     /// A tensor is stored in a dtype other than f32, bf16 or f16.
-    #[error("tensor `{name}` has dtype {dtype}, only F32, BF16 and F16 are supported")]
+    #[error("tensor `{name}` in {path} has dtype {dtype}, only F32, BF16 and F16 are supported")]
     TensorDtype {
+        /// The file.
+        path: PathBuf,
         /// The checkpoint name.
         name: String,
         /// The dtype in the file.
         dtype: String,
     },
     /// The checkpoint holds a tensor the config does not explain (e.g. a bias with `use_bias = false`).
-    #[error("tensor `{name}` is in the checkpoint but not expected by the config")]
+    #[error("tensor `{name}` in {path} is not expected by the config")]
     UnexpectedTensor {
+        /// The file.
+        path: PathBuf,
         /// The checkpoint name.
         name: String,
     },

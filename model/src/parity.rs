@@ -157,7 +157,7 @@ pub fn check_model(model: &Model, dir: &Path) -> Result<ParityReport, ModelError
     })?;
     let tensors = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
         path: expected_path.clone(),
-        reason: e.to_string(),
+        reason: crate::weights::diagnose_safetensors(&bytes, &e),
     })?;
     let cases = root["cases"]
         .as_array()

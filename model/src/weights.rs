@@ -432,7 +432,7 @@ impl<'a> SafetensorsSource<'a> {
         for (i, (path, bytes)) in files.iter().enumerate() {
             let tensors = SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
                 path: path.clone(),
-                reason: e.to_string(),
+                reason: diagnose_safetensors(bytes, &e),
             })?;
             for name in tensors.names() {
                 index.insert(name.to_string(), i);
@@ -458,6 +458,7 @@ impl<'a> SafetensorsSource<'a> {
         unused.sort();
         match unused.first() {
             Some(name) => Err(ModelError::UnexpectedTensor {
+                path: self.files[self.index[*name]].0.clone(),
                 name: (*name).clone(),
             }),
             None => Ok(()),
@@ -477,10 +478,11 @@ impl TensorSource for SafetensorsSource<'_> {
             .tensor(name)
             .map_err(|e| ModelError::Safetensors {
                 path: self.files[file].0.clone(),
-                reason: e.to_string(),
+                reason: format!("tensor `{name}`: {e}"),
             })?;
         if view.shape() != shape {
             return Err(ModelError::TensorShape {
+                path: self.files[file].0.clone(),
                 name: name.to_string(),
                 expected: shape.to_vec(),
                 actual: view.shape().to_vec(),
@@ -488,7 +490,7 @@ impl TensorSource for SafetensorsSource<'_> {
         }
         let data = view.data();
         // Element-wise little-endian decoding: safetensors data need not be aligned for a cast.
-        let values = match view.dtype() {
+        let values: Vec<f32> = match view.dtype() {
             Dtype::F32 => data
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -503,13 +505,122 @@ impl TensorSource for SafetensorsSource<'_> {
                 .collect(),
             other => {
                 return Err(ModelError::TensorDtype {
+                    path: self.files[file].0.clone(),
                     name: name.to_string(),
                     dtype: format!("{other:?}"),
                 })
             }
         };
+        if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(ModelError::NonFiniteWeight {
+                path: self.files[file].0.clone(),
+                name: name.to_string(),
+                index,
+                value,
+            });
+        }
         self.used.insert(name.to_string());
         Ok(values)
+    }
+}
+
+/// One tensor's entry in a safetensors header, as the format defines it.
+#[derive(serde::Deserialize)]
+struct HeaderEntry {
+    dtype: Dtype,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// Why `safetensors` refused `bytes`, said precisely: which tensor is at fault and how, or how
+/// the file is truncated. The `safetensors` crate decides whether a file is valid; this only
+/// re-reads the header (JSON, with `serde_json`) to name what its error does not, and falls back
+/// to its message. Nothing here allocates more than the header's own size.
+pub(crate) fn diagnose_safetensors(bytes: &[u8], err: &safetensors::SafeTensorError) -> String {
+    let fallback = err.to_string();
+    let Some(prefix) = bytes.get(..8) else {
+        return format!(
+            "truncated: the file has {} bytes, fewer than the 8-byte header length",
+            bytes.len()
+        );
+    };
+    let mut length = [0u8; 8];
+    length.copy_from_slice(prefix);
+    let declared = u64::from_le_bytes(length);
+    let after = (bytes.len() - 8) as u64;
+    if declared > after {
+        return format!(
+            "truncated: the header declares {declared} bytes of JSON, the file has {after} bytes \
+             after the 8-byte length ({fallback})"
+        );
+    }
+    // `declared <= after`, so it fits in usize.
+    let header = &bytes[8..8 + declared as usize];
+    let Ok(map) =
+        serde_json::from_slice::<std::collections::BTreeMap<String, serde_json::Value>>(header)
+    else {
+        return fallback;
+    };
+    let mut entries = Vec::with_capacity(map.len());
+    for (name, value) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        match serde_json::from_value::<HeaderEntry>(value) {
+            Ok(entry) => entries.push((name, entry)),
+            Err(e) => return format!("tensor `{name}`: its header entry is invalid ({e})"),
+        }
+    }
+    entries.sort_by_key(|(_, e)| e.data_offsets);
+    let data_len = after - declared;
+    let mut expected_start = 0u64;
+    let mut previous: Option<&str> = None;
+    for (name, entry) in &entries {
+        let (start, end) = entry.data_offsets;
+        let elements = entry
+            .shape
+            .iter()
+            .try_fold(1u128, |acc, &dim| acc.checked_mul(u128::from(dim)));
+        let needed = elements
+            .and_then(|n| n.checked_mul(entry.dtype.bitsize() as u128))
+            .map(|bits| bits.div_ceil(8));
+        let Some(needed) = needed else {
+            return format!(
+                "tensor `{name}`: shape {:?} of {:?} is too large to address",
+                entry.shape, entry.dtype
+            );
+        };
+        if end < start || u128::from(end - start) != needed {
+            return format!(
+                "tensor `{name}`: shape {:?} of {:?} needs {needed} bytes, its data offsets \
+                 [{start}, {end}] hold {}",
+                entry.shape,
+                entry.dtype,
+                end.saturating_sub(start)
+            );
+        }
+        if start != expected_start {
+            let after_what =
+                previous.map_or("the start of the data".to_string(), |p| format!("`{p}`"));
+            return format!(
+                "tensor `{name}`: its data starts at byte {start}, but {after_what} ends at \
+                 {expected_start} (offsets overlap or leave a gap)"
+            );
+        }
+        expected_start = end;
+        previous = Some(name);
+    }
+    match previous {
+        Some(last) if expected_start > data_len => format!(
+            "truncated: tensor `{last}` ends at data byte {expected_start}, the file holds only \
+             {data_len} data bytes"
+        ),
+        Some(last) if expected_start < data_len => format!(
+            "{} trailing bytes after the last tensor `{last}` (its data ends at byte \
+             {expected_start} of {data_len})",
+            data_len - expected_start
+        ),
+        _ => fallback,
     }
 }
 
@@ -596,5 +707,176 @@ impl TensorSource for RandomSource {
             self.uniform(n, -scale, scale)
         };
         Ok(values)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use proptest::prelude::*;
+    use safetensors::tensor::TensorView;
+
+    use super::{SafetensorsSource, TensorSource};
+
+    /// A small valid file: tensors of three dtypes, so offsets and alignments vary.
+    fn good_file() -> Vec<u8> {
+        let f32s: Vec<u8> = (0..6u8).flat_map(|i| f32::from(i).to_le_bytes()).collect();
+        let bf16s: Vec<u8> = (0..4u8)
+            .flat_map(|i| half::bf16::from_f32(f32::from(i)).to_le_bytes())
+            .collect();
+        let f16s: Vec<u8> = (0..4u8)
+            .flat_map(|i| half::f16::from_f32(f32::from(i)).to_le_bytes())
+            .collect();
+        let views = vec![
+            (
+                "a",
+                TensorView::new(safetensors::Dtype::F32, vec![2, 3], &f32s).unwrap(),
+            ),
+            (
+                "b",
+                TensorView::new(safetensors::Dtype::BF16, vec![4], &bf16s).unwrap(),
+            ),
+            (
+                "c",
+                TensorView::new(safetensors::Dtype::F16, vec![2, 2], &f16s).unwrap(),
+            ),
+        ];
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    const SHAPES: [(&str, &[usize]); 3] = [("a", &[2, 3]), ("b", &[4]), ("c", &[2, 2])];
+
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        use serde_json::{json, Value};
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<u64>().prop_map(Value::from),
+            (0u64..40).prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            Just(json!(1_000_000_000_000u64)),
+            Just(json!(u64::MAX)),
+            Just(json!(1.5)),
+            prop_oneof![
+                Just("F32"),
+                Just("BF16"),
+                Just("F16"),
+                Just("I64"),
+                Just("F4"),
+                Just("??")
+            ]
+            .prop_map(Value::from),
+        ];
+        leaf.prop_recursive(2, 8, 4, |inner| {
+            proptest::collection::vec(inner, 0..4).prop_map(Value::from)
+        })
+    }
+
+    /// One way to damage the good file.
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Byte(usize, u8),
+        Cut(usize),
+        Append(Vec<u8>),
+        /// Replace field `field` of tensor `tensor`'s header entry, and rewrite the length.
+        Header(usize, usize, serde_json::Value),
+        /// Set the 8-byte header length.
+        Length(u64),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        prop_oneof![
+            2 => (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Byte(at, b)),
+            1 => any::<usize>().prop_map(Mutation::Cut),
+            1 => proptest::collection::vec(any::<u8>(), 1..8).prop_map(Mutation::Append),
+            4 => (0usize..3, 0usize..3, json_value()).prop_map(|(t, f, v)| Mutation::Header(t, f, v)),
+            1 => prop_oneof![any::<u64>(), 0u64..300].prop_map(Mutation::Length),
+        ]
+    }
+
+    fn apply(bytes: &mut Vec<u8>, mutation: &Mutation) {
+        match mutation {
+            Mutation::Byte(at, b) => {
+                let len = bytes.len().max(1);
+                if let Some(byte) = bytes.get_mut(at % len) {
+                    *byte = *b;
+                }
+            }
+            Mutation::Cut(at) => bytes.truncate(at % (bytes.len() + 1)),
+            Mutation::Append(tail) => bytes.extend_from_slice(tail),
+            Mutation::Length(n) => {
+                if bytes.len() >= 8 {
+                    bytes[..8].copy_from_slice(&n.to_le_bytes());
+                }
+            }
+            Mutation::Header(tensor, field, value) => {
+                let Some(prefix) = bytes.get(..8) else { return };
+                let n = u64::from_le_bytes(prefix.try_into().unwrap_or_default()) as usize;
+                let Some(header) = bytes.get(8..8usize.saturating_add(n)) else {
+                    return;
+                };
+                let Ok(mut map) =
+                    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(header)
+                else {
+                    return;
+                };
+                let name = SHAPES[*tensor].0;
+                let field = ["dtype", "shape", "data_offsets"][*field];
+                if let Some(entry) = map.get_mut(name).and_then(|e| e.as_object_mut()) {
+                    entry.insert(field.to_string(), value.clone());
+                }
+                let text = serde_json::to_vec(&map).unwrap_or_default();
+                let mut out = (text.len() as u64).to_le_bytes().to_vec();
+                out.extend_from_slice(&text);
+                out.extend_from_slice(&bytes[8 + n..]);
+                *bytes = out;
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 10_000,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// Mutated files (bytes flipped or cut, trailing bytes, header fields replaced by
+        /// arbitrary JSON such as shapes of 10^12 elements or absurd offsets, a wrong header
+        /// length) give tensors or a typed error, never a panic; what is read back has exactly
+        /// the elements its shape says, and no more memory than the file's own bytes.
+        #[test]
+        fn mutated_safetensors_files_give_tensors_or_typed_errors(
+            mutations in proptest::collection::vec(mutation(), 1..4),
+        ) {
+            let mut bytes = good_file();
+            for m in &mutations {
+                apply(&mut bytes, m);
+            }
+            let files = vec![(PathBuf::from("fuzz.safetensors"), bytes)];
+            let Ok(mut source) = SafetensorsSource::new(&files) else {
+                return Ok(());
+            };
+            for (name, shape) in SHAPES {
+                if let Ok(values) = source.tensor(name, shape) {
+                    prop_assert_eq!(values.len(), shape.iter().product::<usize>());
+                    prop_assert!(values.len() * 2 <= files[0].1.len());
+                }
+            }
+            let _ = source.check_all_used();
+        }
+    }
+
+    #[test]
+    fn a_good_file_reads_back() {
+        let files = vec![(PathBuf::from("good.safetensors"), good_file())];
+        let mut source = SafetensorsSource::new(&files).unwrap();
+        assert_eq!(
+            source.tensor("a", &[2, 3]).unwrap(),
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        );
+        assert_eq!(source.tensor("b", &[4]).unwrap(), [0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(source.tensor("c", &[2, 2]).unwrap(), [0.0, 1.0, 2.0, 3.0]);
+        source.check_all_used().unwrap();
     }
 }

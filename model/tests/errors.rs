@@ -109,7 +109,10 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
     write_checkpoint(&dir, None, &reshaped);
     assert_eq!(
         load_err(&dir).to_string(),
-        format!("tensor `{name}` has shape [64, 32], the config requires [32, 64]")
+        format!(
+            "tensor `{name}` in {} has shape [64, 32], the config requires [32, 64]",
+            dir.join("model.safetensors").display()
+        )
     );
 
     let mut retyped = tensors.clone();
@@ -135,7 +138,10 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
     write_checkpoint(&dir, None, &extra);
     assert_eq!(
         load_err(&dir).to_string(),
-        "tensor `backbone.layers.0.mixer.in_proj.bias` is in the checkpoint but not expected by the config"
+        format!(
+            "tensor `backbone.layers.0.mixer.in_proj.bias` in {} is not expected by the config",
+            dir.join("model.safetensors").display()
+        )
     );
     extra.retain(|t| !t.0.ends_with("in_proj.bias"));
     write_checkpoint(&dir, None, &extra);
