@@ -428,4 +428,73 @@ mod tests {
         flipped[last_float] ^= 1;
         check_err(&flipped, &l, "checksum mismatch");
     }
+
+    /// One way to damage an image: a byte replaced, the image cut or extended, or a header
+    /// field (by byte offset) overwritten with an arbitrary little-endian u64 (token counts of
+    /// 10^12, absurd block counts...).
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Byte(usize, u8),
+        Cut(usize),
+        Append(Vec<u8>),
+        Field(usize, u64),
+    }
+
+    fn mutation() -> impl proptest::strategy::Strategy<Value = Mutation> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Byte(at, b)),
+            any::<usize>().prop_map(Mutation::Cut),
+            proptest::collection::vec(any::<u8>(), 1..16).prop_map(Mutation::Append),
+            (
+                0..HEADER_BYTES,
+                prop_oneof![any::<u64>(), 0u64..100, Just(1_000_000_000_000)]
+            )
+                .prop_map(|(at, v)| Mutation::Field(at, v)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 10_000,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Mutated images decode to an image consistent with the layout or to an error, never
+        /// a panic, and never to buffers larger than the image itself.
+        #[test]
+        fn mutated_images_decode_or_give_an_error(
+            mutations in proptest::collection::vec(mutation(), 1..4),
+        ) {
+            let mut bytes = sample();
+            for m in &mutations {
+                match m {
+                    Mutation::Byte(at, b) => {
+                        let len = bytes.len().max(1);
+                        if let Some(byte) = bytes.get_mut(at % len) {
+                            *byte = *b;
+                        }
+                    }
+                    Mutation::Cut(at) => bytes.truncate(at % (bytes.len() + 1)),
+                    Mutation::Append(tail) => bytes.extend_from_slice(tail),
+                    Mutation::Field(at, value) => {
+                        let end = (at + 8).min(bytes.len());
+                        let n = end.saturating_sub(*at);
+                        if n > 0 {
+                            bytes[*at..end].copy_from_slice(&value.to_le_bytes()[..n]);
+                        }
+                    }
+                }
+            }
+            let l = layout();
+            if let Ok(image) = decode(&l, &bytes) {
+                let floats = image.kv.len() + image.state.len();
+                proptest::prop_assert!(4 * (image.tokens.len() + floats) <= bytes.len());
+                proptest::prop_assert_eq!(image.kv.len(), image.num_blocks * l.floats_per_block);
+                proptest::prop_assert_eq!(image.state.len(), l.floats_per_slot);
+                proptest::prop_assert!(image.tokens.len() <= l.max_context);
+            }
+        }
+    }
 }
