@@ -81,7 +81,7 @@ fn converse(scenario: &Scenario) -> (Outcome, scheduler::Metrics) {
         snapshot_slots: 1,
         prefix_cache: true,
         marconi: true,
-        max_context: 112,
+        max_context: Some(112),
         max_depth: scenario.depth,
     };
     let router = CpuRouter::new(scenario.model.clone(), config).unwrap();
