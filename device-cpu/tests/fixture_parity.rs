@@ -2,7 +2,7 @@
 //! transformers reference (1e-4, same greedy ids), twice per case with the prefix cache on, the
 //! second run served from the cache with the same bits.
 
-#[path = "../examples/parity/check.rs"]
+#[path = "../examples/router_parity/check.rs"]
 mod check;
 
 use std::path::PathBuf;

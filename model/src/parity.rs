@@ -2,7 +2,7 @@
 //! (`PATH/model/`, `PATH/expected.safetensors`, `PATH/cases.json`): every prompt position's logits
 //! from one prefill, then teacher-forced decode steps fed the reference greedy ids.
 //!
-//! Used by the fixture test and by `cargo run --release -p model --example parity -- PATH`.
+//! Used by the fixture test and by `cargo run --release -p model --example forward_parity -- PATH`.
 
 use std::path::Path;
 

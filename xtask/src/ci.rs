@@ -12,7 +12,9 @@
 //!    in [`ALONE`], so a crate that compiles only thanks to features another crate turns on in
 //!    the unified build is caught;
 //! 6. `doc`: `RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps`;
-//! 7. `codegen`: `cargo xtask codegen --check`, run in this process (see [`crate::codegen`]).
+//! 7. `readme example`: the README's library example checked in a scratch crate that depends on
+//!    `scheduler` alone (see [`crate::readme`]), offline, reusing the target directory;
+//! 8. `codegen`: `cargo xtask codegen --check`, run in this process (see [`crate::codegen`]).
 
 use std::path::Path;
 use std::process::Command;
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::cmd::{self, Error};
 use crate::codegen;
+use crate::readme;
 use crate::tidy;
 
 /// The library crates checked one by one with no default features.
@@ -44,6 +47,8 @@ enum Action {
     Tidy,
     /// Run `codegen --check` in process.
     CodegenCheck,
+    /// Check the README's library example in a scratch crate.
+    ReadmeExample,
 }
 
 /// One stage of the pipeline.
@@ -67,6 +72,10 @@ impl Stage {
             Action::Cargo(command) => cmd::display(command),
             Action::Tidy => "cargo xtask tidy".to_owned(),
             Action::CodegenCheck => "cargo xtask codegen --check".to_owned(),
+            Action::ReadmeExample => {
+                "cargo check --offline --manifest-path <target>/xtask/readme-example/Cargo.toml"
+                    .to_owned()
+            }
         }
     }
 
@@ -75,6 +84,7 @@ impl Stage {
             Action::Cargo(command) => cmd::run(command),
             Action::Tidy => tidy::run(root),
             Action::CodegenCheck => codegen::run(root, codegen::Mode::Check, None),
+            Action::ReadmeExample => readme::check(root),
         }
     }
 }
@@ -111,6 +121,10 @@ fn stages() -> Vec<Stage> {
         command.env("RUSTDOCFLAGS", "-D warnings");
     }
     stages.push(doc);
+    stages.push(Stage {
+        name: "readme example".to_owned(),
+        action: Action::ReadmeExample,
+    });
     stages.push(Stage {
         name: "codegen".to_owned(),
         action: Action::CodegenCheck,
@@ -188,7 +202,7 @@ mod tests {
         let mut expected: Vec<String> =
             ["fmt", "tidy", "clippy", "test"].map(String::from).to_vec();
         expected.extend(ALONE.iter().map(|c| format!("check {c}")));
-        expected.extend(["doc", "codegen"].map(String::from));
+        expected.extend(["doc", "readme example", "codegen"].map(String::from));
         assert_eq!(names, expected);
         let doc = stages().into_iter().find(|s| s.name == "doc").unwrap();
         assert_eq!(

@@ -2,7 +2,8 @@
 //!
 //! - `cargo xtask ci` runs exactly what CI runs (`.ci/run` calls it): formatting, tidy checks,
 //!   clippy with warnings denied, the whole test suite, each library crate checked alone with no
-//!   default features, docs with warnings denied, and `codegen --check`. It stops at the first
+//!   default features, docs with warnings denied, the README's library example checked in a
+//!   scratch crate that depends on `scheduler` alone, and `codegen --check`. It stops at the first
 //!   failing stage and prints one line per stage with its wall time. If it passes locally, CI is
 //!   green. `cargo xtask ci --list` shows the stages and their commands.
 //! - `cargo xtask tidy` runs only the tidy checks (see `tidy.rs`): every `.rs` file starts with
@@ -30,6 +31,7 @@ mod codegen;
 mod diff;
 mod lex;
 mod metadata;
+mod readme;
 mod tidy;
 
 use std::process::ExitCode;

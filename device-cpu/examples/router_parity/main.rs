@@ -1,4 +1,4 @@
-//! `cargo run --release -p device-cpu --example parity -- PATH`: checks a fixture folder of the
+//! `cargo run --release -p device-cpu --example router_parity -- PATH`: checks a fixture folder of the
 //! shared layout through the host router's `DeviceIo` interface only, each case twice with the
 //! prefix cache on (the second run served from the cache), and exits non-zero on failure.
 
@@ -12,7 +12,7 @@ const TOLERANCE: f32 = 1e-4;
 fn main() -> ExitCode {
     let Some(path) = std::env::args().nth(1) else {
         eprintln!(
-            "usage: parity PATH (a fixture folder with model/, expected.safetensors, cases.json)"
+            "usage: router_parity PATH (a fixture folder with model/, expected.safetensors, cases.json)"
         );
         return ExitCode::from(2);
     };

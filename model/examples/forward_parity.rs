@@ -2,7 +2,7 @@
 //! `PATH/cases.json`) against this crate's forward: prints the largest absolute difference per
 //! case and `OK` or `FAIL`, and exits non-zero on failure.
 //!
-//! `cargo run --release -p model --example parity -- PATH [TOLERANCE]`
+//! `cargo run --release -p model --example forward_parity -- PATH [TOLERANCE]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,7 +12,7 @@ use model::parity::{check_fixture, DEFAULT_TOLERANCE};
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(dir) = args.next().map(PathBuf::from) else {
-        eprintln!("usage: parity PATH [TOLERANCE]");
+        eprintln!("usage: forward_parity PATH [TOLERANCE]");
         return ExitCode::from(2);
     };
     let tolerance = match args.next().map(|t| t.parse::<f32>()) {
