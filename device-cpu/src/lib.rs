@@ -51,6 +51,48 @@
 //! them, fails every later step that has one of them as a row or feeds from the failed step, and
 //! holds nothing for the step itself. A worker thread that panicked makes every later call answer
 //! [`DeviceError::DeviceLost`].
+//!
+//! # Example
+//!
+//! Load the tiny fixture checkpoint, prefill a prompt and decode two tokens through `DeviceIo`
+//! (what the engine does for one request), then send the same prompt again: its full blocks come
+//! from the prefix cache (on this hybrid model, with the Marconi checkpoint taken at the prompt's
+//! last block boundary), and its first token is the same.
+//!
+//! ```
+//! use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
+//! use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+//!
+//! let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../model/tests/fixtures/nemotron-h-tiny/model");
+//! let model = model::Model::load(std::path::Path::new(dir))?;
+//! let router = CpuRouter::new(model, CpuRouterConfig::new(64, 2))?; // 64 blocks of 16, 2 slots
+//!
+//! let prompt: Vec<u32> = (1..=40).collect();
+//! let spec = |id| SeqSpec { id, prompt: &prompt, adapter: None, cache_salt: None };
+//! let prefill = || StepPlan::Prefill { budgets: &[64], readback: Readback::Argmax };
+//!
+//! let mut first = CpuSeq::create(spec(1));
+//! let step = router.await_result(router.launch(prefill(), &mut [&mut first])?)?;
+//! let mut token = step.rows[0].token.expect("the prompt completed");
+//! let mut generated = vec![token];
+//! for _ in 0..2 {
+//!     let decode = StepPlan::Decode { tokens: &[token], readback: Readback::Argmax };
+//!     token = router.await_result(router.launch(decode, &mut [&mut first])?)?.rows[0]
+//!         .token
+//!         .expect("decode rows reach a token");
+//!     generated.push(token);
+//! }
+//! println!("generated {generated:?}");
+//! router.apply(Effect::ReleaseSeq { seq: &mut first, cache: true, what: "finish" })?;
+//!
+//! let mut again = CpuSeq::create(spec(2));
+//! let step = router.await_result(router.launch(prefill(), &mut [&mut again])?)?;
+//! let report = step.rows[0].prefill.expect("a prefill row reports how it advanced");
+//! assert_eq!((report.cached, report.computed), (32, 8));
+//! assert_eq!(step.rows[0].token, Some(generated[0]));
+//! router.apply(Effect::ReleaseSeq { seq: &mut again, cache: true, what: "finish" })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![forbid(unsafe_code)]
 
 mod cache;

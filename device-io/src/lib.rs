@@ -54,6 +54,50 @@
 //! Teardown order: drain every in-flight ticket, apply [`Effect::EpShutdown`], apply
 //! [`Effect::Quiesce`] for each stream, then [`DeviceIo::teardown`], which releases device memory
 //! and reports sequences that still held resources.
+//!
+//! # Example
+//!
+//! Drive the scripted router of the `testing` feature the way a core drives any router: create a
+//! sequence, prefill its prompt, feed each answered token back as a decode step, release it.
+//!
+//! ```
+//! # #[cfg(feature = "testing")]
+//! # fn main() -> device_io::Result<()> {
+//! use device_io::testing::{ScriptedConfig, ScriptedRouter, ScriptedSeq};
+//! use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+//!
+//! let router = ScriptedRouter::new(ScriptedConfig::default()); // blocks of 4 tokens
+//! router.script(&[7, 8, 9]); // the tokens it answers, in order
+//! let prompt = [5, 6, 7, 8, 9, 10];
+//! let mut seq = ScriptedSeq::create(SeqSpec { id: 1, prompt: &prompt, adapter: None, cache_salt: None });
+//!
+//! // Prefill: the whole prompt fits the budget, so the step reaches its first token position.
+//! let plan = StepPlan::Prefill { budgets: &[16], readback: Readback::Argmax };
+//! let ticket = router.launch(plan, &mut [&mut seq])?;
+//! let step = router.await_result(ticket)?;
+//! let report = step.rows[0].prefill.expect("a prefill row reports how it advanced");
+//! assert_eq!((report.computed, report.done), (6, true));
+//! let mut token = step.rows[0].token.expect("the prompt completed");
+//! let mut generated = vec![token];
+//!
+//! // Decode: one token in, the next one out.
+//! for _ in 0..2 {
+//!     let plan = StepPlan::Decode { tokens: &[token], readback: Readback::Argmax };
+//!     let ticket = router.launch(plan, &mut [&mut seq])?;
+//!     token = router.await_result(ticket)?.rows[0].token.expect("decode rows reach a token");
+//!     generated.push(token);
+//! }
+//! assert_eq!(generated, [7, 8, 9]);
+//! assert_eq!(router.facts().live_slots_used, 1);
+//!
+//! router.apply(Effect::ReleaseSeq { seq: &mut seq, cache: true, what: "finish" })?;
+//! assert_eq!(router.facts().live_slots_used, 0);
+//! Box::new(router).teardown()?; // nothing leaked
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "testing"))]
+//! # fn main() {}
+//! ```
 #![forbid(unsafe_code)]
 
 mod effect;

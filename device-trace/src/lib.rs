@@ -10,6 +10,40 @@
 //!
 //! Lines are deterministic (labels only, no timings, no addresses), so a recorded scenario is a
 //! byte-stable golden file. Timings go to `tracing` spans (target `device_trace`), never into lines.
+//!
+//! # Example
+//!
+//! Wrap a router (here the scripted one of `device_io`'s `testing` feature), run one prefill
+//! through the wrapper as any core would, and print what was recorded:
+//!
+//! ```
+//! use device_io::testing::{ScriptedConfig, ScriptedRouter, ScriptedSeq};
+//! use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+//! use device_trace::{TraceSink, TracingDeviceIo};
+//!
+//! let (sink, buffer) = TraceSink::memory();
+//! let router = TracingDeviceIo::new(ScriptedRouter::new(ScriptedConfig::default()), sink);
+//!
+//! let mut seq = ScriptedSeq::create(SeqSpec { id: 1, prompt: &[5, 6, 7], adapter: None, cache_salt: None });
+//! let plan = StepPlan::Prefill { budgets: &[8], readback: Readback::Argmax };
+//! let ticket = router.launch(plan, &mut [&mut seq])?;
+//! router.await_result(ticket)?;
+//! router.apply(Effect::ReleaseSeq { seq: &mut seq, cache: true, what: "finish" })?;
+//!
+//! print!("{}", buffer.text());
+//! assert_eq!(
+//!     buffer.lines(),
+//!     [
+//!         "fx launch Prefill{n=1, budget=8, readback=Argmax}",
+//!         "-> ticket 1",
+//!         "fx await ticket 1",
+//!         "-> settled ticket 1 rows=1",
+//!         "fx apply ReleaseSeq{cache=true, finish}",
+//!         "-> Unit",
+//!     ]
+//! );
+//! # Ok::<(), device_io::DeviceError>(())
+//! ```
 #![forbid(unsafe_code)]
 
 mod sink;
