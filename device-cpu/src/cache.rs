@@ -63,6 +63,33 @@ pub struct CacheStats {
     pub checkpoints_evicted: u64,
     /// The Marconi eviction weight α now in use (`None` without a Marconi store).
     pub alpha: Option<f64>,
+    /// The Marconi store's recency basis now: `path`, `own`, `shared` or `adaptive` (`None`
+    /// without a Marconi store).
+    pub recency: Option<&'static str>,
+    /// The Marconi store's FLOP basis now: `prefix` or `marginal` (`None` without a Marconi
+    /// store).
+    pub flop_basis: Option<&'static str>,
+    /// Whether the Marconi store's guarded admission is on now (`None` without a Marconi store).
+    pub guard: Option<bool>,
+    /// How many times the tuner changed the eviction setting (`None` when no tuner runs:
+    /// `marconi: false`, or no Marconi store).
+    pub tuner_switches: Option<u64>,
+}
+
+fn recency_name(recency: ssm_snapshot::Recency) -> &'static str {
+    match recency {
+        ssm_snapshot::Recency::Path => "path",
+        ssm_snapshot::Recency::Own => "own",
+        ssm_snapshot::Recency::Shared => "shared",
+        ssm_snapshot::Recency::Adaptive => "adaptive",
+    }
+}
+
+fn flop_basis_name(basis: ssm_snapshot::FlopBasis) -> &'static str {
+    match basis {
+        ssm_snapshot::FlopBasis::Prefix => "prefix",
+        ssm_snapshot::FlopBasis::Marginal => "marginal",
+    }
 }
 
 enum Index {
@@ -263,20 +290,22 @@ impl Caches {
                 Index::Marconi(store, _) => u64::from(store.slots().cached_count()),
                 _ => 0,
             },
-            alpha: match &self.index {
-                Index::Marconi(store, _) => Some(store.config().alpha),
-                _ => None,
-            },
             ..self.marconi_counts()
         }
     }
 
-    /// The Marconi store's lifetime counters (all zero without a store).
+    /// The Marconi store's lifetime counters and its setting (zero and `None` without a store).
     fn marconi_counts(&self) -> CacheStats {
         match &self.index {
-            Index::Marconi(store, _) => {
+            Index::Marconi(store, tuner) => {
                 let stats = store.stats();
+                let setting = store.config();
                 CacheStats {
+                    alpha: Some(setting.alpha),
+                    recency: Some(recency_name(setting.recency)),
+                    flop_basis: Some(flop_basis_name(setting.flop_basis)),
+                    guard: Some(setting.guard),
+                    tuner_switches: tuner.as_ref().map(|tuner| tuner.history().len() as u64),
                     checkpoints_taken: stats.admitted_checkpoints,
                     checkpoint_hits: stats.hits,
                     checkpoints_evicted: stats.evicted_leaves + stats.evicted_checkpoints_only,

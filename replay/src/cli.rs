@@ -54,6 +54,11 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 
+    /// Draw the TTFT and TPOT distributions and the prefix cache's hit rate over time to
+    /// FILE.svg, every pass of --verify (needs `--features plot`)
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+
     /// Replay three times with logits digests: caches on and off at --depth, then caches on at
     /// the other depth; exit 1 unless every turn's digest matches in all three
     #[arg(long)]

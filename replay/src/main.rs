@@ -10,9 +10,12 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+#[cfg(feature = "plot")]
+mod plot;
 mod progress;
 mod report;
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,10 +23,11 @@ use std::time::Instant;
 
 use clap::Parser;
 use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
-use scheduler::replay::{self, Replay, ReplayOptions, TurnOutcome};
+use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
 use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
+use serde::Serialize;
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
 use crate::progress::Progress;
@@ -146,6 +150,7 @@ struct Plan {
     kv_blocks: usize,
     max_context: usize,
     json: Option<OutputFile>,
+    plot: Option<OutputFile>,
 }
 
 /// Checks the command line, the model's configuration and the workload, and opens the output
@@ -163,10 +168,29 @@ fn plan(args: Args) -> Result<Plan, Failure> {
                 .into(),
         ));
     }
+    if let Some(path) = &args.plot {
+        if !cfg!(feature = "plot") {
+            return Err(Failure(
+                "--plot needs the `plot` feature (cargo run --release -p replay --features plot -- ...)"
+                    .into(),
+            ));
+        }
+        if path.extension().and_then(|e| e.to_str()) != Some("svg") {
+            return Err(Failure(format!(
+                "--plot {}: the plot is SVG; name the file FILE.svg",
+                path.display()
+            )));
+        }
+    }
     let json = args
         .json
         .as_deref()
         .map(|path| OutputFile::open("--json", path))
+        .transpose()?;
+    let plot = args
+        .plot
+        .as_deref()
+        .map(|path| OutputFile::open("--plot", path))
         .transpose()?;
     let model_config = match &args.model {
         Some(dir) => ModelConfig::from_file(&dir.join("config.json"))
@@ -234,6 +258,7 @@ fn plan(args: Args) -> Result<Plan, Failure> {
         kv_blocks,
         max_context,
         json,
+        plot,
     })
 }
 
@@ -272,7 +297,7 @@ fn run_pass(
     depth: usize,
     label: &str,
     digests: bool,
-) -> Result<(Replay, Setup), Failure> {
+) -> Result<Pass, Failure> {
     let args = &plan.args;
     let max_seqs = args.max_in_flight as usize;
     let options = BackendOptions {
@@ -309,13 +334,27 @@ fn run_pass(
         digests,
         pace: args.pace,
     };
+    let mut series = PassSeries {
+        label: label.to_string(),
+        ..PassSeries::default()
+    };
+    let (mut cached, mut prompt) = (0usize, 0usize);
+    let started = Instant::now();
     let mut replay = replay::replay(
         &mut engine,
         &plan.workload,
         &replay_options,
         &mut |_, outcome| match outcome {
             TurnOutcome::Done { usage, .. } => {
-                progress.turn_done(usage.generated_tokens as u64, false)
+                progress.turn_done(usage.generated_tokens as u64, false);
+                cached += usage.cached_tokens;
+                prompt += usage.prompt_tokens;
+                let rate = 100.0 * cached as f64 / prompt.max(1) as f64;
+                series
+                    .hit_rate
+                    .push((started.elapsed().as_secs_f64(), rate));
+                series.ttft_ms.extend(usage.time_to_first_token.map(ms));
+                series.tpot_ms.extend(usage.time_per_output_token.map(ms));
             }
             TurnOutcome::Failed(_) => progress.turn_done(0, true),
             TurnOutcome::Skipped => progress.turn_done(0, false),
@@ -326,7 +365,86 @@ fn run_pass(
     engine
         .shutdown(ShutdownMode::Drain)
         .map_err(|err| Failure(format!("shutdown: {err}")))?;
-    Ok((replay, setup))
+    Ok(Pass {
+        replay,
+        setup,
+        series,
+    })
+}
+
+fn ms(duration: std::time::Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
+
+/// One finished pass.
+#[derive(Debug)]
+struct Pass {
+    replay: Replay,
+    setup: Setup,
+    series: PassSeries,
+}
+
+/// What `--plot` draws of one pass.
+#[derive(Debug, Default)]
+// Without the `plot` feature nothing reads the series; collecting them costs a few pushes a turn.
+#[cfg_attr(not(feature = "plot"), allow(dead_code))]
+struct PassSeries {
+    /// `caches on` or `caches off`.
+    label: String,
+    /// Each completed turn's time to first token, in milliseconds.
+    ttft_ms: Vec<f64>,
+    /// Each completed turn's mean time per output token, in milliseconds.
+    tpot_ms: Vec<f64>,
+    /// `(seconds into the pass, token hit rate so far in percent)` at each completed turn.
+    hit_rate: Vec<(f64, f64)>,
+}
+
+/// The `--json` document: what was configured, the workload, each pass under its name, and
+/// `--verify`'s verdicts.
+#[derive(Debug, Serialize)]
+struct JsonReport<'a> {
+    setup: &'a Setup,
+    workload: WorkloadFacts,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    caches_on: Option<&'a ReplayReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    caches_off: Option<&'a ReplayReport>,
+    /// `--verify`'s third pass, as `depth_N_caches_on` (N the depth other than `--depth`).
+    #[serde(flatten)]
+    other_depth: BTreeMap<String, &'a ReplayReport>,
+    /// Caches on against off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify: Option<&'a Verdict>,
+    /// One depth against the other, caches on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_depth: Option<&'a Verdict>,
+}
+
+/// The workload as replayed.
+#[derive(Debug, Serialize)]
+struct WorkloadFacts {
+    name: String,
+    turns: usize,
+    input_tokens: usize,
+    output_tokens: usize,
+    /// Turns without recorded output (skipped: nothing to force).
+    without_output: usize,
+}
+
+impl WorkloadFacts {
+    fn of(workload: &Workload) -> WorkloadFacts {
+        WorkloadFacts {
+            name: workload.name.clone(),
+            turns: workload.turns.len(),
+            input_tokens: workload.input_tokens(),
+            output_tokens: workload.output_tokens(),
+            without_output: workload
+                .turns
+                .iter()
+                .filter(|turn| turn.output.is_empty())
+                .count(),
+        }
+    }
 }
 
 /// A router construction error, with the flag that sized what could not be built.
@@ -412,69 +530,105 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         workload.output_tokens()
     );
     let json = plan.json.take();
+    let plot = plan.plot.take();
     let depth = plan.args.depth as usize;
-    if !plan.args.verify {
+    let other = 3 - depth;
+    let other_label = format!("depth {other}, caches on");
+    let passes: Vec<Pass> = if plan.args.verify {
+        vec![
+            run_pass(plan, &model, true, depth, "caches on", true)?,
+            run_pass(plan, &model, false, depth, "caches off", true)?,
+            run_pass(plan, &model, true, other, &other_label, true)?,
+        ]
+    } else {
         let prefix_cache = !plan.args.no_prefix_cache;
         let label = if prefix_cache {
             "caches on"
         } else {
             "caches off"
         };
-        let (replay, setup) = run_pass(plan, &model, prefix_cache, depth, label, false)?;
-        setup.print();
-        report::print(label, &replay.report);
-        if let Some(json) = json {
-            let key = if prefix_cache {
-                "caches_on"
-            } else {
-                "caches_off"
-            };
-            let value = serde_json::json!({
-                "setup": setup,
-                key: replay.report,
-            });
-            write_json(json, &value)?;
-        }
-        return Ok(replay.report.failed == 0);
-    }
-    let other = 3 - depth;
-    let other_label = format!("depth {other}, caches on");
-    let (on, setup) = run_pass(plan, &model, true, depth, "caches on", true)?;
-    let (off, _) = run_pass(plan, &model, false, depth, "caches off", true)?;
-    let (other_on, _) = run_pass(plan, &model, true, other, &other_label, true)?;
+        vec![run_pass(plan, &model, prefix_cache, depth, label, false)?]
+    };
+    let setup = &passes[0].setup;
     setup.print();
-    report::print("caches on", &on.report);
-    report::print("caches off", &off.report);
-    report::print(&other_label, &other_on.report);
-    let caches = Verdict::compare(
-        &plan.workload,
-        format!("caches on vs off at depth {depth}"),
-        &on,
-        &off,
-    );
-    caches.print();
-    let depths = Verdict::compare(
-        &plan.workload,
-        format!("depth {depth} vs depth {other}, caches on"),
-        &on,
-        &other_on,
-    );
-    depths.print();
-    if let Some(json) = json {
-        let value = serde_json::json!({
-            "setup": setup,
-            "caches_on": on.report,
-            "caches_off": off.report,
-            format!("depth_{other}_caches_on"): other_on.report,
-            "verify": caches,
-            "verify_depth": depths,
-        });
-        write_json(json, &value)?;
+    for pass in &passes {
+        report::print(&pass.series.label, &pass.replay.report);
     }
-    Ok(caches.verified && depths.verified)
+    let verdicts: Vec<Verdict> = match passes.as_slice() {
+        [on, off, other_on] => vec![
+            Verdict::compare(
+                &plan.workload,
+                format!("caches on vs off at depth {depth}"),
+                &on.replay,
+                &off.replay,
+            ),
+            Verdict::compare(
+                &plan.workload,
+                format!("depth {depth} vs depth {other}, caches on"),
+                &on.replay,
+                &other_on.replay,
+            ),
+        ],
+        _ => Vec::new(),
+    };
+    for verdict in &verdicts {
+        verdict.print();
+    }
+    if let Some(plot) = plot {
+        write_plot(plot, &plan.workload, &passes)?;
+    }
+    if let Some(json) = json {
+        let by_label = |label: &str| {
+            passes
+                .iter()
+                .find(|pass| pass.series.label == label)
+                .map(|pass| &pass.replay.report)
+        };
+        let other_depth = by_label(&other_label)
+            .map(|report| (format!("depth_{other}_caches_on"), report))
+            .into_iter()
+            .collect();
+        let document = JsonReport {
+            setup,
+            workload: WorkloadFacts::of(&plan.workload),
+            caches_on: by_label("caches on"),
+            caches_off: by_label("caches off"),
+            other_depth,
+            verify: verdicts.first(),
+            verify_depth: verdicts.get(1),
+        };
+        write_json(json, &document)?;
+    }
+    Ok(if verdicts.is_empty() {
+        passes[0].replay.report.failed == 0
+    } else {
+        verdicts.iter().all(|verdict| verdict.verified)
+    })
 }
 
-fn write_json(file: OutputFile, value: &serde_json::Value) -> Result<(), Failure> {
+/// Draws `--plot` (feature `plot`).
+#[cfg(feature = "plot")]
+fn write_plot(file: OutputFile, workload: &Workload, passes: &[Pass]) -> Result<(), Failure> {
+    let series: Vec<&PassSeries> = passes.iter().map(|pass| &pass.series).collect();
+    let title = format!(
+        "replay of {} ({} turns)",
+        workload.name,
+        workload.turns.len()
+    );
+    let svg = plot::render(&title, &series).map_err(Failure)?;
+    let path = file.path.clone();
+    file.write("--plot", &svg)?;
+    println!("plot written to {}", path.display());
+    Ok(())
+}
+
+/// `--plot` without the feature is refused in `plan`, before any work.
+#[cfg(not(feature = "plot"))]
+fn write_plot(_: OutputFile, _: &Workload, _: &[Pass]) -> Result<(), Failure> {
+    Err(Failure("--plot needs the `plot` feature".into()))
+}
+
+fn write_json(file: OutputFile, value: &impl Serialize) -> Result<(), Failure> {
     let path = file.path.clone();
     let text = serde_json::to_string_pretty(value)?;
     file.write("--json", &(text + "\n"))?;

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use scheduler::backend::{self, BackendOptions, ModelConfig};
-use scheduler::replay::{Replay, ReplayReport, TurnOutcome};
+use scheduler::replay::{CacheStats, Replay, ReplayReport, TurnOutcome};
 use scheduler::workload::Workload;
 use scheduler::{EngineConfig, Preemption, SpillTarget};
 
@@ -201,14 +201,17 @@ pub fn print(title: &str, report: &ReplayReport) {
             cache.lookups, cache.hit_tokens
         );
         match cache.marconi_alpha {
-            Some(alpha) => println!(
-                "SSM checkpoints     {} taken, {} hit, {} evicted, {} held at the end; eviction alpha {alpha:.2} at the end",
+            Some(_) => println!(
+                "SSM checkpoints     {} taken, {} hit, {} evicted, {} held at the end",
                 cache.checkpoints_taken,
                 cache.checkpoint_hits,
                 cache.checkpoints_evicted,
                 cache.checkpoints_held
             ),
             None => println!("SSM checkpoints     none (no Marconi store in this pass)"),
+        }
+        if let Some(line) = eviction_line(cache) {
+            println!("eviction            {line}");
         }
     }
     println!(
@@ -231,6 +234,27 @@ pub fn print(title: &str, report: &ReplayReport) {
         "preemption          {} preemptions ({} spills, {} restores, {} recomputes)",
         report.preemptions, report.spills, report.restores, report.recomputes
     );
+}
+
+/// How the Marconi store evicted, and what its tuner did (`None` without a Marconi store).
+pub fn eviction_line(cache: &CacheStats) -> Option<String> {
+    let alpha = cache.marconi_alpha?;
+    let setting = format!(
+        "alpha {alpha:.2}, {} recency, {} FLOPs, guarded admission {}",
+        cache.marconi_recency.unwrap_or("?"),
+        cache.marconi_flop_basis.unwrap_or("?"),
+        if cache.marconi_guard == Some(true) {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    Some(match cache.tuner_switches {
+        Some(switches) => format!(
+            "Marconi, tuned: {switches} setting change(s) during the pass; at the end {setting}"
+        ),
+        None => format!("by recency, no tuner (--no-marconi): {setting}"),
+    })
 }
 
 /// One turn whose digests differ between the passes.
@@ -332,6 +356,37 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_eviction_line_says_whether_the_tuner_ran() {
+        let marconi = CacheStats {
+            marconi_alpha: Some(0.5),
+            marconi_recency: Some("adaptive"),
+            marconi_flop_basis: Some("marginal"),
+            marconi_guard: Some(true),
+            tuner_switches: Some(2),
+            ..CacheStats::default()
+        };
+        assert_eq!(
+            eviction_line(&marconi).unwrap(),
+            "Marconi, tuned: 2 setting change(s) during the pass; at the end alpha 0.50, \
+             adaptive recency, marginal FLOPs, guarded admission on"
+        );
+        let lru = CacheStats {
+            marconi_alpha: Some(0.0),
+            marconi_recency: Some("path"),
+            marconi_flop_basis: Some("marginal"),
+            marconi_guard: Some(false),
+            tuner_switches: None,
+            ..CacheStats::default()
+        };
+        assert_eq!(
+            eviction_line(&lru).unwrap(),
+            "by recency, no tuner (--no-marconi): alpha 0.00, path recency, marginal FLOPs, \
+             guarded admission off"
+        );
+        assert_eq!(eviction_line(&CacheStats::default()), None);
+    }
 
     #[test]
     fn byte_counts_read_as_people_write_them() {

@@ -109,6 +109,22 @@ fn refusals_name_the_flag_and_exit_2_before_any_work() {
         "replay: --kv-blocks 5000000000: 5000000000 KV blocks is more than block ids allow (4294967295)"
     );
 
+    // --plot is checked before any work too.
+    let png = dir.path().join("plot.png");
+    let out = replay(&["--model", model, "--plot", png.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let expected = if cfg!(feature = "plot") {
+        format!(
+            "replay: --plot {}: the plot is SVG; name the file FILE.svg",
+            png.display()
+        )
+    } else {
+        "replay: --plot needs the `plot` feature (cargo run --release -p replay --features plot -- ...)"
+            .to_string()
+    };
+    assert_eq!(stderr(&out).trim_end(), expected);
+    assert!(!png.exists());
+
     let out = replay(&["--kv-blocks", "1"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(
@@ -158,6 +174,7 @@ fn a_short_run_reports_its_setup_and_writes_every_verify_pass() {
         "KV pool             64 blocks of 16 tokens, ",
         "in flight           at most 2 turns; pipelining depth 2; preemption by recompute",
         "prefix cache        on; SSM checkpoint eviction: marconi (FLOP-aware, tuned by shadow stores)",
+        "eviction            Marconi, tuned: 0 setting change(s) during the pass; at the end alpha 0.00, adaptive recency, marginal FLOPs, guarded admission off",
         "requests            3 (2 completed, 0 failed, 1 skipped (no recorded output to force))",
         "verify (caches on vs off at depth 2): 2 turns with identical logits digests, 0 mismatched: OK",
         "verify (depth 2 vs depth 1, caches on): 2 turns with identical logits digests, 0 mismatched: OK",
@@ -185,8 +202,33 @@ fn a_short_run_reports_its_setup_and_writes_every_verify_pass() {
         "{err}"
     );
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let text = std::fs::read_to_string(&json).unwrap();
+    // The top-level keys, in the order written (pretty-printed: indented by two spaces).
+    let keys: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("  \""))
+        .filter_map(|line| line.split_once('"').map(|(key, _)| key))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "setup",
+            "workload",
+            "caches_on",
+            "caches_off",
+            "depth_1_caches_on",
+            "verify",
+            "verify_depth"
+        ]
+    );
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(report["workload"]["turns"], 3);
+    assert_eq!(report["workload"]["without_output"], 1);
+    assert_eq!(report["caches_on"]["cache"]["tuner_switches"], 0);
+    assert_eq!(
+        report["caches_off"]["cache"]["tuner_switches"],
+        serde_json::Value::Null
+    );
     assert_eq!(report["setup"]["kv_blocks"], 64);
     assert_eq!(report["setup"]["max_in_flight"], 2);
     assert_eq!(report["setup"]["prefix_cache"], true);

@@ -212,6 +212,10 @@ mod cpu {
             checkpoint_hits: stats.checkpoint_hits,
             checkpoints_evicted: stats.checkpoints_evicted,
             marconi_alpha: stats.alpha,
+            marconi_recency: stats.recency,
+            marconi_flop_basis: stats.flop_basis,
+            marconi_guard: stats.guard,
+            tuner_switches: stats.tuner_switches,
         })
     }
 

@@ -77,8 +77,17 @@ pub struct CacheStats {
     pub checkpoint_hits: u64,
     /// SSM checkpoints the Marconi store evicted during the run.
     pub checkpoints_evicted: u64,
-    /// The Marconi eviction weight α in use at the end (`None` without the Marconi policy).
+    /// The Marconi store's eviction weight α at the end (`None` without a Marconi store).
     pub marconi_alpha: Option<f64>,
+    /// Its recency basis at the end (`path`, `own`, `shared`, `adaptive`).
+    pub marconi_recency: Option<&'static str>,
+    /// Its FLOP basis at the end (`prefix`, `marginal`).
+    pub marconi_flop_basis: Option<&'static str>,
+    /// Whether its guarded admission was on at the end.
+    pub marconi_guard: Option<bool>,
+    /// How many times the Marconi tuner changed the setting during the run; `None` when no
+    /// tuner ran (the Marconi policy off: eviction by recency, or no Marconi store).
+    pub tuner_switches: Option<u64>,
 }
 
 /// The replay's report (the `--json` output of the `replay` example).

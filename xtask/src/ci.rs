@@ -7,7 +7,8 @@
 //!    invariants, workspace lints, test attributes); they are also `#[test]`s of xtask, so
 //!    `cargo test` runs them too;
 //! 3. `clippy`: `cargo clippy --workspace --all-targets -- -D warnings`;
-//! 4. `test`: `cargo test --workspace`;
+//! 4. `test`: `cargo test --workspace`, then `test replay plot`: the replay's tests again with
+//!    its `plot` feature (off by default), which only adds the plot module and plotters;
 //! 5. `check <crate>`: `cargo check -p <crate> --no-default-features` for each library crate
 //!    in [`ALONE`], so a crate that compiles only thanks to features another crate turns on in
 //!    the unified build is caught;
@@ -109,6 +110,10 @@ fn stages() -> Vec<Stage> {
             ],
         ),
         Stage::cargo("test", &["test", "--workspace"]),
+        Stage::cargo(
+            "test replay plot",
+            &["test", "-p", "replay", "--features", "plot"],
+        ),
     ];
     for krate in ALONE {
         stages.push(Stage::cargo(
@@ -199,8 +204,9 @@ mod tests {
     #[test]
     fn stages_in_order() {
         let names: Vec<String> = stages().into_iter().map(|s| s.name).collect();
-        let mut expected: Vec<String> =
-            ["fmt", "tidy", "clippy", "test"].map(String::from).to_vec();
+        let mut expected: Vec<String> = ["fmt", "tidy", "clippy", "test", "test replay plot"]
+            .map(String::from)
+            .to_vec();
         expected.extend(ALONE.iter().map(|c| format!("check {c}")));
         expected.extend(["doc", "readme example", "codegen"].map(String::from));
         assert_eq!(names, expected);
