@@ -234,6 +234,12 @@ pub fn print(title: &str, report: &ReplayReport) {
         "preemption          {} preemptions ({} spills, {} restores, {} recomputes)",
         report.preemptions, report.spills, report.restores, report.recomputes
     );
+    if report.fed_steps > 0 || report.pipeline_drains > 0 {
+        println!(
+            "pipelining          {} steps launched ahead, {} drains, {} over-runs rolled back",
+            report.fed_steps, report.pipeline_drains, report.rollbacks
+        );
+    }
 }
 
 /// How the Marconi store evicted, and what its tuner did (`None` without a Marconi store).

@@ -146,6 +146,13 @@ pub struct ReplayReport {
     pub steps: u64,
     /// Mean rows per decode step.
     pub mean_decode_batch: f64,
+    /// Decode steps launched ahead of the host (`DecodeFed`, depth 2).
+    pub fed_steps: u64,
+    /// Steps that found a step in flight and could not run ahead (depth 2; see the engine's
+    /// drain rule).
+    pub pipeline_drains: u64,
+    /// Over-runs rolled back (rows that stopped or were cancelled while their next step ran).
+    pub rollbacks: u64,
 }
 
 /// A finished replay: the report and every turn's outcome (in workload order).
@@ -362,6 +369,9 @@ fn summarize(
         } else {
             metrics.decode_rows as f64 / metrics.decode_launches as f64
         },
+        fed_steps: metrics.fed_launches,
+        pipeline_drains: metrics.pipeline_drains,
+        rollbacks: metrics.rollbacks,
     }
 }
 
