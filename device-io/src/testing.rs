@@ -6,6 +6,15 @@
 //! function of the sequence id and position), records every effect's label, and can inject a
 //! fault into the next launch, the next await or the next effect of a given name.
 //!
+//! It refuses every misuse the host router refuses, so code tested against it cannot rely on a
+//! leniency the real router lacks: a prefill of a complete prompt, of a zero budget, of a prompt
+//! over the context or with ids outside the vocabulary; a decode of a sequence without a slot or
+//! past the context; effects on a sequence that holds no slot; snapshot ring slots outside the
+//! ring ([`SNAPSHOT_SLOTS`]) or holding another sequence's snapshot; logits handles of steps
+//! whose logits are gone, or more rows than the step had. A release resets the sequence (it
+//! starts afresh if prefilled again), as on the host router. `tests/tests/router_conformance.rs`
+//! runs the same misuse on both and compares.
+//!
 //! At `max_depth: 2` it models the pipelined contract: [`StepPlan::DecodeFed`] takes each row's
 //! input from the previous launched step's answer for that row ([`Feed::Row`], validated: same
 //! sequence, a token position) or from the host ([`Feed::Host`]); `ReserveKv` opens a ledger
@@ -168,7 +177,15 @@ struct State {
     /// Every decode input a sequence consumed, by id and position.
     inputs: BTreeMap<u64, BTreeMap<usize, u32>>,
     rollbacks: Vec<u64>,
+    /// The snapshot ring: which sequence saved into each slot.
+    ring: [Option<u64>; SNAPSHOT_SLOTS],
+    /// The steps whose logits are held (the latest `max_depth`), with their token-position rows.
+    logits: VecDeque<(u64, usize)>,
 }
+
+/// Slots of the snapshot ring (`SsmSnapshotSave` / `SsmSnapshotRestore`), as many as the host
+/// router has by default.
+pub const SNAPSHOT_SLOTS: usize = 4;
 
 /// A router that answers from a script; see the module docs.
 #[derive(Debug)]
@@ -192,6 +209,8 @@ impl ScriptedRouter {
             unsettled: BTreeMap::new(),
             lost: BTreeSet::new(),
             last_rows: Vec::new(),
+            ring: [None; SNAPSHOT_SLOTS],
+            logits: VecDeque::new(),
             device_free_at: None,
             script: VecDeque::new(),
             faults: Vec::new(),
@@ -270,6 +289,21 @@ impl ScriptedRouter {
             .iter()
             .position(|(fault_at, _)| fault_at == at)?;
         Some(state.faults.remove(index).1)
+    }
+
+    /// Refuses a sequence that holds no live slot (released, detached or never prefilled).
+    fn live_slot(seq: &ScriptedSeq, what: &'static str) -> Result<usize> {
+        seq.slot
+            .ok_or_else(|| invalid(what, format!("sequence {} holds no live slot", seq.id)))
+    }
+
+    /// Refuses a snapshot ring slot outside the ring.
+    fn ring_slot(slot: usize, what: &'static str) -> Result<()> {
+        if slot >= SNAPSHOT_SLOTS {
+            let detail = format!("ring slot {slot} is outside the {SNAPSHOT_SLOTS} snapshot slots");
+            return Err(invalid(what, detail));
+        }
+        Ok(())
     }
 
     /// Reads and checks a spill image (`id prompt_len computed token...`, decimal, one line):
@@ -386,12 +420,44 @@ impl ScriptedRouter {
                 let detail = format!("row {i} (sequence {}) has no complete prompt", seq.id);
                 return Err(invalid(what, detail));
             }
+            let max_context = self.config.num_blocks * self.config.block_size;
+            if seq.computed + 1 > max_context {
+                let detail = format!(
+                    "row {i} (sequence {}) would reach {} tokens, over max_context {max_context}",
+                    seq.id,
+                    seq.computed + 1
+                );
+                return Err(invalid(what, detail));
+            }
             Ok(())
         };
         match plan {
-            StepPlan::Prefill { readback, .. } => {
+            StepPlan::Prefill { readback, budgets } => {
                 if let Readback::ArgmaxMasked { masks } = readback {
                     self.check_masks(masks, rows.len(), "Prefill")?;
+                }
+                let max_context = self.config.num_blocks * self.config.block_size;
+                for (i, (seq, &budget)) in rows.iter().zip(budgets.iter()).enumerate() {
+                    let id = seq.id;
+                    let refuse = |detail: String| Err(invalid("Prefill", detail));
+                    if budget == 0 {
+                        return refuse(format!("row {i} has a budget of 0"));
+                    }
+                    if seq.computed >= seq.prompt_len {
+                        return refuse(format!("row {i} (sequence {id}) has its prompt complete"));
+                    }
+                    if seq.prompt_len > max_context {
+                        return refuse(format!(
+                            "row {i} (sequence {id}) has a prompt of {} tokens, over max_context \
+                             {max_context}",
+                            seq.prompt_len
+                        ));
+                    }
+                    if let Some(bad) = seq.tokens.iter().find(|&&t| t as usize >= vocab) {
+                        return refuse(format!(
+                            "row {i} (sequence {id}) has token id {bad}, vocabulary {vocab}"
+                        ));
+                    }
                 }
                 Ok(vec![None; rows.len()])
             }
@@ -614,6 +680,15 @@ impl DeviceIo for ScriptedRouter {
             }
             _ => None,
         };
+        let token_rows = last_rows
+            .iter()
+            .filter(|(_, token)| token.is_some())
+            .count();
+        let ticket = state.next_ticket;
+        state.logits.push_back((ticket, token_rows));
+        while state.logits.len() > self.config.max_depth.max(1) {
+            state.logits.pop_front();
+        }
         state.last_rows = last_rows;
         let ticket = Ticket(state.next_ticket);
         state.next_ticket += 1;
@@ -684,10 +759,18 @@ impl DeviceIo for ScriptedRouter {
                 if let Some(slot) = seq.slot.take() {
                     state.slots[slot] = false;
                 }
+                for entry in state.ring.iter_mut() {
+                    if *entry == Some(seq.id) {
+                        *entry = None;
+                    }
+                }
                 state.blocks_used -= seq.blocks;
                 seq.blocks = 0;
                 seq.reservation = None;
                 seq.state_ahead = false;
+                // As on the host router: a released sequence starts afresh if prefilled again.
+                seq.computed = 0;
+                seq.tokens.truncate(seq.prompt_len);
                 Ok(EffectOutcome::Unit)
             }
             Effect::CompactSlot { seq, target } => {
@@ -707,15 +790,34 @@ impl DeviceIo for ScriptedRouter {
                 Ok(EffectOutcome::Unit)
             }
             Effect::DetachSlot { seq } => {
+                Self::live_slot(seq, "DetachSlot")?;
                 seq.slot = None;
                 Ok(EffectOutcome::Unit)
             }
-            Effect::ReadLogits { rows, into, .. } => {
+            Effect::ReadLogits { logits, rows, into } => {
+                let Some(&(_, held)) = state.logits.iter().find(|(step, _)| *step == logits) else {
+                    let detail = format!("the handle names step {logits}, whose logits are gone");
+                    return Err(invalid("ReadLogits", detail));
+                };
+                if rows > held {
+                    let detail = format!("{rows} rows asked, step {logits} has {held}");
+                    return Err(invalid("ReadLogits", detail));
+                }
                 into.clear();
                 into.resize(rows * self.config.vocab_size * 4, 0);
                 Ok(EffectOutcome::HostLogits { elem_bytes: 4 })
             }
             Effect::ReserveKv { seq } => {
+                Self::live_slot(seq, "ReserveKv")?;
+                let max_context = self.config.num_blocks * self.config.block_size;
+                if seq.computed + 1 > max_context {
+                    let detail = format!(
+                        "sequence {} would reach {} tokens, over max_context {max_context}",
+                        seq.id,
+                        seq.computed + 1
+                    );
+                    return Err(invalid("ReserveKv", detail));
+                }
                 let blocks = self.blocks_for(seq.computed + 1).saturating_sub(seq.blocks);
                 if blocks > self.config.num_blocks - state.blocks_used {
                     return Ok(EffectOutcome::Exhausted);
@@ -750,6 +852,7 @@ impl DeviceIo for ScriptedRouter {
                 Ok(EffectOutcome::Unit)
             }
             Effect::SaveSequenceState { writer, seq } => {
+                Self::live_slot(seq, "SaveSequenceState")?;
                 if seq.state_ahead {
                     let detail = format!("sequence {} was rolled back; release it", seq.id);
                     return Err(invalid("SaveSequenceState", detail));
@@ -814,10 +917,27 @@ impl DeviceIo for ScriptedRouter {
                 let detail = format!("sequence {} was rolled back; release it", seq.id);
                 Err(invalid("MarconiCheckpoint", detail))
             }
-            Effect::MarconiCheckpoint { .. }
-            | Effect::SsmSnapshotSave { .. }
-            | Effect::SsmSnapshotRestore { .. }
-            | Effect::SaveHiddenCatchup { .. }
+            Effect::MarconiCheckpoint { seq } => {
+                Self::live_slot(seq, "MarconiCheckpoint")?;
+                Ok(EffectOutcome::Unit)
+            }
+            Effect::SsmSnapshotSave { seq, slot } => {
+                Self::ring_slot(slot, "SsmSnapshotSave")?;
+                Self::live_slot(seq, "SsmSnapshotSave")?;
+                state.ring[slot] = Some(seq.id);
+                Ok(EffectOutcome::Unit)
+            }
+            Effect::SsmSnapshotRestore { seq, slot } => {
+                Self::ring_slot(slot, "SsmSnapshotRestore")?;
+                Self::live_slot(seq, "SsmSnapshotRestore")?;
+                if state.ring[slot] != Some(seq.id) {
+                    let detail =
+                        format!("ring slot {slot} holds no snapshot of sequence {}", seq.id);
+                    return Err(invalid("SsmSnapshotRestore", detail));
+                }
+                Ok(EffectOutcome::Unit)
+            }
+            Effect::SaveHiddenCatchup { .. }
             | Effect::SyncSecondary
             | Effect::EpShutdown
             | Effect::Quiesce { .. } => Ok(EffectOutcome::Unit),
@@ -1147,10 +1267,18 @@ mod tests {
 
     #[test]
     fn a_dry_pool_is_a_typed_error_that_changes_nothing() {
+        // Three blocks of 4, one of them held by b: a's 9 tokens fit the context, not the pool.
         let router = ScriptedRouter::new(ScriptedConfig {
-            num_blocks: 2,
+            num_blocks: 3,
             ..ScriptedConfig::default()
         });
+        let mut b = seq(2, &[1, 2, 3]);
+        let plan = StepPlan::Prefill {
+            budgets: &[8],
+            readback: Readback::Argmax,
+        };
+        let ticket = router.launch(plan, &mut [&mut b]).unwrap();
+        router.await_result(ticket).unwrap();
         let prompt = [0u32; 9];
         let mut a = seq(1, &prompt);
         let plan = StepPlan::Prefill {

@@ -1,0 +1,471 @@
+//! The scripted test router refuses every misuse the host router refuses: the same misuse
+//! scenarios run on both, and each call is accepted or refused alike. (The scripted router may
+//! refuse more, such as host logits it cannot compute; these scenarios are all misuse the real
+//! router refuses, and a test written against the scripted router must not pass where the real
+//! one would fail.)
+
+use device_cpu::{CpuRouter, CpuRouterConfig};
+use device_io::testing::{ScriptedConfig, ScriptedRouter};
+use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan, Ticket};
+use model::{Config, Model};
+
+/// The host router: blocks of 4 tokens, 16 of them, 2 slots, context 64, caches off.
+fn host() -> CpuRouter {
+    let mut config = CpuRouterConfig::new(16, 2);
+    config.block_size = 4;
+    config.max_context = Some(64);
+    config.prefix_cache = false;
+    config.marconi = false;
+    static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
+    let model = MODEL.get_or_init(|| Model::random(Config::tiny_demo(), 4).unwrap());
+    CpuRouter::new(model.clone(), config).unwrap()
+}
+
+/// The scripted router of the same shape.
+fn scripted() -> ScriptedRouter {
+    ScriptedRouter::new(ScriptedConfig {
+        block_size: 4,
+        num_blocks: 16,
+        num_slots: 2,
+        vocab_size: 256,
+        max_depth: 1,
+    })
+}
+
+fn seq<D: DeviceIo>(id: u64, prompt: &[u32]) -> D::Seq
+where
+    D::Seq: Sequence,
+{
+    D::Seq::create(SeqSpec {
+        id,
+        prompt,
+        adapter: None,
+        cache_salt: None,
+    })
+}
+
+/// Launches and settles one plan; answers whether both were accepted, and the logits handle.
+fn step<D: DeviceIo>(
+    router: &D,
+    plan: StepPlan<'_>,
+    rows: &mut [&mut D::Seq],
+) -> (bool, Option<D::Ptr>) {
+    match router.launch(plan, rows) {
+        Ok(ticket) => match router.await_result(ticket) {
+            Ok(result) => (true, result.logits),
+            Err(_) => (false, None),
+        },
+        Err(_) => (false, None),
+    }
+}
+
+fn prefill<D: DeviceIo>(router: &D, seq: &mut D::Seq, budget: usize) -> bool {
+    let budgets = [budget];
+    let plan = StepPlan::Prefill {
+        budgets: &budgets,
+        readback: Readback::Argmax,
+    };
+    step(router, plan, &mut [seq]).0
+}
+
+fn decode<D: DeviceIo>(router: &D, seq: &mut D::Seq, token: u32) -> bool {
+    let tokens = [token];
+    let plan = StepPlan::Decode {
+        tokens: &tokens,
+        readback: Readback::Argmax,
+    };
+    step(router, plan, &mut [seq]).0
+}
+
+fn release<D: DeviceIo>(router: &D, seq: &mut D::Seq) -> bool {
+    router
+        .apply(Effect::ReleaseSeq {
+            seq,
+            cache: false,
+            what: "finish",
+        })
+        .is_ok()
+}
+
+/// One scenario: every call's accept (true) or refusal (false), in order.
+type Scenario<D> = fn(&D) -> Vec<bool>;
+
+fn decode_after_release<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    vec![
+        prefill(r, &mut a, 8),
+        release(r, &mut a),
+        decode(r, &mut a, 5),
+        release(r, &mut a),
+    ]
+}
+
+fn decode_before_the_prompt_is_complete<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3, 4, 5]);
+    vec![
+        prefill(r, &mut a, 2),
+        decode(r, &mut a, 5),
+        release(r, &mut a),
+    ]
+}
+
+fn prefill_after_decoding<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    vec![
+        prefill(r, &mut a, 8),
+        decode(r, &mut a, 5),
+        prefill(r, &mut a, 8),
+        release(r, &mut a),
+    ]
+}
+
+fn prefill_again_after_release<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    vec![
+        prefill(r, &mut a, 8),
+        decode(r, &mut a, 5),
+        release(r, &mut a),
+        prefill(r, &mut a, 8),
+        decode(r, &mut a, 6),
+        release(r, &mut a),
+        decode(r, &mut a, 7),
+    ]
+}
+
+fn decode_a_token_outside_the_vocabulary<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    vec![
+        prefill(r, &mut a, 8),
+        decode(r, &mut a, 256),
+        decode(r, &mut a, 255),
+        release(r, &mut a),
+    ]
+}
+
+fn decode_past_the_context<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let prompt: Vec<u32> = (0..63).collect();
+    let mut a = seq::<D>(1, &prompt);
+    vec![
+        prefill(r, &mut a, 64),
+        decode(r, &mut a, 1),
+        decode(r, &mut a, 2),
+        release(r, &mut a),
+    ]
+}
+
+fn a_prompt_longer_than_the_context<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let prompt: Vec<u32> = (0..65).collect();
+    let mut a = seq::<D>(1, &prompt);
+    vec![prefill(r, &mut a, 8), release(r, &mut a)]
+}
+
+fn effects_on_a_released_sequence<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut calls = vec![prefill(r, &mut a, 8), release(r, &mut a)];
+    calls.push(
+        r.apply(Effect::CompactSlot {
+            seq: &mut a,
+            target: 1,
+        })
+        .is_ok(),
+    );
+    calls.push(r.apply(Effect::DetachSlot { seq: &mut a }).is_ok());
+    let mut image = Vec::new();
+    calls.push(
+        r.apply(Effect::SaveSequenceState {
+            seq: &a,
+            writer: &mut image,
+        })
+        .is_ok(),
+    );
+    calls.push(r.apply(Effect::ReserveKv { seq: &mut a }).is_ok());
+    calls.push(r.apply(Effect::MarconiCheckpoint { seq: &mut a }).is_ok());
+    calls.push(
+        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
+            .is_ok(),
+    );
+    calls.push(release(r, &mut a));
+    calls
+}
+
+fn slots_that_are_taken_or_missing<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut b = seq::<D>(2, &[4, 5, 6]);
+    let mut calls = vec![prefill(r, &mut a, 8), prefill(r, &mut b, 8)];
+    let b_slot = b.slot().unwrap_or(1);
+    calls.push(
+        r.apply(Effect::CompactSlot {
+            seq: &mut a,
+            target: b_slot,
+        })
+        .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::CompactSlot {
+            seq: &mut a,
+            target: 2,
+        })
+        .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 4 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore { seq: &b, slot: 0 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
+            .is_ok(),
+    );
+    let mut c = seq::<D>(3, &[7]);
+    calls.push(prefill(r, &mut c, 8));
+    calls.push(release(r, &mut a));
+    calls.push(release(r, &mut b));
+    calls
+}
+
+fn images_that_do_not_fit<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut calls = vec![prefill(r, &mut a, 8)];
+    let mut image = Vec::new();
+    calls.push(
+        r.apply(Effect::SaveSequenceState {
+            seq: &a,
+            writer: &mut image,
+        })
+        .is_ok(),
+    );
+    // Onto a live sequence, onto another request's, garbage, cut short.
+    calls.push(
+        r.apply(Effect::RestoreSequenceState {
+            seq: &mut a,
+            reader: &mut image.as_slice(),
+        })
+        .is_ok(),
+    );
+    let mut other = seq::<D>(2, &[1, 2, 3]);
+    calls.push(
+        r.apply(Effect::RestoreSequenceState {
+            seq: &mut other,
+            reader: &mut image.as_slice(),
+        })
+        .is_ok(),
+    );
+    calls.push(release(r, &mut a));
+    calls.push(
+        r.apply(Effect::RestoreSequenceState {
+            seq: &mut a,
+            reader: &mut &b"not an image"[..],
+        })
+        .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::RestoreSequenceState {
+            seq: &mut a,
+            reader: &mut &image[..image.len() / 2],
+        })
+        .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::RestoreSequenceState {
+            seq: &mut a,
+            reader: &mut image.as_slice(),
+        })
+        .is_ok(),
+    );
+    calls.push(decode(r, &mut a, 9));
+    calls.push(release(r, &mut a));
+    calls
+}
+
+fn tickets_and_logits_handles<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let budgets = [8];
+    let plan = StepPlan::Prefill {
+        budgets: &budgets,
+        readback: Readback::Argmax,
+    };
+    let mut calls = Vec::new();
+    let first = r.launch(plan, &mut [&mut a]);
+    calls.push(first.is_ok());
+    let tokens = [5];
+    let plan = StepPlan::Decode {
+        tokens: &tokens,
+        readback: Readback::Argmax,
+    };
+    // A second launch before the first is awaited, at depth 1.
+    calls.push(r.launch(plan, &mut [&mut a]).is_ok());
+    let ticket = first.unwrap_or(Ticket(1));
+    let settled = r.await_result(ticket);
+    calls.push(settled.is_ok());
+    calls.push(r.await_result(ticket).is_ok());
+    calls.push(r.await_result(Ticket(77)).is_ok());
+    let old = settled.ok().and_then(|s| s.logits);
+    let (decoded, new) = step(
+        r,
+        StepPlan::Decode {
+            tokens: &tokens,
+            readback: Readback::Argmax,
+        },
+        &mut [&mut a],
+    );
+    calls.push(decoded);
+    let mut into = Vec::new();
+    for (handle, rows) in [(new, 1), (new, 2), (old, 1)] {
+        calls.push(handle.is_some_and(|logits| {
+            r.apply(Effect::ReadLogits {
+                logits,
+                rows,
+                into: &mut into,
+            })
+            .is_ok()
+        }));
+    }
+    calls.push(release(r, &mut a));
+    calls
+}
+
+fn rows_that_do_not_match_the_plan<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let budgets = [8, 8];
+    let plan = StepPlan::Prefill {
+        budgets: &budgets,
+        readback: Readback::Argmax,
+    };
+    let mut calls = vec![step(r, plan, &mut [&mut a]).0];
+    calls.push(prefill(r, &mut a, 8));
+    let tokens = [5, 6];
+    let plan = StepPlan::Decode {
+        tokens: &tokens,
+        readback: Readback::Argmax,
+    };
+    calls.push(step(r, plan, &mut [&mut a]).0);
+    calls.push(r.apply(Effect::Rollback { seq: &mut a }).is_ok());
+    calls.push(release(r, &mut a));
+    calls
+}
+
+fn scenarios<D: DeviceIo>() -> Vec<(&'static str, Scenario<D>)>
+where
+    D::Seq: Sequence,
+{
+    vec![
+        ("decode after release", decode_after_release::<D>),
+        (
+            "decode before the prompt is complete",
+            decode_before_the_prompt_is_complete::<D>,
+        ),
+        ("prefill after decoding", prefill_after_decoding::<D>),
+        (
+            "prefill again after release",
+            prefill_again_after_release::<D>,
+        ),
+        (
+            "decode a token outside the vocabulary",
+            decode_a_token_outside_the_vocabulary::<D>,
+        ),
+        ("decode past the context", decode_past_the_context::<D>),
+        (
+            "a prompt longer than the context",
+            a_prompt_longer_than_the_context::<D>,
+        ),
+        (
+            "effects on a released sequence",
+            effects_on_a_released_sequence::<D>,
+        ),
+        (
+            "slots that are taken or missing",
+            slots_that_are_taken_or_missing::<D>,
+        ),
+        ("images that do not fit", images_that_do_not_fit::<D>),
+        (
+            "tickets and logits handles",
+            tickets_and_logits_handles::<D>,
+        ),
+        (
+            "rows that do not match the plan",
+            rows_that_do_not_match_the_plan::<D>,
+        ),
+    ]
+}
+
+/// Runs every scenario on a fresh router from `make`; answers each one's calls, and checks that
+/// each scenario leaves its router as it found it.
+fn run_all<D: DeviceIo>(make: fn() -> D) -> Vec<(&'static str, Vec<bool>)>
+where
+    D::Seq: Sequence,
+{
+    scenarios::<D>()
+        .into_iter()
+        .map(|(name, run)| {
+            let router = make();
+            let initial = router.facts();
+            let calls = run(&router);
+            assert_eq!(router.facts(), initial, "{name}: resources left held");
+            (name, calls)
+        })
+        .collect()
+}
+
+#[test]
+fn the_scripted_router_refuses_every_misuse_the_host_router_refuses() {
+    let on_host = run_all(host);
+    let on_scripted = run_all(scripted);
+    for ((name, host), (_, scripted)) in on_host.iter().zip(&on_scripted) {
+        assert_eq!(scripted, host, "{name}: scripted (left) vs host (right)");
+    }
+    // Every scenario is misuse: the host router refuses at least one of its calls.
+    for (name, calls) in &on_host {
+        assert!(calls.contains(&false), "{name}: {calls:?}");
+    }
+}
