@@ -77,6 +77,9 @@ use crate::request::{Limits, Request, RequestError};
 use crate::sampling::Sampler;
 use crate::spill::{token_digest, ImageTag, SpillError, SpillStore, SpillTarget};
 
+/// How often an idle engine on its own thread retries the release of its orphans.
+const ORPHAN_RETRY: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// How a preempted sequence comes back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Preemption {
@@ -588,6 +591,9 @@ where
         while !self.is_idle() {
             self.step();
         }
+        if !self.orphans.is_empty() && self.router.lost().is_none() {
+            self.release_orphans();
+        }
     }
 
     /// Runs the engine loop on the current thread until a shutdown command arrives, then shuts
@@ -598,8 +604,19 @@ where
                 return self.shutdown(mode);
             }
             if self.is_idle() {
-                // The engine holds a sender itself, so this only returns with a command.
-                if let Ok(command) = self.commands.recv() {
+                // Orphans hold router resources until a release succeeds: an idle engine keeps
+                // retrying them (every `ORPHAN_RETRY`) instead of leaving them until the next
+                // request arrives.
+                if !self.orphans.is_empty() && self.router.lost().is_none() {
+                    self.release_orphans();
+                }
+                let command = if self.orphans.is_empty() {
+                    // The engine holds a sender itself, so this only returns with a command.
+                    self.commands.recv().ok()
+                } else {
+                    self.commands.recv_timeout(ORPHAN_RETRY).ok()
+                };
+                if let Some(command) = command {
                     self.handle_command(command);
                 }
                 continue;

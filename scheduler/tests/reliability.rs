@@ -399,3 +399,37 @@ fn a_client_reads_the_routers_facts_and_clears_its_prefix_cache() {
         ControlError::EngineStopped
     );
 }
+
+#[test]
+fn an_idle_engine_keeps_releasing_its_orphans() {
+    // The release of the only request fails three times: its release and the retry without
+    // caching (so it becomes an orphan), then the orphan's release at the end of that step.
+    // Nothing else arrives; the engine thread must still give the slot and blocks back.
+    let scripted = router(64, 8);
+    for _ in 0..3 {
+        scripted.inject(FaultAt::Effect("ReleaseSeq"), injected());
+    }
+    let thread = EngineThread::spawn(Engine::new(scripted, config()).unwrap()).unwrap();
+    let client = thread.client();
+    let handle = client.submit(Request::greedy(prompt(4, 0), 2)).unwrap();
+    assert!(matches!(
+        handle.wait(),
+        Err(ServeError::Device {
+            during: "ReleaseSeq",
+            ..
+        })
+    ));
+    // Generous: the engine retries every few milliseconds; only a stuck orphan takes this long.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let stats = loop {
+        let stats = client.stats().unwrap();
+        if stats.orphans == 0 || std::time::Instant::now() > deadline {
+            break stats;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert_eq!(stats.orphans, 0, "{stats:?}");
+    assert_eq!(stats.facts, idle_facts(&router(64, 8)));
+    assert_eq!(stats.metrics.orphaned_sequences, 1);
+    thread.shutdown(ShutdownMode::Drain).unwrap();
+}
