@@ -1,6 +1,8 @@
 //! Shared helpers of the cross-crate integration tests in `tests/tests/`.
 #![forbid(unsafe_code)]
 
+pub mod soak;
+
 pub mod golden {
     //! Golden files: a test renders what it observed as text and compares it with a checked-in
     //! file under `tests/golden/`.

@@ -19,6 +19,11 @@
 //!   against what was there, and restores it.
 //! - `cargo xtask bench [NAME] [-- ARGS]` runs the benchmarks of the workspace, of package
 //!   `NAME`, or of bench target `NAME`, passing `ARGS` to the harness.
+//! - `cargo xtask soak [-- ARGS]` runs the full soak (not in CI): 2,000 requests from 8 client
+//!   threads on the host router with the tiny fixture, the same under memory pressure (spill to
+//!   memory, to a directory, recompute), and random faults on the scripted router; it prints one
+//!   JSON object per run and, last, the totals, and fails when any failure count is not zero.
+//!   `ARGS` go to the soak (`--requests`, `--clients`, `--seed`, ...; `-- --help` lists them).
 //!
 //! xtask is a command-line tool, not a library: it prints, and it uses only std, `clap` for its
 //! command line, `serde_json` for `cargo metadata`, and `thiserror`.
@@ -71,6 +76,12 @@ enum Command {
         #[arg(value_name = "NAME")]
         generator: Option<String>,
     },
+    /// Run the full soak (release build; not in CI); its last line is one JSON object
+    Soak {
+        /// Arguments for the soak (--requests, --clients, --seed, ...), after `--`
+        #[arg(last = true, value_name = "ARGS")]
+        args: Vec<String>,
+    },
     /// Run the benchmarks: all of them, one package's, or one bench target's
     Bench {
         /// A workspace package or a bench target [default: all]
@@ -112,6 +123,13 @@ fn dispatch(command: Command) -> Result<(), Error> {
             codegen::run(&root, mode, generator.as_deref())
         }
         Command::Bench { name, harness } => bench::run(name.as_deref(), &harness),
+        Command::Soak { args } => {
+            let mut command =
+                cmd::cargo(&["run", "--release", "-p", "tests", "--bin", "soak", "--"]);
+            command.args(&args);
+            eprintln!("$ {}", cmd::display(&command));
+            cmd::run(&mut command)
+        }
     }
 }
 
