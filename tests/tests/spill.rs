@@ -36,8 +36,21 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-/// The outputs of [`requests`] on a pool large enough that nothing is preempted.
+/// The outputs of [`requests`] on a pool large enough that nothing is preempted (computed once:
+/// every test here uses the same model).
 fn unpreempted(model: &Model) -> Vec<Vec<u32>> {
+    static OUTPUTS: std::sync::OnceLock<(u64, Vec<Vec<u32>>)> = std::sync::OnceLock::new();
+    let (fingerprint, outputs) =
+        OUTPUTS.get_or_init(|| (model.fingerprint(), serve_unpreempted(model)));
+    assert_eq!(
+        *fingerprint,
+        model.fingerprint(),
+        "the tests share one model"
+    );
+    outputs.clone()
+}
+
+fn serve_unpreempted(model: &Model) -> Vec<Vec<u32>> {
     let mut engine = engine(model, 64, Preemption::Recompute);
     let handles: Vec<_> = requests()
         .into_iter()

@@ -36,7 +36,7 @@ struct Args {
     #[arg(long, default_value_t = 24)]
     pressure_blocks: usize,
     /// Percent of launches, awaits and effects that fail in the fault run
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 1)]
     fault_percent: u32,
     /// The model folder (config.json and safetensors) [default: the tiny fixture]
     #[arg(long)]
