@@ -161,10 +161,16 @@ pub struct Config {
     /// Latent width of the routed experts, if any (ARCH.md §6.4).
     pub moe_latent_size: Option<usize>,
 
-    /// MTP layers (parsed; transformers builds no MTP module, so the forward ignores them).
+    /// MTP predictor groups declared by the file (transformers builds no MTP module; this crate
+    /// builds one group, as vLLM and SGLang do, when the checkpoint carries `mtp.*` tensors).
     pub num_nextn_predict_layers: usize,
     /// MTP layer layout (default `*E`).
     pub mtp_layer_kinds: Vec<LayerKind>,
+    /// Whether the model carries its MTP head (the `mtp.*` layers of `mtp_layer_kinds`). Not part of
+    /// `config.json`: [`crate::Model::load`] sets it when the checkpoint has `mtp.*` tensors, a
+    /// caller sets it for [`crate::Model::random`]. Only then do the KV pool and the state slots
+    /// hold the MTP layers' K/V and Mamba state (after the main model's layers).
+    pub mtp: bool,
 
     /// Beginning-of-sequence token, if declared.
     pub bos_token_id: Option<u32>,
@@ -508,6 +514,7 @@ impl Config {
             moe_latent_size: raw.moe_latent_size,
             num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(0),
             mtp_layer_kinds,
+            mtp: false,
             bos_token_id: raw.bos_token_id,
             eos_token_ids: match raw.eos_token_id {
                 None => Vec::new(),
@@ -573,10 +580,26 @@ impl Config {
                 "must be finite and > 0",
             ));
         }
-        if self.has(LayerKind::Mamba) {
+        if self.mtp {
+            if self.num_nextn_predict_layers != 1 {
+                return Err(invalid(
+                    "num_nextn_predict_layers",
+                    self.num_nextn_predict_layers,
+                    "an MTP head is built for exactly one predictor group (as vLLM and SGLang do)",
+                ));
+            }
+            if self.mtp_layer_kinds.is_empty() {
+                return Err(invalid(
+                    "mtp_layers_block_type",
+                    "[]",
+                    "an MTP head needs at least one layer",
+                ));
+            }
+        }
+        if self.uses(LayerKind::Mamba) {
             self.validate_mamba()?;
         }
-        if self.has(LayerKind::Attention) {
+        if self.uses(LayerKind::Attention) {
             nonzero("num_attention_heads", self.num_attention_heads)?;
             nonzero("num_key_value_heads", self.num_key_value_heads)?;
             nonzero("head_dim", self.head_dim)?;
@@ -591,7 +614,8 @@ impl Config {
                 ));
             }
         }
-        if (self.has(LayerKind::Mlp) || self.has(LayerKind::Moe)) && self.mlp_hidden_act != "relu2"
+        if (self.uses(LayerKind::Mlp) || self.uses(LayerKind::Moe))
+            && self.mlp_hidden_act != "relu2"
         {
             return Err(invalid(
                 "mlp_hidden_act",
@@ -599,10 +623,10 @@ impl Config {
                 "only relu2 is supported",
             ));
         }
-        if self.has(LayerKind::Mlp) {
+        if self.uses(LayerKind::Mlp) {
             nonzero("intermediate_size", self.intermediate_size)?;
         }
-        if self.has(LayerKind::Moe) {
+        if self.uses(LayerKind::Moe) {
             self.validate_moe()?;
         }
         self.check_sizes()
@@ -746,9 +770,29 @@ impl Config {
         self.layer_kinds.contains(&kind)
     }
 
-    /// Number of layers of this kind.
+    /// Number of layers of this kind (main stack).
     pub fn count(&self, kind: LayerKind) -> usize {
         self.layer_kinds.iter().filter(|&&k| k == kind).count()
+    }
+
+    /// The MTP head's layers, when the model carries it (empty otherwise).
+    pub fn mtp_kinds(&self) -> &[LayerKind] {
+        if self.mtp {
+            &self.mtp_layer_kinds
+        } else {
+            &[]
+        }
+    }
+
+    /// Whether the main stack or the MTP head (when carried) has a layer of this kind.
+    pub fn uses(&self, kind: LayerKind) -> bool {
+        self.has(kind) || self.mtp_kinds().contains(&kind)
+    }
+
+    /// Layers of this kind in the main stack and the MTP head together: what the KV pool and the
+    /// state slots hold (the MTP head's after the main stack's).
+    pub fn stored_count(&self, kind: LayerKind) -> usize {
+        self.count(kind) + self.mtp_kinds().iter().filter(|&&k| k == kind).count()
     }
 
     /// The layout as a `hybrid_override_pattern` string.
@@ -875,6 +919,7 @@ impl Config {
             moe_latent_size: None,
             num_nextn_predict_layers: 1,
             mtp_layer_kinds: vec![LayerKind::Attention, LayerKind::Moe],
+            mtp: false,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             pad_token_id: Some(0),

@@ -156,6 +156,37 @@ pub enum ModelError {
         /// The number of slots.
         num_slots: usize,
     },
+    /// A hidden row of a state slot that the store does not have.
+    #[error("hidden row {row} does not exist: state slots hold {rows} hidden rows")]
+    BadHiddenRow {
+        /// The bad row.
+        row: usize,
+        /// Rows per slot.
+        rows: usize,
+    },
+    /// A range of Mamba layers that the store does not have.
+    #[error("Mamba layers {start}..{end} do not exist: state slots hold {layers} Mamba layers")]
+    BadLayers {
+        /// First layer of the range.
+        start: usize,
+        /// End of the range (exclusive).
+        end: usize,
+        /// Mamba layers per slot.
+        layers: usize,
+    },
+    /// A run names snapshot slots, but not one per token.
+    #[error("run {run} names {actual} snapshot slots for its {expected} tokens (one per token, or none)")]
+    SnapshotCount {
+        /// The run's index.
+        run: usize,
+        /// Its tokens.
+        expected: usize,
+        /// The snapshot slots it named.
+        actual: usize,
+    },
+    /// The model carries no MTP head (its checkpoint had no `mtp.*` tensors).
+    #[error("the model has no MTP head (the checkpoint carries no `mtp.*` tensors)")]
+    NoMtpHead,
     /// Two rows of one decode batch name the same Mamba state slot.
     #[error("decode rows {first} and {second} both use Mamba state slot {slot}")]
     DuplicateSlot {

@@ -8,14 +8,21 @@
 //! other reduction runs per row in a fixed order (see `math`). Hence a row's logits are the same
 //! bits whatever other rows share its batch and however its sequence was cut into chunks.
 //!
+//! The MTP head ([`forward_mtp`]) runs its own layers through the same block code, with the
+//! KV and state indices of its layers after the main stack's, from the input `eh_proj` makes of
+//! the next token's embedding and the previous hidden state.
+//!
 //! Callers validate everything (ids, positions, layouts) before calling [`forward`]; it only
 //! indexes memory the validation has vouched for.
 
 use crate::config::DtClamp;
 use crate::math::{dot, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares};
 use crate::state::{KvPool, MambaStates};
-use crate::weights::{AttentionWeights, MambaWeights, Mixer, MlpWeights, MoeWeights, Weights};
-use crate::{Config, DecodeRow, PrefillRow};
+use crate::weights::{
+    AttentionWeights, Layer, Linear, MambaWeights, Mixer, MlpWeights, MoeWeights, MtpWeights,
+    Weights,
+};
+use crate::{Config, DecodeRow, LayerKind, PrefillRow, RunRow};
 
 /// Rows processed together at most; longer prefills are split (which cannot change any bits).
 pub(crate) const MAX_ROWS: usize = 128;
@@ -94,6 +101,12 @@ pub(crate) enum Rows<'r, 'a> {
     },
     /// Independent decode rows.
     Decode(&'r [DecodeRow<'a>]),
+    /// Positions of several sequences' runs: row `i` is position `table[i].1` of run
+    /// `table[i].0`; a run's rows are consecutive and in position order.
+    Runs {
+        runs: &'r [RunRow<'a>],
+        table: &'r [(usize, usize)],
+    },
 }
 
 impl Rows<'_, '_> {
@@ -101,6 +114,7 @@ impl Rows<'_, '_> {
         match self {
             Self::Prefill { len, .. } => *len,
             Self::Decode(rows) => rows.len(),
+            Self::Runs { table, .. } => table.len(),
         }
     }
 
@@ -108,6 +122,7 @@ impl Rows<'_, '_> {
         match self {
             Self::Prefill { row, first, .. } => row.tokens[first + i],
             Self::Decode(rows) => rows[i].token,
+            Self::Runs { runs, table } => runs[table[i].0].tokens[table[i].1],
         }
     }
 
@@ -115,6 +130,7 @@ impl Rows<'_, '_> {
         match self {
             Self::Prefill { row, first, .. } => row.start_pos + first + i,
             Self::Decode(rows) => rows[i].pos,
+            Self::Runs { runs, table } => runs[table[i].0].start_pos + table[i].1,
         }
     }
 
@@ -122,6 +138,7 @@ impl Rows<'_, '_> {
         match self {
             Self::Prefill { row, .. } => row.blocks,
             Self::Decode(rows) => rows[i].blocks,
+            Self::Runs { runs, table } => runs[table[i].0].blocks,
         }
     }
 
@@ -129,6 +146,15 @@ impl Rows<'_, '_> {
         match self {
             Self::Prefill { row, .. } => row.slot,
             Self::Decode(rows) => rows[i].slot,
+            Self::Runs { runs, table } => runs[table[i].0].slot,
+        }
+    }
+
+    /// The state slot that receives the row's Mamba state as it is after this row, if any.
+    fn snapshot(&self, i: usize) -> Option<usize> {
+        match self {
+            Self::Runs { runs, table } => runs[table[i].0].snapshots.get(table[i].1).copied(),
+            _ => None,
         }
     }
 }
@@ -140,11 +166,15 @@ pub(crate) enum LogitRows<'o> {
     All(&'o mut [f32]),
     /// Only this row.
     One(usize, &'o mut [f32]),
+    /// These rows (ascending), one output row each.
+    Select(&'o [usize], &'o mut [f32]),
     /// None (the call only advances KV and Mamba state).
     Skip,
 }
 
-/// Runs `rows` through the model and writes the logits `logit_rows` asks for.
+/// Runs `rows` through the model and writes the logits `logit_rows` asks for, and, when
+/// `hidden_out` is given, every row's hidden state after the final norm (`m * hidden_size`).
+#[allow(clippy::too_many_arguments)] // the model's state, the rows, and the two outputs
 pub(crate) fn forward(
     config: &Config,
     weights: &Weights,
@@ -153,17 +183,89 @@ pub(crate) fn forward(
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
     logit_rows: LogitRows<'_>,
+    hidden_out: Option<&mut [f32]>,
 ) {
     let m = rows.len();
     let d = config.hidden_size;
-    let eps = config.layer_norm_epsilon as f32;
     let hidden = take(&mut scratch.hidden, m * d);
     for i in 0..m {
         let t = rows.token(i) as usize;
         hidden[i * d..(i + 1) * d].copy_from_slice(&weights.embeddings[t * d..(t + 1) * d]);
     }
-    let (mut attention_index, mut mamba_index) = (0, 0);
-    for layer in &weights.layers {
+    stack(config, &weights.layers, scratch, kv, states, rows, (0, 0));
+    head(
+        config,
+        &weights.norm_f,
+        &weights.lm_head,
+        scratch,
+        m,
+        logit_rows,
+        hidden_out,
+    );
+}
+
+/// The MTP head over `rows` (whose tokens are each position's *next* token): the input
+/// `eh_proj [enorm(E[token]), hnorm(hidden_in[i])]`, the MTP layers (KV and state indices after
+/// the main stack's), the final norm, the shared `lm_head`. `hidden_out` receives every row's
+/// normed output (the next draft position's hidden input).
+#[allow(clippy::too_many_arguments)] // the same state arguments as `forward`, plus the two hidden streams
+pub(crate) fn forward_mtp(
+    config: &Config,
+    weights: &Weights,
+    mtp: &MtpWeights,
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    hidden_in: &[f32],
+    logit_rows: LogitRows<'_>,
+    hidden_out: Option<&mut [f32]>,
+) {
+    let m = rows.len();
+    let d = config.hidden_size;
+    let eps = config.layer_norm_epsilon as f32;
+    // `normed` holds the 2d-wide fused input row by row: [enorm(e), hnorm(h)].
+    let fused = take(&mut scratch.normed, m * 2 * d);
+    for i in 0..m {
+        let t = rows.token(i) as usize;
+        let (e, h) = fused[i * 2 * d..(i + 1) * 2 * d].split_at_mut(d);
+        rms_norm(&weights.embeddings[t * d..(t + 1) * d], &mtp.enorm, eps, e);
+        rms_norm(&hidden_in[i * d..(i + 1) * d], &mtp.hnorm, eps, h);
+    }
+    let hidden = take(&mut scratch.hidden, m * d);
+    matmul(&scratch.normed[..m * 2 * d], m, &mtp.eh_proj, hidden);
+    let base = (
+        config.count(LayerKind::Attention),
+        config.count(LayerKind::Mamba),
+    );
+    stack(config, &mtp.layers, scratch, kv, states, rows, base);
+    head(
+        config,
+        &mtp.final_norm,
+        &weights.lm_head,
+        scratch,
+        m,
+        logit_rows,
+        hidden_out,
+    );
+}
+
+/// The pre-norm blocks `layers` over `scratch.hidden`; `base` is the (attention, Mamba) index of
+/// the first of them in the KV pool and the state slots.
+fn stack(
+    config: &Config,
+    layers: &[Layer],
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    base: (usize, usize),
+) {
+    let m = rows.len();
+    let d = config.hidden_size;
+    let eps = config.layer_norm_epsilon as f32;
+    let (mut attention_index, mut mamba_index) = base;
+    for layer in layers {
         let normed = take(&mut scratch.normed, m * d);
         let hidden = &scratch.hidden[..m * d];
         for (h, n) in hidden.chunks_exact(d).zip(normed.chunks_exact_mut(d)) {
@@ -189,27 +291,69 @@ pub(crate) fn forward(
             *h += o;
         }
     }
-    let (first, count, logits) = match logit_rows {
-        LogitRows::All(out) => (0, m, out),
-        LogitRows::One(i, out) => (i, 1, out),
-        LogitRows::Skip => return,
+}
+
+/// The final norm `norm` and `lm_head` over `scratch.hidden`: the wanted rows' logits, and every
+/// row's normed hidden state into `hidden_out` when given.
+fn head(
+    config: &Config,
+    norm: &[f32],
+    lm_head: &Linear,
+    scratch: &mut Scratch,
+    m: usize,
+    logit_rows: LogitRows<'_>,
+    hidden_out: Option<&mut [f32]>,
+) {
+    let d = config.hidden_size;
+    let eps = config.layer_norm_epsilon as f32;
+    let (first, count, select, logits) = match logit_rows {
+        LogitRows::All(out) => (0, m, None, Some(out)),
+        LogitRows::One(i, out) => (i, 1, None, Some(out)),
+        LogitRows::Select(rows, out) => (0, m, Some(rows), Some(out)),
+        LogitRows::Skip => (0, 0, None, None),
     };
-    let normed = take(&mut scratch.normed, count * d);
+    // Every row is normed when the hidden states are wanted; the norm is per row, so the wanted
+    // rows' bits are the same either way.
+    let (norm_first, norm_count) = if hidden_out.is_some() {
+        (0, m)
+    } else {
+        (first, count)
+    };
+    let normed = take(&mut scratch.normed, norm_count * d);
     for (i, n) in normed.chunks_exact_mut(d).enumerate() {
-        let row = first + i;
-        rms_norm(
-            &scratch.hidden[row * d..(row + 1) * d],
-            &weights.norm_f,
-            eps,
-            n,
-        );
+        let row = norm_first + i;
+        rms_norm(&scratch.hidden[row * d..(row + 1) * d], norm, eps, n);
     }
-    matmul(
-        &scratch.normed[..count * d],
-        count,
-        &weights.lm_head,
-        logits,
-    );
+    if let Some(out) = hidden_out {
+        out[..m * d].copy_from_slice(&scratch.normed[..m * d]);
+    }
+    let Some(logits) = logits else {
+        return;
+    };
+    match select {
+        None => {
+            let start = (first - norm_first) * d;
+            matmul(
+                &scratch.normed[start..start + count * d],
+                count,
+                lm_head,
+                logits,
+            );
+        }
+        Some(rows) => {
+            // Gather the selected rows (the product is per row, so no bits change).
+            let gathered = take(&mut scratch.mixed, rows.len() * d);
+            for (g, &row) in gathered.chunks_exact_mut(d).zip(rows) {
+                g.copy_from_slice(&scratch.normed[row * d..(row + 1) * d]);
+            }
+            matmul(
+                &scratch.mixed[..rows.len() * d],
+                rows.len(),
+                lm_head,
+                logits,
+            );
+        }
+    }
 }
 
 /// Dense MLP: `out = down(relu(up x)²)`.
@@ -301,6 +445,9 @@ fn mamba(
                 let s = &mut ssm[channel * n..(channel + 1) * n];
                 y[channel] = ssm_step(s, decay, dt_b, xv, c) + w.d[head] * xv;
             }
+        }
+        if let Some(snapshot) = rows.snapshot(i) {
+            states.copy_layer(rows.slot(i), snapshot, layer);
         }
         // Gate first, then RMSNorm per group (norm_before_gate = False).
         for (yv, &zv) in y.iter_mut().zip(z) {

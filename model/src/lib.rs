@@ -1,6 +1,17 @@
 //! The NemotronH model family on the host: `config.json` and safetensors loading, seeded random
-//! weights, and the reference forward math (prefill chunk, batched decode) over paged KV and
-//! per-sequence Mamba2 state that the caller owns.
+//! weights, and the reference forward math (prefill chunk, batched decode, batched runs of several
+//! sequences for speculative verification, the MTP head) over paged KV and per-sequence Mamba2
+//! state that the caller owns.
+//!
+//! # MTP
+//! A checkpoint with `mtp.*` tensors carries NemotronH's multi-token-prediction head (vLLM's
+//! `NemotronHMultiTokenPredictor`): position `q` of the head takes the embedding of the token after
+//! `q` and the hidden state it follows (the main model's at `q` after `norm_f`, or the head's own
+//! output when drafting further), normalises them separately (`enorm`, `hnorm`), projects their
+//! concatenation (`eh_proj`), runs the blocks of the MTP pattern with their own K/V and state, a
+//! final norm, and the shared `lm_head`. [`Model::forward_runs`] gives the main model's hidden
+//! states (and the per-token Mamba snapshots a verification rewinds to); [`Model::mtp`] runs the
+//! head. `tests/fixtures/mtp_reference.py` is its float64 NumPy reference.
 //!
 //! # Contract
 //! - [`Model`] is immutable after construction; [`Model::prefill`] and [`Model::decode`] take the
@@ -92,6 +103,35 @@ pub struct DecodeRow<'a> {
     pub slot: usize,
 }
 
+/// A run of consecutive positions of one sequence, in a call that batches several sequences'
+/// runs ([`Model::forward_runs`], [`Model::mtp`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RunRow<'a> {
+    /// Token ids, at least one: the tokens fed at `start_pos..` (for [`Model::mtp`], each
+    /// position's *next* token).
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`.
+    pub start_pos: usize,
+    /// The sequence's block table; must cover `start_pos + tokens.len()` positions when the
+    /// layers run have attention.
+    pub blocks: &'a [u32],
+    /// The sequence's state slot (distinct across the runs of one call).
+    pub slot: usize,
+    /// Empty, or one state slot per token: slot `snapshots[j]` receives the Mamba state of the
+    /// layers run (all of them) as it is after `tokens[j]`, the rewind points of a speculative
+    /// verification. Distinct from each other and from every run's `slot`.
+    pub snapshots: &'a [usize],
+}
+
+/// Which positions of each run get logits (and, for [`Model::mtp`], hidden outputs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunOutputs {
+    /// Every position, run after run.
+    All,
+    /// Each run's last position, one row per run.
+    Last,
+}
+
 /// A NemotronH model: validated config plus f32 weights.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -113,19 +153,37 @@ impl Model {
 
     /// Loads `dir/config.json` and `dir/model.safetensors` (or the shards named by
     /// `dir/model.safetensors.index.json`). Every tensor's shape is checked against the config;
-    /// a missing, misshapen or unexplained tensor is an error naming it (`mtp.*` tensors are
-    /// ignored, as transformers does).
+    /// a missing, misshapen or unexplained tensor is an error naming it.
+    ///
+    /// A checkpoint with `mtp.*` tensors whose config declares one MTP predictor group
+    /// (`num_nextn_predict_layers: 1`) loads its MTP head ([`Config::mtp`] is then set, and every
+    /// tensor of the head must be there); otherwise `mtp.*` tensors are ignored, as transformers
+    /// does, and the model loads as if they were absent.
     pub fn load(dir: &Path) -> Result<Model, ModelError> {
-        let config = Config::from_file(&dir.join("config.json"))?;
+        let mut config = Config::from_file(&dir.join("config.json"))?;
         let files = weights::read_checkpoint_files(dir)?;
         let mut source = SafetensorsSource::new(&files)?;
+        if source.has_prefix("mtp.") {
+            if config.num_nextn_predict_layers == 1 {
+                config.mtp = true;
+                config.validate()?;
+            } else {
+                tracing::warn!(
+                    declared = config.num_nextn_predict_layers,
+                    "the checkpoint has mtp.* tensors but the config does not declare one MTP \
+                     predictor group; they are ignored"
+                );
+            }
+        }
         let weights = Weights::build(&config, &mut source)?;
-        source.check_all_used()?;
+        source.check_all_used(config.mtp)?;
         tracing::debug!(dir = %dir.display(), pattern = %config.pattern(), "loaded model");
         Ok(Self::from_weights(config, weights))
     }
 
-    /// Seeded random weights for any valid config (same seed, same weights, same fingerprint).
+    /// Seeded random weights for any valid config (same seed, same weights, same fingerprint). With
+    /// [`Config::mtp`] set the MTP head is drawn after the main stack, so the main stack's weights
+    /// are the same as without it.
     pub fn random(config: Config, seed: u64) -> Result<Model, ModelError> {
         config.validate()?;
         let weights = Weights::build(&config, &mut RandomSource::new(seed))?;
@@ -304,6 +362,7 @@ impl Model {
                 states,
                 &rows,
                 wanted,
+                None,
             );
             first += len;
         }
@@ -383,9 +442,306 @@ impl Model {
                 states,
                 &Rows::Decode(chunk),
                 forward::LogitRows::All(out),
+                None,
             );
         }
         Ok(())
+    }
+}
+
+impl Model {
+    /// Whether the model carries an MTP head ([`Config::mtp`]).
+    pub fn has_mtp(&self) -> bool {
+        self.weights.mtp.is_some()
+    }
+
+    /// Checks the runs of one call: ids, positions, slots (distinct), snapshot slots (distinct,
+    /// not a run's slot), distinct K/V write positions; and the hidden inputs' length.
+    fn check_runs(
+        &self,
+        scratch: &mut Scratch,
+        kv: &KvPool,
+        states: &MambaStates,
+        runs: &[RunRow<'_>],
+        attention: bool,
+    ) -> Result<usize, ModelError> {
+        if runs.is_empty() {
+            return Err(ModelError::EmptyInput("a call with no runs"));
+        }
+        kv.check_layout(&self.config)?;
+        states.check_layout(&self.config)?;
+        let mut total = 0usize;
+        for (index, run) in runs.iter().enumerate() {
+            if run.tokens.is_empty() {
+                return Err(ModelError::EmptyInput("a run with no tokens"));
+            }
+            for (j, &token) in run.tokens.iter().enumerate() {
+                self.check_token(token, total + j)?;
+            }
+            Self::check_slot(states, run.slot)?;
+            if !run.snapshots.is_empty() && run.snapshots.len() != run.tokens.len() {
+                return Err(ModelError::SnapshotCount {
+                    run: index,
+                    expected: run.tokens.len(),
+                    actual: run.snapshots.len(),
+                });
+            }
+            for &snapshot in run.snapshots {
+                Self::check_slot(states, snapshot)?;
+            }
+            let end = run
+                .start_pos
+                .checked_add(run.tokens.len())
+                .ok_or(ModelError::SizeOverflow("run end position"))?;
+            if attention {
+                self.check_blocks(kv, run.blocks, end)?;
+            }
+            total += run.tokens.len();
+        }
+        // Live slots and snapshot slots: no state slot is named twice.
+        let pairs = &mut scratch.pairs;
+        pairs.clear();
+        for (i, run) in runs.iter().enumerate() {
+            pairs.push((run.slot, i));
+            pairs.extend(run.snapshots.iter().map(|&s| (s, i)));
+        }
+        pairs.sort_unstable();
+        for w in pairs.windows(2) {
+            if w[0].0 == w[1].0 && states.floats_per_slot() > 0 {
+                return Err(ModelError::DuplicateSlot {
+                    slot: w[0].0,
+                    first: w[0].1,
+                    second: w[1].1,
+                });
+            }
+        }
+        if attention {
+            let block_size = kv.block_size();
+            pairs.clear();
+            for (i, run) in runs.iter().enumerate() {
+                for pos in run.start_pos..run.start_pos + run.tokens.len() {
+                    let target =
+                        run.blocks[pos / block_size] as usize * block_size + pos % block_size;
+                    pairs.push((target, i));
+                }
+            }
+            pairs.sort_unstable();
+            for w in pairs.windows(2) {
+                if w[0].0 == w[1].0 {
+                    return Err(ModelError::DuplicateKvWrite {
+                        block: (w[0].0 / block_size) as u32,
+                        offset: w[0].0 % block_size,
+                        first: w[0].1,
+                        second: w[1].1,
+                    });
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Runs several sequences' runs of consecutive tokens through the main stack in one batch
+    /// (speculative verification feeds a sequence's last token and its drafts as one run).
+    /// `logits` is cleared and receives the logits `outputs` names, row-major; `hidden`, when
+    /// given, is cleared and receives every position's hidden state after the final norm
+    /// (`hidden_size` floats per position, run after run), the MTP head's input.
+    ///
+    /// A run's positions see each other exactly as a prefill chunk's do, so every position's
+    /// logits are the same bits a decode step of that token would give.
+    #[allow(clippy::too_many_arguments)] // the outputs are separate buffers the caller reuses
+    pub fn forward_runs(
+        &self,
+        scratch: &mut Scratch,
+        kv: &mut KvPool,
+        states: &mut MambaStates,
+        runs: &[RunRow<'_>],
+        outputs: RunOutputs,
+        logits: &mut Vec<f32>,
+        hidden: Option<&mut Vec<f32>>,
+    ) -> Result<(), ModelError> {
+        logits.clear();
+        let attention = self.config.has(LayerKind::Attention);
+        let total = self.check_runs(scratch, kv, states, runs, attention)?;
+        self.each_batch(
+            runs,
+            total,
+            outputs,
+            logits,
+            hidden,
+            |batch, table, wanted, hidden_out| {
+                forward::forward(
+                    &self.config,
+                    &self.weights,
+                    scratch,
+                    kv,
+                    states,
+                    &Rows::Runs { runs: batch, table },
+                    wanted,
+                    hidden_out,
+                );
+            },
+        );
+        Ok(())
+    }
+
+    /// Runs the MTP head over several sequences' runs in one batch. Position `q` of a run takes
+    /// `tokens[j]`, the sequence's token *after* `q` (`q = start_pos + j`), and `hidden[j]`, the
+    /// hidden state it follows: the main model's at `q` after its final norm (as
+    /// [`Model::forward_runs`] gives it), or, drafting, the MTP head's own output at `q - 1`.
+    /// `hidden_in` holds one row per position, run after run. `logits` is cleared and receives
+    /// the logits `outputs` names; `hidden_out` the MTP head's normed outputs of the same rows.
+    ///
+    /// The MTP layers' K/V live at the run's positions in the sequence's blocks and their Mamba
+    /// state in its slot, after the main model's (see [`KvPool`], [`MambaStates`]); snapshots
+    /// receive the MTP layers' state. Errors with [`ModelError::NoMtpHead`] on a model without one.
+    #[allow(clippy::too_many_arguments)] // the outputs are separate buffers the caller reuses
+    pub fn mtp(
+        &self,
+        scratch: &mut Scratch,
+        kv: &mut KvPool,
+        states: &mut MambaStates,
+        runs: &[RunRow<'_>],
+        hidden_in: &[f32],
+        outputs: RunOutputs,
+        logits: &mut Vec<f32>,
+        hidden_out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        logits.clear();
+        hidden_out.clear();
+        let Some(mtp) = &self.weights.mtp else {
+            return Err(ModelError::NoMtpHead);
+        };
+        let attention = self.config.uses(LayerKind::Attention);
+        let total = self.check_runs(scratch, kv, states, runs, attention)?;
+        let d = self.config.hidden_size;
+        if hidden_in.len() != total * d {
+            return Err(ModelError::LengthMismatch {
+                what: "MTP hidden inputs",
+                expected: total * d,
+                actual: hidden_in.len(),
+            });
+        }
+        let mut first_row = 0;
+        self.each_batch(
+            runs,
+            total,
+            outputs,
+            logits,
+            Some(hidden_out),
+            |batch, table, wanted, out| {
+                let m = table.len();
+                forward::forward_mtp(
+                    &self.config,
+                    &self.weights,
+                    mtp,
+                    scratch,
+                    kv,
+                    states,
+                    &Rows::Runs { runs: batch, table },
+                    &hidden_in[first_row * d..(first_row + m) * d],
+                    wanted,
+                    out,
+                );
+                first_row += m;
+            },
+        );
+        Ok(())
+    }
+
+    /// Cuts `runs` into forward batches of at most `MAX_ROWS` positions (a run may be split;
+    /// that changes no bits) and calls `step` with each batch's runs, its row table, the logit
+    /// rows it writes and, when `hidden` is given, where its rows' hidden states go. Sizes
+    /// `logits` and `hidden` first.
+    fn each_batch<'r, 'a>(
+        &self,
+        runs: &'r [RunRow<'a>],
+        total: usize,
+        outputs: RunOutputs,
+        logits: &mut Vec<f32>,
+        hidden: Option<&mut Vec<f32>>,
+        mut step: impl FnMut(
+            &'r [RunRow<'a>],
+            &[(usize, usize)],
+            forward::LogitRows<'_>,
+            Option<&mut [f32]>,
+        ),
+    ) {
+        let vocab = self.config.vocab_size;
+        let d = self.config.hidden_size;
+        let (logit_count, hidden_count) = match outputs {
+            RunOutputs::All => (total, total),
+            RunOutputs::Last => (runs.len(), runs.len()),
+        };
+        logits.resize(logit_count * vocab, 0.0);
+        let mut hidden = hidden;
+        if let Some(h) = hidden.as_deref_mut() {
+            h.clear();
+            h.resize(hidden_count * d, 0.0);
+        }
+        // Split points: (run, offset) of each batch's first row.
+        let mut table: Vec<(usize, usize)> = Vec::with_capacity(MAX_ROWS.min(total));
+        let mut batch_hidden = Vec::new();
+        let mut ends: Vec<usize> = Vec::new();
+        let mut run = 0;
+        let mut offset = 0;
+        let mut out_row = 0; // next logit/hidden output row
+        while run < runs.len() {
+            table.clear();
+            let first_run = run;
+            while table.len() < MAX_ROWS && run < runs.len() {
+                table.push((run - first_run, offset));
+                offset += 1;
+                if offset == runs[run].tokens.len() {
+                    run += 1;
+                    offset = 0;
+                }
+            }
+            let last_run = if offset == 0 { run } else { run + 1 };
+            let batch = &runs[first_run..last_run];
+            let m = table.len();
+            match outputs {
+                RunOutputs::All => {
+                    let wanted = forward::LogitRows::All(
+                        &mut logits[out_row * vocab..(out_row + m) * vocab],
+                    );
+                    let out = hidden
+                        .as_deref_mut()
+                        .map(|h| &mut h[out_row * d..(out_row + m) * d]);
+                    step(batch, &table, wanted, out);
+                    out_row += m;
+                }
+                RunOutputs::Last => {
+                    // Rows of this batch that end their run.
+                    ends.clear();
+                    ends.extend((0..m).filter(|&i| {
+                        let (r, o) = table[i];
+                        o + 1 == batch[r].tokens.len()
+                    }));
+                    let n = ends.len();
+                    let wanted = if n == 0 {
+                        forward::LogitRows::Skip
+                    } else {
+                        forward::LogitRows::Select(
+                            &ends,
+                            &mut logits[out_row * vocab..(out_row + n) * vocab],
+                        )
+                    };
+                    match hidden.as_deref_mut() {
+                        Some(h) => {
+                            batch_hidden.clear();
+                            batch_hidden.resize(m * d, 0.0);
+                            step(batch, &table, wanted, Some(&mut batch_hidden[..]));
+                            for (k, &i) in ends.iter().enumerate() {
+                                h[(out_row + k) * d..(out_row + k + 1) * d]
+                                    .copy_from_slice(&batch_hidden[i * d..(i + 1) * d]);
+                            }
+                        }
+                        None => step(batch, &table, wanted, None),
+                    }
+                    out_row += n;
+                }
+            }
+        }
     }
 }
 

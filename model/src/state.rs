@@ -1,16 +1,22 @@
 //! Per-sequence state the caller owns: the paged K/V pool of all attention layers ([`KvPool`]) and
 //! the Mamba2 conv + SSM state of all Mamba layers, one flat slot per sequence ([`MambaStates`]).
+//! With an MTP head ([`Config::mtp`]) both also hold the MTP layers' K/V and Mamba state: the MTP
+//! head's layers count after the main stack's, so one block table and one slot serve both.
 //!
 //! **KV layout.** Block `b` is one contiguous run of [`KvPool::floats_per_block`] floats at
 //! `b * floats_per_block`. Inside it, attention layer `a` (counting attention layers only, in stack
-//! order) owns `2 * block_size * kv_heads * head_dim` floats: first K, then V, each
+//! order, the MTP head's last) owns `2 * block_size * kv_heads * head_dim` floats: first K, then V, each
 //! `[block_size, kv_heads, head_dim]`. Token position `p` of a sequence lives in block
 //! `table[p / block_size]` at offset `p % block_size`. Keys are stored as projected (no RoPE).
 //!
 //! **Mamba layout.** Slot `s` is one contiguous run of [`MambaStates::floats_per_slot`] floats.
-//! Inside it, Mamba layer `m` (counting Mamba layers only) owns `conv_floats + ssm_floats`: first the
-//! last `K - 1` pre-conv `xBC` vectors, oldest first (`[K-1, conv_dim]`), then the SSM state
-//! `[H, P, N]`. A slot must be all zeros before a sequence's first token ([`MambaStates::zero_slot`]);
+//! Inside it, Mamba layer `m` (counting Mamba layers only, the MTP head's last) owns
+//! `conv_floats + ssm_floats`: first the last `K - 1` pre-conv `xBC` vectors, oldest first
+//! (`[K-1, conv_dim]`), then the SSM state `[H, P, N]`. A store built with hidden rows
+//! ([`MambaStates::with_hidden_rows`]) ends each slot with that many rows of `hidden_size` floats,
+//! which the model never reads or writes itself: a router keeps the MTP head's hidden-state inputs
+//! there (its catch-up ring), so that whatever copies, spills or checkpoints a slot carries them
+//! along. A slot must be all zeros before a sequence's first token ([`MambaStates::zero_slot`]);
 //! the model never zeroes it, because a prefill starting at position p > 0 legitimately continues
 //! from a restored state.
 
@@ -58,7 +64,7 @@ impl KvPool {
                 reason: "block ids are u32".into(),
             });
         }
-        let attention_layers = config.count(LayerKind::Attention);
+        let attention_layers = config.stored_count(LayerKind::Attention);
         let (kv_heads, head_dim) = if attention_layers == 0 {
             (0, 0)
         } else {
@@ -152,7 +158,7 @@ impl KvPool {
 
     /// Errors unless the pool was built for `config`'s attention geometry.
     pub(crate) fn check_layout(&self, config: &Config) -> Result<(), ModelError> {
-        let layers = config.count(LayerKind::Attention);
+        let layers = config.stored_count(LayerKind::Attention);
         if layers == 0 {
             return Ok(());
         }
@@ -207,17 +213,21 @@ pub struct MambaLayout {
     pub conv_floats: usize,
     /// Floats of one layer's SSM state: `H * P * N`.
     pub ssm_floats: usize,
+    /// Floats of the hidden rows at the end of a slot (0 unless asked for).
+    pub hidden_floats: usize,
 }
 
 impl MambaLayout {
-    /// The layout `config` (validated) needs.
+    /// The layout `config` (validated) needs: its Mamba layers (the MTP head's too), no hidden
+    /// rows.
     pub fn of(config: &Config) -> Result<Self, ModelError> {
-        let mamba_layers = config.count(LayerKind::Mamba);
+        let mamba_layers = config.stored_count(LayerKind::Mamba);
         if mamba_layers == 0 {
             return Ok(Self {
                 mamba_layers: 0,
                 conv_floats: 0,
                 ssm_floats: 0,
+                hidden_floats: 0,
             });
         }
         let conv_floats = config
@@ -233,6 +243,7 @@ impl MambaLayout {
             mamba_layers,
             conv_floats,
             ssm_floats,
+            hidden_floats: 0,
         };
         layout
             .layer_floats()
@@ -246,9 +257,14 @@ impl MambaLayout {
         self.conv_floats + self.ssm_floats
     }
 
-    /// Floats of one slot (all Mamba layers).
-    pub fn floats_per_slot(&self) -> usize {
+    /// Floats of the Mamba layers of one slot (what the model reads and writes).
+    pub fn state_floats(&self) -> usize {
         self.layer_floats() * self.mamba_layers
+    }
+
+    /// Floats of one slot (all Mamba layers, then the hidden rows).
+    pub fn floats_per_slot(&self) -> usize {
+        self.state_floats() + self.hidden_floats
     }
 }
 
@@ -258,13 +274,32 @@ pub struct MambaStates {
     data: Vec<f32>,
     num_slots: usize,
     layout: MambaLayout,
+    /// Floats of one hidden row (`hidden_size`).
+    hidden_width: usize,
 }
 
 impl MambaStates {
     /// `num_slots` zeroed slots for `config`.
     pub fn new(config: &Config, num_slots: usize) -> Result<Self, ModelError> {
+        Self::with_hidden_rows(config, num_slots, 0)
+    }
+
+    /// `num_slots` zeroed slots for `config`, each ending with `hidden_rows` rows of
+    /// `hidden_size` floats for the caller (see the module docs).
+    pub fn with_hidden_rows(
+        config: &Config,
+        num_slots: usize,
+        hidden_rows: usize,
+    ) -> Result<Self, ModelError> {
         config.validate()?;
-        let layout = MambaLayout::of(config)?;
+        let mut layout = MambaLayout::of(config)?;
+        layout.hidden_floats = hidden_rows
+            .checked_mul(config.hidden_size)
+            .ok_or(ModelError::SizeOverflow("hidden rows of a state slot"))?;
+        layout
+            .state_floats()
+            .checked_add(layout.hidden_floats)
+            .ok_or(ModelError::SizeOverflow("Mamba state slot"))?;
         let total = layout
             .floats_per_slot()
             .checked_mul(num_slots)
@@ -273,6 +308,11 @@ impl MambaStates {
             data: zeroed(total, "Mamba state store")?,
             num_slots,
             layout,
+            hidden_width: if hidden_rows > 0 {
+                config.hidden_size
+            } else {
+                0
+            },
         })
     }
 
@@ -349,9 +389,41 @@ impl MambaStates {
         Ok(())
     }
 
-    /// Errors unless the store was built for `config`.
+    /// Row `row` of the hidden rows of `slot` (`hidden_size` floats).
+    pub fn hidden_row(&self, slot: usize, row: usize) -> Result<&[f32], ModelError> {
+        let range = self.hidden_range(slot, row)?;
+        Ok(&self.data[range])
+    }
+
+    /// Row `row` of the hidden rows of `slot`, writable.
+    pub fn hidden_row_mut(&mut self, slot: usize, row: usize) -> Result<&mut [f32], ModelError> {
+        let range = self.hidden_range(slot, row)?;
+        Ok(&mut self.data[range])
+    }
+
+    /// Hidden rows per slot.
+    pub fn hidden_rows(&self) -> usize {
+        self.layout
+            .hidden_floats
+            .checked_div(self.hidden_width)
+            .unwrap_or(0)
+    }
+
+    fn hidden_range(&self, slot: usize, row: usize) -> Result<std::ops::Range<usize>, ModelError> {
+        let slot_range = self.range(slot)?;
+        let rows = self.hidden_rows();
+        if row >= rows {
+            return Err(ModelError::BadHiddenRow { row, rows });
+        }
+        let start = slot_range.start + self.layout.state_floats() + row * self.hidden_width;
+        Ok(start..start + self.hidden_width)
+    }
+
+    /// Errors unless the store was built for `config` (its Mamba layers; hidden rows are the
+    /// caller's).
     pub(crate) fn check_layout(&self, config: &Config) -> Result<(), ModelError> {
-        let needed = MambaLayout::of(config)?;
+        let mut needed = MambaLayout::of(config)?;
+        needed.hidden_floats = self.layout.hidden_floats;
         if needed != self.layout {
             return Err(ModelError::LayoutMismatch {
                 what: "MambaStates",
@@ -359,6 +431,41 @@ impl MambaStates {
             });
         }
         Ok(())
+    }
+
+    /// Copies the Mamba layers `layers` (conv history and SSM state; not the hidden rows) of slot
+    /// `src` over slot `dst`.
+    pub fn copy_layers(
+        &mut self,
+        src: usize,
+        dst: usize,
+        layers: std::ops::Range<usize>,
+    ) -> Result<(), ModelError> {
+        let from = self.range(src)?;
+        let to = self.range(dst)?;
+        if layers.end > self.layout.mamba_layers || layers.start > layers.end {
+            return Err(ModelError::BadLayers {
+                start: layers.start,
+                end: layers.end,
+                layers: self.layout.mamba_layers,
+            });
+        }
+        let per = self.layout.layer_floats();
+        let span = layers.start * per..layers.end * per;
+        self.data.copy_within(
+            from.start + span.start..from.start + span.end,
+            to.start + span.start,
+        );
+        Ok(())
+    }
+
+    /// Copies Mamba layer `layer` of slot `src` over slot `dst` (both validated).
+    pub(crate) fn copy_layer(&mut self, src: usize, dst: usize, layer: usize) {
+        let per = self.layout.layer_floats();
+        let n = self.floats_per_slot();
+        let from = src * n + layer * per;
+        self.data
+            .copy_within(from..from + per, dst * n + layer * per);
     }
 
     /// Conv history and SSM state of Mamba layer `layer` in `slot` (slot already validated).

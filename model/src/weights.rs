@@ -90,7 +90,23 @@ pub(crate) struct Layer {
     pub mixer: Mixer,
 }
 
-/// All weights of the main stack (MTP weights are not loaded; transformers drops them too).
+/// The MTP head (vLLM's `NemotronHMultiTokenPredictor`): `eh_proj` over the normed embedding of
+/// the next token and the normed previous hidden state, the layers of the MTP pattern, a final
+/// norm; the embeddings and `lm_head` are the main model's.
+#[derive(Debug, Clone)]
+pub(crate) struct MtpWeights {
+    /// `mtp.layers.0.enorm`, on the embedding.
+    pub enorm: Vec<f32>,
+    /// `mtp.layers.0.hnorm`, on the previous hidden state.
+    pub hnorm: Vec<f32>,
+    /// `mtp.layers.0.eh_proj`: `[d, 2d]`, input `[enorm(e), hnorm(h)]`.
+    pub eh_proj: Linear,
+    pub layers: Vec<Layer>,
+    /// `mtp.layers.{last}.final_layernorm`.
+    pub final_norm: Vec<f32>,
+}
+
+/// All weights: the main stack, and the MTP head when the config carries one ([`Config::mtp`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Weights {
     /// `[V, d]`.
@@ -99,6 +115,7 @@ pub(crate) struct Weights {
     pub norm_f: Vec<f32>,
     /// `[V, d]`, never tied to the embeddings.
     pub lm_head: Linear,
+    pub mtp: Option<MtpWeights>,
 }
 
 /// Receives (checkpoint name, shape, values) from [`Weights::visit_tensors`].
@@ -183,48 +200,96 @@ impl Weights {
         let (v, d) = (config.vocab_size, config.hidden_size);
         let embeddings = source.tensor("backbone.embeddings.weight", &[v, d])?;
         let mut layers = Vec::with_capacity(config.layer_kinds.len());
-        for (i, kind) in config.layer_kinds.iter().enumerate() {
-            let prefix = format!("backbone.layers.{i}");
-            let norm = source.tensor(&format!("{prefix}.norm.weight"), &[d])?;
-            let m = format!("{prefix}.mixer");
-            let mixer = match kind {
-                LayerKind::Mamba => Mixer::Mamba(Self::mamba(config, source, &m)?),
-                LayerKind::Attention => {
-                    let (nh, nkv, hd) = (
-                        config.num_attention_heads,
-                        config.num_key_value_heads,
-                        config.head_dim,
-                    );
-                    let q = source.tensor(&format!("{m}.q_proj.weight"), &[nh * hd, d])?;
-                    let k = source.tensor(&format!("{m}.k_proj.weight"), &[nkv * hd, d])?;
-                    let vv = source.tensor(&format!("{m}.v_proj.weight"), &[nkv * hd, d])?;
-                    let mut weight = q;
-                    weight.extend_from_slice(&k);
-                    weight.extend_from_slice(&vv);
-                    Mixer::Attention(AttentionWeights {
-                        qkv: Linear::from_rows(&weight, None, (nh + 2 * nkv) * hd, d),
-                        o_proj: linear(source, &format!("{m}.o_proj"), d, nh * hd, false)?,
-                    })
-                }
-                LayerKind::Mlp => Mixer::Mlp(mlp(
-                    source,
-                    &m,
-                    config.intermediate_size,
-                    d,
-                    config.mlp_bias,
-                )?),
-                LayerKind::Moe => Mixer::Moe(Self::moe(config, source, &m)?),
-            };
-            layers.push(Layer { norm, mixer });
+        for (i, &kind) in config.layer_kinds.iter().enumerate() {
+            layers.push(Self::layer(
+                config,
+                source,
+                &format!("backbone.layers.{i}"),
+                kind,
+            )?);
         }
         let norm_f = source.tensor("backbone.norm_f.weight", &[d])?;
         let lm_head = linear(source, "lm_head", v, d, false)?;
+        let mtp = if config.mtp {
+            Some(Self::mtp(config, source)?)
+        } else {
+            None
+        };
         Ok(Weights {
             embeddings,
             layers,
             norm_f,
             lm_head,
+            mtp,
         })
+    }
+
+    /// The MTP head under vLLM's and SGLang's checkpoint names (`mtp.layers.{i}`).
+    fn mtp(config: &Config, source: &mut dyn TensorSource) -> Result<MtpWeights, ModelError> {
+        let d = config.hidden_size;
+        let enorm = source.tensor("mtp.layers.0.enorm.weight", &[d])?;
+        let hnorm = source.tensor("mtp.layers.0.hnorm.weight", &[d])?;
+        let eh_proj = linear(source, "mtp.layers.0.eh_proj", d, 2 * d, false)?;
+        let mut layers = Vec::with_capacity(config.mtp_layer_kinds.len());
+        for (i, &kind) in config.mtp_layer_kinds.iter().enumerate() {
+            layers.push(Self::layer(
+                config,
+                source,
+                &format!("mtp.layers.{i}"),
+                kind,
+            )?);
+        }
+        let last = config.mtp_layer_kinds.len() - 1;
+        let final_norm =
+            source.tensor(&format!("mtp.layers.{last}.final_layernorm.weight"), &[d])?;
+        Ok(MtpWeights {
+            enorm,
+            hnorm,
+            eh_proj,
+            layers,
+            final_norm,
+        })
+    }
+
+    /// One pre-norm block (`{prefix}.norm`, `{prefix}.mixer.*`).
+    fn layer(
+        config: &Config,
+        source: &mut dyn TensorSource,
+        prefix: &str,
+        kind: LayerKind,
+    ) -> Result<Layer, ModelError> {
+        let d = config.hidden_size;
+        let norm = source.tensor(&format!("{prefix}.norm.weight"), &[d])?;
+        let m = format!("{prefix}.mixer");
+        let mixer = match kind {
+            LayerKind::Mamba => Mixer::Mamba(Self::mamba(config, source, &m)?),
+            LayerKind::Attention => {
+                let (nh, nkv, hd) = (
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                );
+                let q = source.tensor(&format!("{m}.q_proj.weight"), &[nh * hd, d])?;
+                let k = source.tensor(&format!("{m}.k_proj.weight"), &[nkv * hd, d])?;
+                let vv = source.tensor(&format!("{m}.v_proj.weight"), &[nkv * hd, d])?;
+                let mut weight = q;
+                weight.extend_from_slice(&k);
+                weight.extend_from_slice(&vv);
+                Mixer::Attention(AttentionWeights {
+                    qkv: Linear::from_rows(&weight, None, (nh + 2 * nkv) * hd, d),
+                    o_proj: linear(source, &format!("{m}.o_proj"), d, nh * hd, false)?,
+                })
+            }
+            LayerKind::Mlp => Mixer::Mlp(mlp(
+                source,
+                &m,
+                config.intermediate_size,
+                d,
+                config.mlp_bias,
+            )?),
+            LayerKind::Moe => Mixer::Moe(Self::moe(config, source, &m)?),
+        };
+        Ok(Layer { norm, mixer })
     }
 
     fn mamba(
@@ -345,73 +410,103 @@ impl Weights {
         let (v, d) = (config.vocab_size, config.hidden_size);
         f("backbone.embeddings.weight", &[v, d], &self.embeddings);
         for (i, layer) in self.layers.iter().enumerate() {
-            let prefix = format!("backbone.layers.{i}");
-            f(&format!("{prefix}.norm.weight"), &[d], &layer.norm);
-            let m = format!("{prefix}.mixer");
-            match &layer.mixer {
-                Mixer::Mamba(w) => {
-                    let conv_dim = config.mamba_conv_dim();
-                    let h = config.mamba_num_heads;
-                    linear(f, &format!("{m}.in_proj"), &w.in_proj);
-                    f(
-                        &format!("{m}.conv1d.weight"),
-                        &[conv_dim, 1, config.conv_kernel],
-                        &w.conv_weight,
-                    );
-                    if let Some(b) = &w.conv_bias {
-                        f(&format!("{m}.conv1d.bias"), &[conv_dim], b);
-                    }
-                    f(&format!("{m}.dt_bias"), &[h], &w.dt_bias);
-                    f(&format!("{m}.A_log"), &[h], &w.a_log);
-                    f(&format!("{m}.D"), &[h], &w.d);
-                    f(
-                        &format!("{m}.norm.weight"),
-                        &[config.mamba_inner()],
-                        &w.norm,
-                    );
-                    linear(f, &format!("{m}.out_proj"), &w.out_proj);
-                }
-                Mixer::Attention(w) => {
-                    let (nh, nkv, hd) = (
-                        config.num_attention_heads,
-                        config.num_key_value_heads,
-                        config.head_dim,
-                    );
-                    let mut rows = Vec::new();
-                    w.qkv.rows_into(&mut rows);
-                    let (q, rest) = rows.split_at(nh * hd * d);
-                    let (k, vv) = rest.split_at(nkv * hd * d);
-                    f(&format!("{m}.q_proj.weight"), &[nh * hd, d], q);
-                    f(&format!("{m}.k_proj.weight"), &[nkv * hd, d], k);
-                    f(&format!("{m}.v_proj.weight"), &[nkv * hd, d], vv);
-                    linear(f, &format!("{m}.o_proj"), &w.o_proj);
-                }
-                Mixer::Mlp(w) => {
-                    linear(f, &format!("{m}.up_proj"), &w.up);
-                    linear(f, &format!("{m}.down_proj"), &w.down);
-                }
-                Mixer::Moe(w) => {
-                    linear(f, &format!("{m}.gate"), &w.gate);
-                    f(
-                        &format!("{m}.gate.e_score_correction_bias"),
-                        &[w.correction_bias.len()],
-                        &w.correction_bias,
-                    );
-                    for (j, expert) in w.experts.iter().enumerate() {
-                        linear(f, &format!("{m}.experts.{j}.up_proj"), &expert.up);
-                        linear(f, &format!("{m}.experts.{j}.down_proj"), &expert.down);
-                    }
-                    linear(f, &format!("{m}.shared_experts.up_proj"), &w.shared.up);
-                    linear(f, &format!("{m}.shared_experts.down_proj"), &w.shared.down);
-                    if let Some((fc1, fc2)) = &w.latent {
-                        linear(f, &format!("{m}.fc1_latent_proj"), fc1);
-                        linear(f, &format!("{m}.fc2_latent_proj"), fc2);
-                    }
-                }
-            }
+            Self::visit_layer(
+                config,
+                &format!("backbone.layers.{i}"),
+                layer,
+                f,
+                &mut linear,
+            );
         }
         f("backbone.norm_f.weight", &[d], &self.norm_f);
         linear(f, "lm_head", &self.lm_head);
+        if let Some(mtp) = &self.mtp {
+            f("mtp.layers.0.enorm.weight", &[d], &mtp.enorm);
+            f("mtp.layers.0.hnorm.weight", &[d], &mtp.hnorm);
+            linear(f, "mtp.layers.0.eh_proj", &mtp.eh_proj);
+            for (i, layer) in mtp.layers.iter().enumerate() {
+                Self::visit_layer(config, &format!("mtp.layers.{i}"), layer, f, &mut linear);
+            }
+            let last = mtp.layers.len() - 1;
+            f(
+                &format!("mtp.layers.{last}.final_layernorm.weight"),
+                &[d],
+                &mtp.final_norm,
+            );
+        }
+    }
+
+    fn visit_layer(
+        config: &Config,
+        prefix: &str,
+        layer: &Layer,
+        f: &mut TensorVisitor<'_>,
+        linear: &mut dyn FnMut(&mut TensorVisitor<'_>, &str, &Linear),
+    ) {
+        let d = config.hidden_size;
+        f(&format!("{prefix}.norm.weight"), &[d], &layer.norm);
+        let m = format!("{prefix}.mixer");
+        match &layer.mixer {
+            Mixer::Mamba(w) => {
+                let conv_dim = config.mamba_conv_dim();
+                let h = config.mamba_num_heads;
+                linear(f, &format!("{m}.in_proj"), &w.in_proj);
+                f(
+                    &format!("{m}.conv1d.weight"),
+                    &[conv_dim, 1, config.conv_kernel],
+                    &w.conv_weight,
+                );
+                if let Some(b) = &w.conv_bias {
+                    f(&format!("{m}.conv1d.bias"), &[conv_dim], b);
+                }
+                f(&format!("{m}.dt_bias"), &[h], &w.dt_bias);
+                f(&format!("{m}.A_log"), &[h], &w.a_log);
+                f(&format!("{m}.D"), &[h], &w.d);
+                f(
+                    &format!("{m}.norm.weight"),
+                    &[config.mamba_inner()],
+                    &w.norm,
+                );
+                linear(f, &format!("{m}.out_proj"), &w.out_proj);
+            }
+            Mixer::Attention(w) => {
+                let (nh, nkv, hd) = (
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                );
+                let mut rows = Vec::new();
+                w.qkv.rows_into(&mut rows);
+                let (q, rest) = rows.split_at(nh * hd * d);
+                let (k, vv) = rest.split_at(nkv * hd * d);
+                f(&format!("{m}.q_proj.weight"), &[nh * hd, d], q);
+                f(&format!("{m}.k_proj.weight"), &[nkv * hd, d], k);
+                f(&format!("{m}.v_proj.weight"), &[nkv * hd, d], vv);
+                linear(f, &format!("{m}.o_proj"), &w.o_proj);
+            }
+            Mixer::Mlp(w) => {
+                linear(f, &format!("{m}.up_proj"), &w.up);
+                linear(f, &format!("{m}.down_proj"), &w.down);
+            }
+            Mixer::Moe(w) => {
+                linear(f, &format!("{m}.gate"), &w.gate);
+                f(
+                    &format!("{m}.gate.e_score_correction_bias"),
+                    &[w.correction_bias.len()],
+                    &w.correction_bias,
+                );
+                for (j, expert) in w.experts.iter().enumerate() {
+                    linear(f, &format!("{m}.experts.{j}.up_proj"), &expert.up);
+                    linear(f, &format!("{m}.experts.{j}.down_proj"), &expert.down);
+                }
+                linear(f, &format!("{m}.shared_experts.up_proj"), &w.shared.up);
+                linear(f, &format!("{m}.shared_experts.down_proj"), &w.shared.down);
+                if let Some((fc1, fc2)) = &w.latent {
+                    linear(f, &format!("{m}.fc1_latent_proj"), fc1);
+                    linear(f, &format!("{m}.fc2_latent_proj"), fc2);
+                }
+            }
+        }
     }
 }
 
@@ -447,13 +542,18 @@ impl<'a> SafetensorsSource<'a> {
         })
     }
 
+    /// Whether any tensor's name starts with `prefix`.
+    pub(crate) fn has_prefix(&self, prefix: &str) -> bool {
+        self.index.keys().any(|name| name.starts_with(prefix))
+    }
+
     /// Fails on the first tensor (in name order) that the build did not consume, except `mtp.*`
-    /// (transformers drops MTP weights too, ARCH.md §8).
-    pub(crate) fn check_all_used(&self) -> Result<(), ModelError> {
+    /// when the MTP head was not built (transformers drops MTP weights too, ARCH.md §8).
+    pub(crate) fn check_all_used(&self, mtp_built: bool) -> Result<(), ModelError> {
         let mut unused: Vec<&String> = self
             .index
             .keys()
-            .filter(|n| !self.used.contains(*n) && !n.starts_with("mtp."))
+            .filter(|n| !self.used.contains(*n) && (mtp_built || !n.starts_with("mtp.")))
             .collect();
         unused.sort();
         match unused.first() {
@@ -657,7 +757,7 @@ pub(crate) fn read_checkpoint_files(dir: &Path) -> Result<Vec<(PathBuf, Vec<u8>)
 }
 
 /// Seeded random weights whose scales keep activations O(1): matrices uniform in `±1/sqrt(in)`,
-/// norms near 1, `A = -[1, 16)`, `softplus(dt_bias)` in `[0.01, 0.1)` (so the dt clamp never fires).
+/// norms near 1 (`enorm`, `hnorm` and `final_layernorm` of an MTP head too), `A = -[1, 16)`, `softplus(dt_bias)` in `[0.01, 0.1)` (so the dt clamp never fires).
 pub(crate) struct RandomSource {
     rng: ChaCha8Rng,
 }
@@ -863,7 +963,7 @@ mod tests {
                     prop_assert!(values.len() * 2 <= files[0].1.len());
                 }
             }
-            let _ = source.check_all_used();
+            let _ = source.check_all_used(false);
         }
     }
 
@@ -877,6 +977,6 @@ mod tests {
         );
         assert_eq!(source.tensor("b", &[4]).unwrap(), [0.0, 1.0, 2.0, 3.0]);
         assert_eq!(source.tensor("c", &[2, 2]).unwrap(), [0.0, 1.0, 2.0, 3.0]);
-        source.check_all_used().unwrap();
+        source.check_all_used(false).unwrap();
     }
 }

@@ -128,13 +128,6 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
         vec![196],
         vec![0; 196 * 4],
     ));
-    // MTP tensors are dropped silently, as transformers does.
-    extra.push((
-        "mtp.layers.0.norm.weight".into(),
-        Dtype::F32,
-        vec![64],
-        vec![0; 64 * 4],
-    ));
     write_checkpoint(&dir, None, &extra);
     assert_eq!(
         load_err(&dir).to_string(),
@@ -144,7 +137,30 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
         )
     );
     extra.retain(|t| !t.0.ends_with("in_proj.bias"));
+    // A stray MTP tensor: with one MTP group declared the head is built and must be complete.
+    extra.push((
+        "mtp.layers.0.norm.weight".into(),
+        Dtype::F32,
+        vec![64],
+        vec![0; 64 * 4],
+    ));
     write_checkpoint(&dir, None, &extra);
+    assert_eq!(
+        load_err(&dir).to_string(),
+        "tensor `mtp.layers.0.enorm.weight` is missing from the checkpoint"
+    );
+    // Without a declared MTP group, MTP tensors are dropped silently, as transformers does.
+    let base = std::fs::read_to_string(fixture_model_dir().join("config.json")).unwrap();
+    let no_mtp = base.replacen(
+        "\"num_nextn_predict_layers\": 1",
+        "\"num_nextn_predict_layers\": 0",
+        1,
+    );
+    assert_ne!(no_mtp, base);
+    write_checkpoint(&dir, Some(&no_mtp), &extra);
+    let model = Model::load(&dir).unwrap();
+    assert!(!model.has_mtp());
+    write_checkpoint(&dir, None, &tensors);
     assert_eq!(
         Model::load(&dir).unwrap().fingerprint(),
         Model::load(&fixture_model_dir()).unwrap().fingerprint()
