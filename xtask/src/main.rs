@@ -26,7 +26,8 @@
 //!   `ARGS` go to the soak (`--requests`, `--clients`, `--seed`, ...; `-- --help` lists them).
 //!
 //! xtask is a command-line tool, not a library: it prints, and it uses only std, `clap` for its
-//! command line, `serde_json` for `cargo metadata`, and `thiserror`.
+//! command line, `serde_json` for `cargo metadata`, `thiserror`, and `cudarc`'s NVRTC bindings
+//! (loaded at run time) for the PTX generator.
 #![forbid(unsafe_code)]
 
 mod bench;
@@ -36,6 +37,7 @@ mod codegen;
 mod diff;
 mod lex;
 mod metadata;
+mod ptx;
 mod readme;
 mod tidy;
 
@@ -67,7 +69,7 @@ enum Command {
     },
     /// Run the tidy checks only, each violation as `file:line: message`
     Tidy,
-    /// Regenerate checked-in generated files (golden traces)
+    /// Regenerate checked-in generated files (golden traces, the PTX of the CUDA kernels)
     Codegen {
         /// Fail with a diff when a generated file is stale or orphaned; leave the tree unchanged
         #[arg(long)]
@@ -90,6 +92,14 @@ enum Command {
         /// Arguments for the benchmark harness (criterion), after `--`
         #[arg(last = true, value_name = "ARGS")]
         harness: Vec<String>,
+    },
+    /// The child process of the `ptx` generator, started with NVRTC on LD_LIBRARY_PATH
+    #[command(hide = true)]
+    NvrtcCompile {
+        /// The kernel folder (`device-cuda/kernels`)
+        kernels: std::path::PathBuf,
+        /// Where the PTX goes
+        out: std::path::PathBuf,
     },
 }
 
@@ -130,6 +140,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             eprintln!("$ {}", cmd::display(&command));
             cmd::run(&mut command)
         }
+        Command::NvrtcCompile { kernels, out } => ptx::compile_all(&kernels, &out),
     }
 }
 
@@ -211,7 +222,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown generator `nope`; generators: golden (see `cargo xtask --help`)"
+            "unknown generator `nope`; generators: golden, ptx (see `cargo xtask --help`)"
         );
     }
 

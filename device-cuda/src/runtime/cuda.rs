@@ -1,0 +1,451 @@
+//! `CudaRuntime`: the runtime on a CUDA device, through `cudarc` with the driver and cuBLAS
+//! loaded at run time.
+//!
+//! Opening it checks, in order, that the driver library loads ([`CudaError::NoDriver`]), that it
+//! is recent enough for the checked-in PTX ([`CudaError::DriverTooOld`]), that a device exists
+//! ([`CudaError::NoDevice`]), and that every kernel module has PTX ([`CudaError::MissingPtx`]);
+//! then it retains device 0's primary context, creates the compute and copy streams, JIT-loads
+//! the PTX and creates a cuBLAS handle. None of these steps panics.
+//!
+//! # Invariants of `State`
+//!
+//! - `allocations` maps every live device buffer's address to its length, `pinned` every live
+//!   pinned buffer's id to its address, length and the events recorded after the latest copy that
+//!   touched it on each stream (so host access waits for exactly those copies).
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+
+use crate::error::{CudaError, Result};
+use crate::kernels::Kernel;
+use crate::raw::cuda::{self as raw, Blas, CopyKind, Device, Function, Module, RawEvent, RawStream};
+use crate::runtime::{
+    DType, DeviceBuffer, DeviceSlice, Event, Gemm, KernelArg, LaunchDims, PinnedBuffer, Runtime,
+    RuntimeKind, Stream,
+};
+
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx_modules.rs"));
+}
+
+/// The checked-in PTX of each kernel module (`None` where `cargo xtask codegen` has not run).
+pub fn ptx_modules() -> &'static [(&'static str, Option<&'static str>)] {
+    ptx::PTX_MODULES
+}
+
+#[derive(Debug)]
+struct PinnedHost {
+    address: u64,
+    bytes: usize,
+    after: [Option<RawEvent>; 2],
+}
+
+#[derive(Debug, Default)]
+struct State {
+    allocations: BTreeMap<u64, usize>,
+    pinned: BTreeMap<u32, PinnedHost>,
+    next_pinned: u32,
+    events: BTreeMap<u32, RawEvent>,
+    next_event: u32,
+}
+
+/// The runtime on a CUDA device. See the module docs.
+///
+/// Field order is drop order: everything created in the context goes before `device`, whose drop
+/// releases the context.
+#[derive(Debug)]
+pub struct CudaRuntime {
+    state: Mutex<State>,
+    functions: Vec<Function>,
+    blas: Blas,
+    /// Kept loaded for as long as `functions` point into them.
+    _modules: Vec<Module>,
+    streams: [RawStream; 2],
+    name: String,
+    driver_version: i32,
+    device: Device,
+}
+
+fn check_live(state: &State, slice: DeviceSlice, what: &str) -> Result<()> {
+    match state.allocations.range(..=slice.ptr).next_back() {
+        Some((&base, &len)) if slice.ptr + slice.bytes as u64 <= base + len as u64 => Ok(()),
+        _ => Err(CudaError::BadRange(format!(
+            "{what}: {} bytes at {:#x} are not inside a live allocation",
+            slice.bytes, slice.ptr
+        ))),
+    }
+}
+
+fn pinned_range(state: &State, buffer: &PinnedBuffer, offset: usize, bytes: usize) -> Result<u64> {
+    let pinned = state
+        .pinned
+        .get(&buffer.id)
+        .ok_or_else(|| CudaError::BadRange(format!("pinned buffer {} is not live", buffer.id)))?;
+    match offset.checked_add(bytes) {
+        Some(end) if end <= pinned.bytes => Ok(pinned.address + offset as u64),
+        _ => Err(CudaError::BadRange(format!(
+            "{bytes} bytes at offset {offset} of a pinned buffer of {}",
+            pinned.bytes
+        ))),
+    }
+}
+
+impl CudaRuntime {
+    /// Opens device 0. Every failure is a typed error (see the module docs).
+    pub fn new() -> Result<CudaRuntime> {
+        let driver_version = raw::open_driver()?;
+        for (module, ptx) in ptx_modules() {
+            if ptx.is_none() {
+                return Err(CudaError::MissingPtx {
+                    module: (*module).to_owned(),
+                });
+            }
+        }
+        let device = Device::open(0)?;
+        let name = device.name();
+        let streams = [RawStream::new()?, RawStream::new()?];
+        let mut modules = Vec::new();
+        let mut loaded: BTreeMap<&str, usize> = BTreeMap::new();
+        for (module, ptx) in ptx_modules() {
+            let ptx = ptx.unwrap_or_default();
+            loaded.insert(module, modules.len());
+            modules.push(Module::load(ptx)?);
+        }
+        let functions = Kernel::ALL
+            .iter()
+            .map(|kernel| {
+                let index = loaded.get(kernel.module()).copied().ok_or_else(|| {
+                    CudaError::MissingPtx {
+                        module: kernel.module().to_owned(),
+                    }
+                })?;
+                modules[index].function(kernel.name())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let blas = Blas::new()?;
+        tracing::info!(device = %name, driver_version, "CUDA runtime ready");
+        Ok(CudaRuntime {
+            state: Mutex::new(State::default()),
+            functions,
+            blas,
+            _modules: modules,
+            streams,
+            name,
+            driver_version,
+            device,
+        })
+    }
+
+    /// The driver's CUDA version (`cuDriverGetVersion`, e.g. 12040).
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.device.make_current()?;
+        Ok(self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
+
+    fn stream(&self, stream: Stream) -> &RawStream {
+        &self.streams[stream.index()]
+    }
+
+    fn sync_all(&self) -> Result<()> {
+        for stream in &self.streams {
+            stream.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Records, on `stream`, the event after the latest copy touching pinned buffer `id`.
+    fn mark_pinned(&self, state: &mut State, id: u32, stream: Stream) -> Result<()> {
+        let Some(pinned) = state.pinned.get_mut(&id) else {
+            return Ok(());
+        };
+        let slot = &mut pinned.after[stream.index()];
+        if slot.is_none() {
+            *slot = Some(RawEvent::new()?);
+        }
+        if let Some(event) = slot {
+            event.record(self.stream(stream))?;
+        }
+        Ok(())
+    }
+
+    fn wait_pinned(state: &State, id: u32) -> Result<()> {
+        if let Some(pinned) = state.pinned.get(&id) {
+            for event in pinned.after.iter().flatten() {
+                event.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaRuntime {
+    fn drop(&mut self) {
+        if self.device.make_current().is_err() {
+            return;
+        }
+        if let Err(err) = self.sync_all() {
+            tracing::warn!(%err, "draining the streams at drop failed");
+        }
+        let state = self.state.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (address, _) in std::mem::take(&mut state.allocations) {
+            // SAFETY: both streams are drained, so no queued work touches the buffer.
+            if let Err(err) = unsafe { raw::free(address) } {
+                tracing::warn!(%err, "cuMemFree at drop failed");
+            }
+        }
+        for (_, pinned) in std::mem::take(&mut state.pinned) {
+            // SAFETY: as above, for pinned buffers.
+            if let Err(err) = unsafe { raw::free_pinned(pinned.address) } {
+                tracing::warn!(%err, "cuMemFreeHost at drop failed");
+            }
+        }
+        state.events.clear();
+    }
+}
+
+impl Runtime for CudaRuntime {
+    fn kind(&self) -> RuntimeKind {
+        RuntimeKind::Cuda
+    }
+
+    fn device_name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        let mut state = self.lock()?;
+        let ptr = raw::alloc(bytes)?;
+        state.allocations.insert(ptr, bytes);
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+
+    fn free(&self, buffer: DeviceBuffer) -> Result<()> {
+        let mut state = self.lock()?;
+        if state.allocations.remove(&buffer.ptr).is_none() {
+            return Err(CudaError::BadRange(format!(
+                "free of {:#x}, which is not a live allocation",
+                buffer.ptr
+            )));
+        }
+        self.sync_all()?;
+        // SAFETY: the buffer left the table (no new work can name it) and both streams drained.
+        unsafe { raw::free(buffer.ptr) }
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
+        let mut state = self.lock()?;
+        let address = raw::alloc_pinned(bytes)?;
+        let id = state.next_pinned;
+        state.next_pinned += 1;
+        state.pinned.insert(
+            id,
+            PinnedHost {
+                address,
+                bytes,
+                after: [None, None],
+            },
+        );
+        Ok(PinnedBuffer { id, bytes })
+    }
+
+    fn free_pinned(&self, buffer: PinnedBuffer) -> Result<()> {
+        let mut state = self.lock()?;
+        Self::wait_pinned(&state, buffer.id)?;
+        let pinned = state.pinned.remove(&buffer.id).ok_or_else(|| {
+            CudaError::BadRange(format!("pinned buffer {} is not live", buffer.id))
+        })?;
+        // SAFETY: every copy issued on the buffer finished (waited above) and it left the table.
+        unsafe { raw::free_pinned(pinned.address) }
+    }
+
+    fn memset(&self, dst: DeviceSlice, value: u8, stream: Stream) -> Result<()> {
+        let state = self.lock()?;
+        check_live(&state, dst, "memset")?;
+        // SAFETY: the range lies in a live allocation.
+        unsafe { raw::memset_async(dst.ptr, value, dst.bytes, self.stream(stream)) }
+    }
+
+    fn upload(&self, dst: DeviceSlice, src: &[u8], stream: Stream) -> Result<()> {
+        if dst.bytes != src.len() {
+            return Err(CudaError::BadRange(format!(
+                "upload of {} host bytes into {} device bytes",
+                src.len(),
+                dst.bytes
+            )));
+        }
+        let state = self.lock()?;
+        check_live(&state, dst, "upload")?;
+        // SAFETY: the destination is live; the pageable source is staged by the driver before
+        // `cuMemcpyHtoDAsync` returns, so `src` may be dropped afterwards.
+        unsafe { raw::copy_async(CopyKind::HostToDevice, dst.ptr, src.as_ptr() as u64, src.len(), self.stream(stream)) }
+    }
+
+    fn download(&self, dst: &mut [u8], src: DeviceSlice, stream: Stream) -> Result<()> {
+        if dst.len() != src.bytes {
+            return Err(CudaError::BadRange(format!(
+                "download of {} device bytes into {} host bytes",
+                src.bytes,
+                dst.len()
+            )));
+        }
+        let state = self.lock()?;
+        check_live(&state, src, "download")?;
+        // SAFETY: the source is live; `dst` is borrowed mutably until the stream is synchronised
+        // below, so the copy finishes before the borrow ends.
+        unsafe {
+            raw::copy_async(CopyKind::DeviceToHost, dst.as_mut_ptr() as u64, src.ptr, src.bytes, self.stream(stream))?;
+        }
+        drop(state);
+        self.stream(stream).synchronize()
+    }
+
+    fn copy(&self, dst: DeviceSlice, src: DeviceSlice, stream: Stream) -> Result<()> {
+        if dst.bytes != src.bytes || dst.overlaps(&src) {
+            return Err(CudaError::BadRange(format!(
+                "copy of {} bytes into {} bytes (or overlapping)",
+                src.bytes, dst.bytes
+            )));
+        }
+        let state = self.lock()?;
+        check_live(&state, dst, "copy destination")?;
+        check_live(&state, src, "copy source")?;
+        // SAFETY: both ranges are live device memory of equal length.
+        unsafe { raw::copy_async(CopyKind::DeviceToDevice, dst.ptr, src.ptr, src.bytes, self.stream(stream)) }
+    }
+
+    fn copy_to_pinned(&self, dst: &PinnedBuffer, offset: usize, src: DeviceSlice, stream: Stream) -> Result<()> {
+        let mut state = self.lock()?;
+        check_live(&state, src, "copy to pinned")?;
+        let address = pinned_range(&state, dst, offset, src.bytes)?;
+        // SAFETY: the source is live device memory and the destination lies in a live pinned
+        // buffer, which host code touches only after waiting for the event recorded below, and
+        // which is freed only after that wait.
+        unsafe { raw::copy_async(CopyKind::DeviceToHost, address, src.ptr, src.bytes, self.stream(stream))? };
+        self.mark_pinned(&mut state, dst.id, stream)
+    }
+
+    fn copy_from_pinned(&self, dst: DeviceSlice, src: &PinnedBuffer, offset: usize, stream: Stream) -> Result<()> {
+        let mut state = self.lock()?;
+        check_live(&state, dst, "copy from pinned")?;
+        let address = pinned_range(&state, src, offset, dst.bytes)?;
+        // SAFETY: as in `copy_to_pinned`, the other way round.
+        unsafe { raw::copy_async(CopyKind::HostToDevice, dst.ptr, address, dst.bytes, self.stream(stream))? };
+        self.mark_pinned(&mut state, src.id, stream)
+    }
+
+    fn read_pinned(&self, src: &PinnedBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let state = self.lock()?;
+        Self::wait_pinned(&state, src.id)?;
+        let address = pinned_range(&state, src, offset, dst.len())?;
+        // SAFETY: the range lies in the live pinned buffer, every copy issued on it finished, and
+        // no new one can be issued while this thread holds the lock.
+        unsafe { raw::host_copy(dst.as_mut_ptr() as u64, address, dst.len()) };
+        Ok(())
+    }
+
+    fn write_pinned(&self, dst: &PinnedBuffer, offset: usize, src: &[u8]) -> Result<()> {
+        let state = self.lock()?;
+        Self::wait_pinned(&state, dst.id)?;
+        let address = pinned_range(&state, dst, offset, src.len())?;
+        // SAFETY: as in `read_pinned`, in the other direction.
+        unsafe { raw::host_copy(address, src.as_ptr() as u64, src.len()) };
+        Ok(())
+    }
+
+    fn new_event(&self) -> Result<Event> {
+        let mut state = self.lock()?;
+        let event = RawEvent::new()?;
+        let id = state.next_event;
+        state.next_event += 1;
+        state.events.insert(id, event);
+        Ok(Event { id })
+    }
+
+    fn destroy_event(&self, event: Event) -> Result<()> {
+        let mut state = self.lock()?;
+        state
+            .events
+            .remove(&event.id)
+            .map(drop)
+            .ok_or(CudaError::UnknownEvent(event.id))
+    }
+
+    fn record(&self, event: &Event, stream: Stream) -> Result<()> {
+        let state = self.lock()?;
+        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        raw_event.record(self.stream(stream))
+    }
+
+    fn wait_event(&self, stream: Stream, event: &Event) -> Result<()> {
+        let state = self.lock()?;
+        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        self.stream(stream).wait(raw_event)
+    }
+
+    fn sync_event(&self, event: &Event) -> Result<()> {
+        let state = self.lock()?;
+        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        raw_event.synchronize()
+    }
+
+    fn event_done(&self, event: &Event) -> Result<bool> {
+        let state = self.lock()?;
+        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        raw_event.done()
+    }
+
+    fn sync_stream(&self, stream: Stream) -> Result<()> {
+        self.device.make_current()?;
+        self.stream(stream).synchronize()
+    }
+
+    unsafe fn launch(&self, kernel: Kernel, dims: LaunchDims, args: &[KernelArg], stream: Stream) -> Result<()> {
+        dims.check(kernel.name())?;
+        let state = self.lock()?;
+        for arg in args {
+            if let KernelArg::Ptr(slice) = arg {
+                check_live(&state, *slice, kernel.name())?;
+            }
+        }
+        let cells: Vec<u64> = args.iter().map(KernelArg::storage).collect();
+        // SAFETY: the caller of `Runtime::launch` guarantees the arguments and memory; the
+        // function belongs to a module this runtime keeps loaded.
+        unsafe {
+            raw::launch(
+                self.functions[kernel as usize],
+                dims.grid,
+                dims.block,
+                dims.shared_bytes,
+                &cells,
+                self.stream(stream),
+            )
+        }
+    }
+
+    fn gemm(&self, gemm: &Gemm, stream: Stream) -> Result<()> {
+        gemm.check()?;
+        let state = self.lock()?;
+        check_live(&state, gemm.a, "GEMM a")?;
+        check_live(&state, gemm.b, "GEMM b")?;
+        check_live(&state, gemm.c, "GEMM c")?;
+        let dim = |x: usize| i32::try_from(x).unwrap_or(i32::MAX);
+        // SAFETY: `Gemm::check` validated the sizes, alignment and that c overlaps neither input;
+        // the three slices are live; the lock serialises the handle's stream binding.
+        unsafe {
+            self.blas.gemm_abt(
+                dim(gemm.m),
+                dim(gemm.n),
+                dim(gemm.k),
+                gemm.a.ptr,
+                gemm.b.ptr,
+                gemm.c.ptr,
+                gemm.dtype == DType::Bf16,
+                self.stream(stream),
+            )
+        }
+    }
+}
