@@ -87,7 +87,13 @@ impl Kernel {
     }
 }
 
-fn expect_bytes(kernel: Kernel, what: &str, slice: DeviceSlice, elems: usize, elem: usize) -> Result<()> {
+fn expect_bytes(
+    kernel: Kernel,
+    what: &str,
+    slice: DeviceSlice,
+    elems: usize,
+    elem: usize,
+) -> Result<()> {
     match elems.checked_mul(elem) {
         Some(bytes) if bytes == slice.bytes() => Ok(()),
         need => Err(CudaError::BadRange(format!(
@@ -119,7 +125,9 @@ fn to_u32(kernel: Kernel, what: &str, value: usize) -> Result<u32> {
 }
 
 fn flat_blocks(elems: u64) -> u32 {
-    elems.div_ceil(u64::from(FLAT_THREADS)).clamp(1, MAX_FLAT_BLOCKS) as u32
+    elems
+        .div_ceil(u64::from(FLAT_THREADS))
+        .clamp(1, MAX_FLAT_BLOCKS) as u32
 }
 
 /// `tokens[i] = sources[i] >= 0 ? feed[sources[i]] : host_tokens[i]` for `rows` rows (`feed` has
@@ -134,7 +142,11 @@ pub fn feed_inputs(
     rows: usize,
 ) -> Result<()> {
     let k = Kernel::FeedInputs;
-    for (what, slice) in [("tokens", tokens), ("host tokens", host_tokens), ("sources", sources)] {
+    for (what, slice) in [
+        ("tokens", tokens),
+        ("host tokens", host_tokens),
+        ("sources", sources),
+    ] {
         expect_bytes(k, what, slice, rows, 4)?;
         expect_aligned(k, what, slice, 4)?;
     }
@@ -152,7 +164,14 @@ pub fn feed_inputs(
     // SAFETY: the arguments match `feed_inputs(uint*, const uint*, const int*, const uint*, uint,
     // uint)`; the kernel touches rows elements of the first three (checked above) and reads feed
     // only below feed_len, its checked length.
-    unsafe { rt.launch(k, LaunchDims::linear(flat_blocks(rows as u64), FLAT_THREADS), &args, stream) }
+    unsafe {
+        rt.launch(
+            k,
+            LaunchDims::linear(flat_blocks(rows as u64), FLAT_THREADS),
+            &args,
+            stream,
+        )
+    }
 }
 
 /// `out[r, :] = table[tokens[r], :]` for `rows` rows of `hidden` values; `table` holds `vocab`
@@ -173,16 +192,26 @@ pub fn embedding_gather(
         DType::F32 => Kernel::EmbeddingGatherF32,
         DType::Bf16 => Kernel::EmbeddingGatherBf16,
     };
-    let cells = rows.checked_mul(hidden).unwrap_or(usize::MAX);
+    let cells = rows.saturating_mul(hidden);
     expect_bytes(k, "out", out, cells, 4)?;
-    expect_bytes(k, "table", table, vocab.checked_mul(hidden).unwrap_or(usize::MAX), dtype.bytes())?;
+    expect_bytes(
+        k,
+        "table",
+        table,
+        vocab.saturating_mul(hidden),
+        dtype.bytes(),
+    )?;
     expect_bytes(k, "tokens", tokens, rows, 4)?;
     expect_aligned(k, "out", out, 4)?;
     expect_aligned(k, "table", table, dtype.bytes() as u64)?;
     expect_aligned(k, "tokens", tokens, 4)?;
     let dims = LaunchDims {
         grid: [
-            to_u32(k, "hidden blocks", hidden.div_ceil(FLAT_THREADS as usize).max(1))?,
+            to_u32(
+                k,
+                "hidden blocks",
+                hidden.div_ceil(FLAT_THREADS as usize).max(1),
+            )?,
             to_u32(k, "rows", rows)?,
             1,
         ],
@@ -221,7 +250,7 @@ pub fn rmsnorm(
         DType::F32 => Kernel::RmsNormF32,
         DType::Bf16 => Kernel::RmsNormBf16,
     };
-    let cells = rows.checked_mul(dim).unwrap_or(usize::MAX);
+    let cells = rows.saturating_mul(dim);
     expect_bytes(k, "out", out, cells, 4)?;
     expect_bytes(k, "x", x, cells, 4)?;
     expect_bytes(k, "weight", weight, dim, dtype.bytes())?;
@@ -267,7 +296,7 @@ pub fn argmax(
     } else {
         Kernel::ArgmaxRows
     };
-    let cells = rows.checked_mul(vocab).unwrap_or(usize::MAX);
+    let cells = rows.saturating_mul(vocab);
     expect_bytes(k, "logits", logits, cells, 4)?;
     expect_aligned(k, "logits", logits, 4)?;
     expect_bytes(k, "out", out, rows, 4)?;
@@ -334,15 +363,24 @@ fn block_copy(
         Kernel::GatherBlocks => (second, first),
         _ => (first, second),
     };
-    let staged = shape.count.checked_mul(shape.words).unwrap_or(usize::MAX);
+    let staged = shape.count.saturating_mul(shape.words);
     expect_bytes(k, "staging", staging, staged, 4)?;
-    expect_bytes(k, "pool", pool, shape.pool_blocks.checked_mul(shape.words).unwrap_or(usize::MAX), 4)?;
+    expect_bytes(
+        k,
+        "pool",
+        pool,
+        shape.pool_blocks.saturating_mul(shape.words),
+        4,
+    )?;
     expect_bytes(k, "ids", ids, shape.count, 4)?;
     for (what, slice) in [("staging", staging), ("pool", pool), ("ids", ids)] {
         expect_aligned(k, what, slice, 4)?;
     }
     if staging.overlaps(&pool) || ids.overlaps(&pool) || ids.overlaps(&staging) {
-        return Err(CudaError::BadRange(format!("{}: buffers overlap", k.name())));
+        return Err(CudaError::BadRange(format!(
+            "{}: buffers overlap",
+            k.name()
+        )));
     }
     if staged == 0 {
         return Ok(());
@@ -400,7 +438,9 @@ pub fn f32_to_bf16(
     expect_aligned(k, "out", out, 2)?;
     expect_aligned(k, "input", input, 4)?;
     if out.overlaps(&input) {
-        return Err(CudaError::BadRange("f32_to_bf16: out overlaps input".to_owned()));
+        return Err(CudaError::BadRange(
+            "f32_to_bf16: out overlaps input".to_owned(),
+        ));
     }
     if count == 0 {
         return Ok(());

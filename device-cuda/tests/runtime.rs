@@ -18,12 +18,25 @@ fn copy_after_kernel(schedule: Schedule, use_event: bool) -> Vec<u8> {
     let w = rt.alloc(dim * 4).unwrap();
     let out = rt.alloc(rows * dim * 4).unwrap();
     let copy = rt.alloc(rows * dim * 4).unwrap();
-    rt.upload(x.all(), &f32_bytes(&vec![2.0; rows * dim]), Stream::Compute).unwrap();
-    rt.upload(w.all(), &f32_bytes(&vec![1.0; dim]), Stream::Compute).unwrap();
+    rt.upload(x.all(), &f32_bytes(&vec![2.0; rows * dim]), Stream::Compute)
+        .unwrap();
+    rt.upload(w.all(), &f32_bytes(&vec![1.0; dim]), Stream::Compute)
+        .unwrap();
     rt.sync_stream(Stream::Compute).unwrap();
     let event = rt.new_event().unwrap();
     rt.pause();
-    kernels::rmsnorm(&rt, Stream::Compute, out.all(), x.all(), w.all(), DType::F32, rows, dim, 0.0).unwrap();
+    kernels::rmsnorm(
+        &rt,
+        Stream::Compute,
+        out.all(),
+        x.all(),
+        w.all(),
+        DType::F32,
+        rows,
+        dim,
+        0.0,
+    )
+    .unwrap();
     rt.record(&event, Stream::Compute).unwrap();
     if use_event {
         rt.wait_event(Stream::Copy, &event).unwrap();
@@ -42,7 +55,10 @@ fn copy_after_kernel(schedule: Schedule, use_event: bool) -> Vec<u8> {
 fn events_order_streams_and_their_absence_shows() {
     let ones = f32_bytes(&vec![1.0; 4 * 64]);
     for schedule in [Schedule::Fifo, Schedule::ComputeFirst, Schedule::CopyFirst] {
-        assert!(copy_after_kernel(schedule, true) == ones, "{schedule:?} with the event");
+        assert!(
+            copy_after_kernel(schedule, true) == ones,
+            "{schedule:?} with the event"
+        );
     }
     // Without the event the copy stream overtakes the kernel and copies the zeros the kernel has
     // not overwritten yet: the streams are really concurrent.
@@ -58,8 +74,10 @@ fn pinned_buffers_round_trip_through_both_streams() {
         let pinned = rt.alloc_pinned(2000).unwrap();
         let data: Vec<u8> = (0..1000).map(|i| (i * 7 % 251) as u8).collect();
         rt.write_pinned(&pinned, 500, &data).unwrap();
-        rt.copy_from_pinned(device.all(), &pinned, 500, Stream::Copy).unwrap();
-        rt.copy_to_pinned(&pinned, 1000, device.all(), Stream::Copy).unwrap();
+        rt.copy_from_pinned(device.all(), &pinned, 500, Stream::Copy)
+            .unwrap();
+        rt.copy_to_pinned(&pinned, 1000, device.all(), Stream::Copy)
+            .unwrap();
         let mut back = vec![0u8; 1000];
         rt.read_pinned(&pinned, 1000, &mut back).unwrap();
         assert_eq!(back, data);
@@ -74,13 +92,32 @@ fn bad_ranges_and_handles_are_typed_errors() {
     let a = rt.alloc(64).unwrap();
     let b = rt.alloc(32).unwrap();
     assert!(matches!(a.range(60, 8), Err(CudaError::BadRange(_))));
-    assert!(matches!(rt.copy(a.range(0, 32).unwrap(), b.all(), Stream::Compute), Ok(())));
-    assert!(matches!(rt.copy(a.all(), b.all(), Stream::Compute), Err(CudaError::BadRange(_))));
-    assert!(matches!(rt.copy(a.range(0, 32).unwrap(), a.range(16, 32).unwrap(), Stream::Compute), Err(CudaError::BadRange(_))));
-    assert!(matches!(rt.upload(b.all(), &[0u8; 3], Stream::Compute), Err(CudaError::BadRange(_))));
+    assert!(matches!(
+        rt.copy(a.range(0, 32).unwrap(), b.all(), Stream::Compute),
+        Ok(())
+    ));
+    assert!(matches!(
+        rt.copy(a.all(), b.all(), Stream::Compute),
+        Err(CudaError::BadRange(_))
+    ));
+    assert!(matches!(
+        rt.copy(
+            a.range(0, 32).unwrap(),
+            a.range(16, 32).unwrap(),
+            Stream::Compute
+        ),
+        Err(CudaError::BadRange(_))
+    ));
+    assert!(matches!(
+        rt.upload(b.all(), &[0u8; 3], Stream::Compute),
+        Err(CudaError::BadRange(_))
+    ));
     let stale = b.all();
     rt.free(b).unwrap();
-    assert!(matches!(rt.memset(stale, 0, Stream::Compute), Err(CudaError::BadRange(_))));
+    assert!(matches!(
+        rt.memset(stale, 0, Stream::Compute),
+        Err(CudaError::BadRange(_))
+    ));
     let event = rt.new_event().unwrap();
     let id = format!("{event:?}");
     rt.destroy_event(event).unwrap();
@@ -100,7 +137,12 @@ fn cuda_runtime_reports_a_missing_driver_as_an_error() {
         Ok(rt) => println!("a CUDA device is present: {}", rt.device_name()),
         Err(err) => {
             assert!(
-                matches!(err, CudaError::NoDriver { .. } | CudaError::NoDevice(_) | CudaError::DriverTooOld { .. }),
+                matches!(
+                    err,
+                    CudaError::NoDriver { .. }
+                        | CudaError::NoDevice(_)
+                        | CudaError::DriverTooOld { .. }
+                ),
                 "{err:?}"
             );
             println!("no CUDA device here: {err}");

@@ -67,9 +67,7 @@ fn nvrtc_lib_dir(root: &Path) -> Result<PathBuf, Error> {
     if let Some(dir) = venv_lib_dir(&venv) {
         return Ok(dir);
     }
-    eprintln!(
-        "codegen ptx: installing NVRTC into {VENV} (pip, {KERNELS}/nvrtc-requirements.txt)"
-    );
+    eprintln!("codegen ptx: installing NVRTC into {VENV} (pip, {KERNELS}/nvrtc-requirements.txt)");
     let mut create = Command::new("python3");
     create.args(["-m", "venv"]).arg(&venv).current_dir(root);
     cmd::run(&mut create)?;
@@ -158,7 +156,11 @@ pub fn compile_all(kernels: &Path, out: &Path) -> Result<(), Error> {
     let mut written = Vec::new();
     for file in &files {
         let text = compile(kernels, file)?;
-        let stem = file.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let stem = file
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         let target = out.join(format!("{stem}.ptx"));
         std::fs::write(&target, text).map_err(|source| Error::Io {
             path: target.clone(),

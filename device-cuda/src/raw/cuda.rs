@@ -103,7 +103,8 @@ impl Device {
     pub fn open(ordinal: i32) -> Result<Device> {
         let device = drv::device::get(ordinal).map_err(call("cuDeviceGet"))?;
         // SAFETY: `device` is a valid device handle from `cuDeviceGet`.
-        let context = unsafe { drv::primary_ctx::retain(device) }.map_err(call("cuDevicePrimaryCtxRetain"))?;
+        let context = unsafe { drv::primary_ctx::retain(device) }
+            .map_err(call("cuDevicePrimaryCtxRetain"))?;
         let opened = Device { device, context };
         opened.make_current()?;
         Ok(opened)
@@ -154,8 +155,14 @@ impl RawStream {
 
     pub fn wait(&self, event: &RawEvent) -> Result<()> {
         // SAFETY: both handles are live until their `drop`.
-        unsafe { drv::stream::wait_event(self.0, event.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(call("cuStreamWaitEvent"))
+        unsafe {
+            drv::stream::wait_event(
+                self.0,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(call("cuStreamWaitEvent"))
     }
 }
 
@@ -216,7 +223,8 @@ impl Drop for RawEvent {
 /// Zeroed device memory; answers its address.
 pub(crate) fn alloc(bytes: usize) -> Result<u64> {
     // SAFETY: a plain allocation of a non-zero size in the current context.
-    let ptr = unsafe { drv::malloc_sync(bytes.max(1)) }.map_err(|err| match call("cuMemAlloc")(err) {
+    let allocated = unsafe { drv::malloc_sync(bytes.max(1)) };
+    let ptr = allocated.map_err(|err| match call("cuMemAlloc")(err) {
         CudaError::OutOfMemory { what, .. } => CudaError::OutOfMemory {
             what,
             requested: bytes,
@@ -275,19 +283,29 @@ pub(crate) enum CopyKind {
 /// `dst` and `src` address `bytes` bytes of live memory of the kind `kind` names; host memory
 /// stays valid until the copy has finished (pageable host-to-device sources are staged before
 /// the call returns), and no host code accesses it meanwhile.
-pub(crate) unsafe fn copy_async(kind: CopyKind, dst: u64, src: u64, bytes: usize, stream: &RawStream) -> Result<()> {
+pub(crate) unsafe fn copy_async(
+    kind: CopyKind,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: &RawStream,
+) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
     // SAFETY: as the caller guarantees; the stream is live.
     unsafe {
         match kind {
-            CopyKind::HostToDevice => sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream.0)
-                .result()
-                .map_err(call("cuMemcpyHtoDAsync")),
-            CopyKind::DeviceToHost => sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream.0)
-                .result()
-                .map_err(call("cuMemcpyDtoHAsync")),
+            CopyKind::HostToDevice => {
+                sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, stream.0)
+                    .result()
+                    .map_err(call("cuMemcpyHtoDAsync"))
+            }
+            CopyKind::DeviceToHost => {
+                sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, stream.0)
+                    .result()
+                    .map_err(call("cuMemcpyDtoHAsync"))
+            }
             CopyKind::DeviceToDevice => {
                 drv::memcpy_dtod_async(dst, src, bytes, stream.0).map_err(call("cuMemcpyDtoDAsync"))
             }
@@ -300,7 +318,12 @@ pub(crate) unsafe fn copy_async(kind: CopyKind, dst: u64, src: u64, bytes: usize
 /// # Safety
 ///
 /// `dst` addresses `bytes` bytes of live device memory.
-pub(crate) unsafe fn memset_async(dst: u64, value: u8, bytes: usize, stream: &RawStream) -> Result<()> {
+pub(crate) unsafe fn memset_async(
+    dst: u64,
+    value: u8,
+    bytes: usize,
+    stream: &RawStream,
+) -> Result<()> {
     // SAFETY: as the caller guarantees.
     unsafe { drv::memset_d8_async(dst, value, bytes, stream.0) }.map_err(call("cuMemsetD8Async"))
 }
@@ -406,7 +429,9 @@ unsafe impl Sync for Blas {}
 
 impl Blas {
     pub fn new() -> Result<Blas> {
-        blas::create_handle().map(Blas).map_err(blas_call("cublasCreate"))
+        blas::create_handle()
+            .map(Blas)
+            .map_err(blas_call("cublasCreate"))
     }
 
     /// `c[m, n] = a[m, k] · b[n, k]ᵀ` (row-major) on `stream`. Row-major `c` is column-major
@@ -437,7 +462,8 @@ impl Blas {
         let alpha: f32 = 1.0;
         let beta: f32 = 0.0;
         // SAFETY: the handle is live; binding the stream is serialised by the caller's mutex.
-        unsafe { blas::set_stream(self.0, stream.0.cast()) }.map_err(blas_call("cublasSetStream"))?;
+        unsafe { blas::set_stream(self.0, stream.0.cast()) }
+            .map_err(blas_call("cublasSetStream"))?;
         // SAFETY: column-major view: B (row-major [n, k]) is a k x n matrix, transposed to n x k
         // (lda = k); A (row-major [m, k]) is k x m, not transposed (ldb = k); C (row-major
         // [m, n]) is n x m (ldc = n). alpha and beta are host scalars alive for the call; the

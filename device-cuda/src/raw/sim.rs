@@ -12,16 +12,8 @@ use crate::error::{CudaError, Result};
 pub(crate) const ALIGN: usize = 256;
 
 /// A host launcher generated from a `__global__` function.
-pub(crate) type SimLaunch = unsafe extern "C" fn(
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    *const *mut core::ffi::c_void,
-) -> i32;
+pub(crate) type SimLaunch =
+    unsafe extern "C" fn(u32, u32, u32, u32, u32, u32, u32, *const *mut core::ffi::c_void) -> i32;
 
 /// One kernel of the emulation.
 #[derive(Clone, Copy)]
@@ -43,11 +35,10 @@ impl std::fmt::Debug for SimKernel {
 include!(concat!(env!("OUT_DIR"), "/sim_kernels.rs"));
 
 fn layout(bytes: usize) -> Result<Layout> {
-    Layout::from_size_align(bytes.max(1), ALIGN)
-        .map_err(|_| CudaError::OutOfMemory {
-            what: "device",
-            requested: bytes,
-        })
+    Layout::from_size_align(bytes.max(1), ALIGN).map_err(|_| CudaError::OutOfMemory {
+        what: "device",
+        requested: bytes,
+    })
 }
 
 /// Allocates `bytes` zeroed bytes aligned to [`ALIGN`]; answers the address.
@@ -118,7 +109,11 @@ impl HostAddress {
 /// order (the parameter types are those of the kernel, as [`crate::Runtime::launch`] requires), and
 /// every address the kernel computes from them lies in live memory no other thread touches while
 /// it runs.
-pub(crate) unsafe fn launch(kernel: &SimKernel, dims: &crate::LaunchDims, args: &[u64]) -> Result<()> {
+pub(crate) unsafe fn launch(
+    kernel: &SimKernel,
+    dims: &crate::LaunchDims,
+    args: &[u64],
+) -> Result<()> {
     let mut cells: Vec<u64> = args.to_vec();
     let pointers: Vec<*mut core::ffi::c_void> = cells
         .iter_mut()
@@ -128,14 +123,17 @@ pub(crate) unsafe fn launch(kernel: &SimKernel, dims: &crate::LaunchDims, args: 
     let [bx, by, bz] = dims.block;
     // SAFETY: each pointer addresses an 8-byte cell of `cells`, alive for the call, from which
     // the launcher reads one parameter of at most 8 bytes; the caller guarantees the rest.
-    let status = unsafe {
-        (kernel.launch)(gx, gy, gz, bx, by, bz, dims.shared_bytes, pointers.as_ptr())
-    };
+    let launch = kernel.launch;
+    // SAFETY: (see above) the cells outlive the call; the caller guarantees the kernel's memory.
+    let status = unsafe { launch(gx, gy, gz, bx, by, bz, dims.shared_bytes, pointers.as_ptr()) };
     match status {
         0 => Ok(()),
         1 => Err(CudaError::BadLaunch {
             kernel: kernel.name,
-            detail: format!("the emulation refused grid {:?} block {:?}", dims.grid, dims.block),
+            detail: format!(
+                "the emulation refused grid {:?} block {:?}",
+                dims.grid, dims.block
+            ),
         }),
         2 => Err(CudaError::Call {
             call: kernel.name,

@@ -18,7 +18,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::Kernel;
-use crate::raw::cuda::{self as raw, Blas, CopyKind, Device, Function, Module, RawEvent, RawStream};
+use crate::raw::cuda::{
+    self as raw, Blas, CopyKind, Device, Function, Module, RawEvent, RawStream,
+};
 use crate::runtime::{
     DType, DeviceBuffer, DeviceSlice, Event, Gemm, KernelArg, LaunchDims, PinnedBuffer, Runtime,
     RuntimeKind, Stream,
@@ -111,17 +113,18 @@ impl CudaRuntime {
             loaded.insert(module, modules.len());
             modules.push(Module::load(ptx)?);
         }
-        let functions = Kernel::ALL
-            .iter()
-            .map(|kernel| {
-                let index = loaded.get(kernel.module()).copied().ok_or_else(|| {
-                    CudaError::MissingPtx {
-                        module: kernel.module().to_owned(),
-                    }
-                })?;
-                modules[index].function(kernel.name())
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let functions =
+            Kernel::ALL
+                .iter()
+                .map(|kernel| {
+                    let index = loaded.get(kernel.module()).copied().ok_or_else(|| {
+                        CudaError::MissingPtx {
+                            module: kernel.module().to_owned(),
+                        }
+                    })?;
+                    modules[index].function(kernel.name())
+                })
+                .collect::<Result<Vec<_>>>()?;
         let blas = Blas::new()?;
         tracing::info!(device = %name, driver_version, "CUDA runtime ready");
         Ok(CudaRuntime {
@@ -143,7 +146,10 @@ impl CudaRuntime {
 
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
         self.device.make_current()?;
-        Ok(self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        Ok(self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
     fn stream(&self, stream: Stream) -> &RawStream {
@@ -190,7 +196,10 @@ impl Drop for CudaRuntime {
         if let Err(err) = self.sync_all() {
             tracing::warn!(%err, "draining the streams at drop failed");
         }
-        let state = self.state.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         for (address, _) in std::mem::take(&mut state.allocations) {
             // SAFETY: both streams are drained, so no queued work touches the buffer.
             if let Err(err) = unsafe { raw::free(address) } {
@@ -281,7 +290,15 @@ impl Runtime for CudaRuntime {
         check_live(&state, dst, "upload")?;
         // SAFETY: the destination is live; the pageable source is staged by the driver before
         // `cuMemcpyHtoDAsync` returns, so `src` may be dropped afterwards.
-        unsafe { raw::copy_async(CopyKind::HostToDevice, dst.ptr, src.as_ptr() as u64, src.len(), self.stream(stream)) }
+        unsafe {
+            raw::copy_async(
+                CopyKind::HostToDevice,
+                dst.ptr,
+                src.as_ptr() as u64,
+                src.len(),
+                self.stream(stream),
+            )
+        }
     }
 
     fn download(&self, dst: &mut [u8], src: DeviceSlice, stream: Stream) -> Result<()> {
@@ -297,7 +314,13 @@ impl Runtime for CudaRuntime {
         // SAFETY: the source is live; `dst` is borrowed mutably until the stream is synchronised
         // below, so the copy finishes before the borrow ends.
         unsafe {
-            raw::copy_async(CopyKind::DeviceToHost, dst.as_mut_ptr() as u64, src.ptr, src.bytes, self.stream(stream))?;
+            raw::copy_async(
+                CopyKind::DeviceToHost,
+                dst.as_mut_ptr() as u64,
+                src.ptr,
+                src.bytes,
+                self.stream(stream),
+            )?;
         }
         drop(state);
         self.stream(stream).synchronize()
@@ -314,26 +337,62 @@ impl Runtime for CudaRuntime {
         check_live(&state, dst, "copy destination")?;
         check_live(&state, src, "copy source")?;
         // SAFETY: both ranges are live device memory of equal length.
-        unsafe { raw::copy_async(CopyKind::DeviceToDevice, dst.ptr, src.ptr, src.bytes, self.stream(stream)) }
+        unsafe {
+            raw::copy_async(
+                CopyKind::DeviceToDevice,
+                dst.ptr,
+                src.ptr,
+                src.bytes,
+                self.stream(stream),
+            )
+        }
     }
 
-    fn copy_to_pinned(&self, dst: &PinnedBuffer, offset: usize, src: DeviceSlice, stream: Stream) -> Result<()> {
+    fn copy_to_pinned(
+        &self,
+        dst: &PinnedBuffer,
+        offset: usize,
+        src: DeviceSlice,
+        stream: Stream,
+    ) -> Result<()> {
         let mut state = self.lock()?;
         check_live(&state, src, "copy to pinned")?;
         let address = pinned_range(&state, dst, offset, src.bytes)?;
         // SAFETY: the source is live device memory and the destination lies in a live pinned
         // buffer, which host code touches only after waiting for the event recorded below, and
         // which is freed only after that wait.
-        unsafe { raw::copy_async(CopyKind::DeviceToHost, address, src.ptr, src.bytes, self.stream(stream))? };
+        unsafe {
+            raw::copy_async(
+                CopyKind::DeviceToHost,
+                address,
+                src.ptr,
+                src.bytes,
+                self.stream(stream),
+            )?
+        };
         self.mark_pinned(&mut state, dst.id, stream)
     }
 
-    fn copy_from_pinned(&self, dst: DeviceSlice, src: &PinnedBuffer, offset: usize, stream: Stream) -> Result<()> {
+    fn copy_from_pinned(
+        &self,
+        dst: DeviceSlice,
+        src: &PinnedBuffer,
+        offset: usize,
+        stream: Stream,
+    ) -> Result<()> {
         let mut state = self.lock()?;
         check_live(&state, dst, "copy from pinned")?;
         let address = pinned_range(&state, src, offset, dst.bytes)?;
         // SAFETY: as in `copy_to_pinned`, the other way round.
-        unsafe { raw::copy_async(CopyKind::HostToDevice, dst.ptr, address, dst.bytes, self.stream(stream))? };
+        unsafe {
+            raw::copy_async(
+                CopyKind::HostToDevice,
+                dst.ptr,
+                address,
+                dst.bytes,
+                self.stream(stream),
+            )?
+        };
         self.mark_pinned(&mut state, src.id, stream)
     }
 
@@ -376,25 +435,37 @@ impl Runtime for CudaRuntime {
 
     fn record(&self, event: &Event, stream: Stream) -> Result<()> {
         let state = self.lock()?;
-        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        let raw_event = state
+            .events
+            .get(&event.id)
+            .ok_or(CudaError::UnknownEvent(event.id))?;
         raw_event.record(self.stream(stream))
     }
 
     fn wait_event(&self, stream: Stream, event: &Event) -> Result<()> {
         let state = self.lock()?;
-        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        let raw_event = state
+            .events
+            .get(&event.id)
+            .ok_or(CudaError::UnknownEvent(event.id))?;
         self.stream(stream).wait(raw_event)
     }
 
     fn sync_event(&self, event: &Event) -> Result<()> {
         let state = self.lock()?;
-        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        let raw_event = state
+            .events
+            .get(&event.id)
+            .ok_or(CudaError::UnknownEvent(event.id))?;
         raw_event.synchronize()
     }
 
     fn event_done(&self, event: &Event) -> Result<bool> {
         let state = self.lock()?;
-        let raw_event = state.events.get(&event.id).ok_or(CudaError::UnknownEvent(event.id))?;
+        let raw_event = state
+            .events
+            .get(&event.id)
+            .ok_or(CudaError::UnknownEvent(event.id))?;
         raw_event.done()
     }
 
@@ -403,7 +474,16 @@ impl Runtime for CudaRuntime {
         self.stream(stream).synchronize()
     }
 
-    unsafe fn launch(&self, kernel: Kernel, dims: LaunchDims, args: &[KernelArg], stream: Stream) -> Result<()> {
+    /// # Safety
+    ///
+    /// As [`Runtime::launch`] requires.
+    unsafe fn launch(
+        &self,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &[KernelArg],
+        stream: Stream,
+    ) -> Result<()> {
         dims.check(kernel.name())?;
         let state = self.lock()?;
         for arg in args {

@@ -321,7 +321,11 @@ impl Gemm {
                 "GEMM output overlaps an input".to_owned(),
             ));
         }
-        if self.m == 0 || self.n == 0 || self.k == 0 || i32::try_from(self.m.max(self.n).max(self.k)).is_err() {
+        if self.m == 0
+            || self.n == 0
+            || self.k == 0
+            || i32::try_from(self.m.max(self.n).max(self.k)).is_err()
+        {
             return Err(CudaError::BadRange(format!(
                 "GEMM {}x{}x{}: every dimension must be in 1..=2^31-1",
                 self.m, self.n, self.k

@@ -123,7 +123,9 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock can only come from a bug here; the state is still
         // consistent enough to report and shut down, so the poison is not propagated.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -210,7 +212,9 @@ fn execute(op: &Op, scratch: &mut (Vec<f32>, Vec<f32>)) -> Result<()> {
             unsafe { raw::copy(*dst, data.as_ptr() as u64, data.len()) };
             Ok(())
         }
-        Op::Download { dst, src, bytes, .. } => {
+        Op::Download {
+            dst, src, bytes, ..
+        } => {
             // SAFETY: the source as for `Copy`; the destination is the host slice whose owner
             // blocks in `download` until this command reports, so it stays valid and unshared.
             unsafe { raw::copy(dst.0, *src, *bytes) };
@@ -227,7 +231,9 @@ fn execute(op: &Op, scratch: &mut (Vec<f32>, Vec<f32>)) -> Result<()> {
                 DType::F32 => {
                     // SAFETY: `Gemm::check` and `check_live` validated the three slices' sizes,
                     // liveness and that c overlaps neither input; this worker is alone.
-                    unsafe { raw::sgemm_abt(gemm.m, gemm.n, gemm.k, gemm.a.ptr, gemm.b.ptr, gemm.c.ptr) };
+                    unsafe {
+                        raw::sgemm_abt(gemm.m, gemm.n, gemm.k, gemm.a.ptr, gemm.b.ptr, gemm.c.ptr)
+                    };
                 }
                 DType::Bf16 => {
                     // SAFETY: as above; the inputs hold m*k and n*k bf16 values.
@@ -287,7 +293,11 @@ fn worker(shared: Arc<Shared>) {
     let mut scratch = (Vec::new(), Vec::new());
     let mut state = shared.lock();
     loop {
-        let next = if state.paused { None } else { next_runnable(&state) };
+        let next = if state.paused {
+            None
+        } else {
+            next_runnable(&state)
+        };
         let Some(index) = next else {
             if state.shutdown && (state.paused || state.queues.iter().all(VecDeque::is_empty)) {
                 return;
@@ -402,7 +412,11 @@ impl SimRuntime {
         self.shared.work.notify_one();
     }
 
-    fn wait_until<'a>(&'a self, mut state: MutexGuard<'a, State>, done: impl Fn(&State) -> bool) -> MutexGuard<'a, State> {
+    fn wait_until<'a>(
+        &'a self,
+        mut state: MutexGuard<'a, State>,
+        done: impl Fn(&State) -> bool,
+    ) -> MutexGuard<'a, State> {
         while !done(&state) {
             state = self
                 .shared
@@ -500,7 +514,9 @@ impl Runtime for SimRuntime {
 
     fn free_pinned(&self, buffer: PinnedBuffer) -> Result<()> {
         let state = self.shared.lock();
-        let mut state = self.wait_until(state, |s| s.pinned.get(&buffer.id).is_none_or(|p| p.pending == 0));
+        let mut state = self.wait_until(state, |s| {
+            s.pinned.get(&buffer.id).is_none_or(|p| p.pending == 0)
+        });
         match state.pinned.remove(&buffer.id) {
             Some(pinned) => {
                 // SAFETY: no queued copy touches it any more and it left the table.
@@ -658,7 +674,9 @@ impl Runtime for SimRuntime {
 
     fn read_pinned(&self, src: &PinnedBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
         let state = self.shared.lock();
-        let state = self.wait_until(state, |s| s.pinned.get(&src.id).is_none_or(|p| p.pending == 0));
+        let state = self.wait_until(state, |s| {
+            s.pinned.get(&src.id).is_none_or(|p| p.pending == 0)
+        });
         sticky(&state)?;
         let address = check_pinned(&state, src, offset, dst.len())?;
         // SAFETY: the range lies inside the live pinned buffer, no queued copy touches it (pending
@@ -670,7 +688,9 @@ impl Runtime for SimRuntime {
 
     fn write_pinned(&self, dst: &PinnedBuffer, offset: usize, src: &[u8]) -> Result<()> {
         let state = self.shared.lock();
-        let state = self.wait_until(state, |s| s.pinned.get(&dst.id).is_none_or(|p| p.pending == 0));
+        let state = self.wait_until(state, |s| {
+            s.pinned.get(&dst.id).is_none_or(|p| p.pending == 0)
+        });
         sticky(&state)?;
         let address = check_pinned(&state, dst, offset, src.len())?;
         // SAFETY: as in `read_pinned`, with `src` the distinct host slice.
@@ -743,7 +763,10 @@ impl Runtime for SimRuntime {
             .ok_or(CudaError::UnknownEvent(event.id))?
             .recorded;
         let state = self.wait_until(state, |s| {
-            s.error.is_some() || s.events.get(&event.id).is_none_or(|e| e.completed >= target)
+            s.error.is_some()
+                || s.events
+                    .get(&event.id)
+                    .is_none_or(|e| e.completed >= target)
         });
         sticky(&state)
     }
@@ -764,6 +787,9 @@ impl Runtime for SimRuntime {
         sticky(&state)
     }
 
+    /// # Safety
+    ///
+    /// As [`Runtime::launch`] requires.
     unsafe fn launch(
         &self,
         kernel: Kernel,
