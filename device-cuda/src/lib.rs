@@ -15,10 +15,14 @@
 
 mod error;
 pub mod kernels;
+mod memory;
 mod raw;
+mod router;
 mod runtime;
 
 pub use error::{CudaError, Result};
+pub use memory::{widest_activation, CudaRouterConfig, MemoryPlan, PlanError, ALIGN};
+pub use router::{CudaRouter, CudaRouterError, TensorPlace};
 pub use runtime::cuda::{ptx_modules, CudaRuntime};
 pub use runtime::sim::{Schedule, SimRuntime};
 pub use runtime::{
@@ -35,5 +39,6 @@ mod send_sync {
         assert_send_sync::<super::SimRuntime>();
         assert_send_sync::<super::CudaRuntime>();
         assert_send_sync::<super::CudaError>();
+        assert_send_sync::<super::CudaRouter>();
     }
 }

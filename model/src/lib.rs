@@ -131,6 +131,9 @@ pub enum RunOutputs {
     /// Each run's last position, one row per run.
     Last,
 }
+/// What [`Model::visit_tensors`] calls with each weight tensor: its checkpoint name, shape and
+/// f32 values.
+pub type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
 
 /// A NemotronH model: validated config plus f32 weights.
 #[derive(Debug, Clone)]
@@ -241,6 +244,12 @@ impl Model {
     /// equal fingerprints mean interchangeable models, e.g. for spill images.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// Calls `f` with every weight tensor in checkpoint order: its checkpoint name, shape and f32
+    /// values (what a device router uploads, and what [`Model::save`] writes).
+    pub fn visit_tensors(&self, f: &mut TensorVisitor<'_>) {
+        self.weights.visit_tensors(&self.config, f);
     }
 
     fn compute_fingerprint(&self) -> u64 {

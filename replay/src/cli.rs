@@ -87,8 +87,8 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
 
-    /// The device to run on (cuda needs the `cuda` feature; this build has no CUDA router and
-    /// says so)
+    /// The device to run on (cuda needs the `cuda` feature; the CUDA router says why it cannot
+    /// serve yet: no driver or device, or on a GPU its missing layer kernels)
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceName::Cpu)]
     pub device: DeviceName,
 

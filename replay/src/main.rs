@@ -164,7 +164,7 @@ fn plan(args: Args) -> Result<Plan, Failure> {
     }
     if args.device == DeviceName::Cuda && !cfg!(feature = "cuda") {
         return Err(Failure(
-            "--device cuda: this build has no `cuda` feature (and no CUDA router yet); use --device cpu"
+            "--device cuda: this build has no `cuda` feature (build with `--features cuda`); use --device cpu"
                 .into(),
         ));
     }

@@ -7,8 +7,10 @@
 //! - `prefix-cache`, `marconi` (default): allow the router's prefix cache and its Marconi
 //!   eviction policy; [`BackendOptions::prefix_cache`] / [`BackendOptions::marconi`] switch them
 //!   per run. Without the feature the switch is ignored (always off).
-//! - `cuda`: adds `Device::Cuda`; this build has no CUDA router, so asking for it answers
-//!   [`BackendError::CudaUnavailable`].
+//! - `cuda`: adds `Device::Cuda`, which opens `device_cuda::CudaRouter` on device 0 with the same
+//!   sizes. Where there is no driver or device that is [`BackendError::Cuda`] saying which; on a
+//!   GPU it is [`BackendError::Cuda`] too until the CUDA layer kernels exist (part 2 of the CUDA
+//!   router), naming the first layer kind without kernels.
 //!
 //! With `cpu`, this module also re-exports what a program needs to build an engine while
 //! depending on `scheduler` alone: the model's [`ModelConfig`], [`Model`] and [`LayerKind`], the
@@ -24,7 +26,7 @@ pub enum Device {
     /// The host router.
     #[default]
     Cpu,
-    /// The CUDA router (not available in this build).
+    /// The CUDA router (see the module docs for what it can do yet).
     #[cfg(feature = "cuda")]
     Cuda,
 }
@@ -32,9 +34,10 @@ pub enum Device {
 /// Why a router (or the engine over it) could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The CUDA router was asked for; this build has none.
-    #[error("CUDA router not available in this build (device-cuda has no router yet); use the cpu device")]
-    CudaUnavailable,
+    /// The CUDA router could not be opened (no driver, no device, a driver too old) or cannot
+    /// serve this model yet.
+    #[error("CUDA router: {0}")]
+    Cuda(String),
     /// The model could not be loaded or built.
     #[error("model: {0}")]
     Model(String),
@@ -159,7 +162,7 @@ mod cpu {
         match options.device {
             Device::Cpu => {}
             #[cfg(feature = "cuda")]
-            Device::Cuda => return Err(BackendError::CudaUnavailable),
+            Device::Cuda => return Err(open_cuda(&model, &options)),
         }
         let config = CpuRouterConfig {
             block_size: options.block_size,
@@ -182,6 +185,61 @@ mod cpu {
             device_trace::TracingDeviceIo::new(router, sink)
         };
         Ok(router)
+    }
+
+    /// Opens the CUDA router for `model` with the sizes of `options`, and says why it cannot
+    /// serve: the typed error of opening it (no driver, no device, a driver too old), or, on a
+    /// GPU, the layer kernels it does not have yet.
+    #[cfg(feature = "cuda")]
+    fn open_cuda(model: &Model, options: &BackendOptions) -> BackendError {
+        let c = model.config();
+        let state = device_cuda::MemoryPlan::from_budget(
+            c,
+            0,
+            &device_cuda::CudaRouterConfig::new(u64::MAX, options.max_seqs, options.max_context),
+        );
+        // The byte budget that gives this build's host sizes (blocks, slots) on the device.
+        let budget = state.map_or(u64::MAX, |plan| {
+            let kv = plan.kv_block_bytes * options.kv_blocks as u64;
+            let checkpoints = plan.state_slot_bytes * options.checkpoint_slots as u64;
+            let weights = 2 * model_parameters(model);
+            plan.workspace_bytes
+                + plan.logits_bytes
+                + plan.io_bytes
+                + plan.state_slot_bytes * (options.max_seqs + 4) as u64
+                + weights
+                + kv
+                + checkpoints
+                + (1 << 20)
+        });
+        let config = device_cuda::CudaRouterConfig {
+            block_size: options.block_size,
+            prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
+            marconi: options.marconi && MARCONI_COMPILED,
+            ..device_cuda::CudaRouterConfig::new(budget, options.max_seqs, options.max_context)
+        };
+        match device_cuda::CudaRouter::open(model, config) {
+            Err(err) => BackendError::Cuda(err.to_string()),
+            Ok(router) => {
+                let device = router.runtime().device_name();
+                let reason = match router.forward_support() {
+                    Err(err) => err.to_string(),
+                    Ok(()) => "its DeviceIo implementation is not built yet".to_owned(),
+                };
+                if let Err(err) = router.teardown() {
+                    tracing::warn!(%err, "tearing the CUDA router down failed");
+                }
+                BackendError::Cuda(format!("opened on {device}, but cannot serve: {reason}"))
+            }
+        }
+    }
+
+    /// Parameters of `model` (for the bf16 weight bytes of the CUDA budget).
+    #[cfg(feature = "cuda")]
+    fn model_parameters(model: &Model) -> u64 {
+        let mut count = 0u64;
+        model.visit_tensors(&mut |_, _, data| count += data.len() as u64);
+        count
     }
 
     /// Builds the router for `model` and an engine over it.

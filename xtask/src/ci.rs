@@ -12,10 +12,11 @@
 //! 5. `check <crate>`: `cargo check -p <crate> --no-default-features` for each library crate
 //!    in [`ALONE`], so a crate that compiles only thanks to features another crate turns on in
 //!    the unified build is caught;
-//! 6. `doc`: `RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps`;
-//! 7. `readme example`: the README's library example checked in a scratch crate that depends on
+//! 6. `check replay cuda`: the main job with the engine's CUDA backend (`--features cuda`);
+//! 7. `doc`: `RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps`;
+//! 8. `readme example`: the README's library example checked in a scratch crate that depends on
 //!    `scheduler` alone (see [`crate::readme`]), offline, reusing the target directory;
-//! 8. `codegen`: `cargo xtask codegen --check`, run in this process (see [`crate::codegen`]).
+//! 9. `codegen`: `cargo xtask codegen --check`, run in this process (see [`crate::codegen`]).
 
 use std::path::Path;
 use std::process::Command;
@@ -121,6 +122,11 @@ fn stages() -> Vec<Stage> {
             &["check", "-p", krate, "--no-default-features"],
         ));
     }
+    // The CUDA backend of the engine builds everywhere (the driver is loaded at run time).
+    stages.push(Stage::cargo(
+        "check replay cuda",
+        &["check", "-p", "replay", "--features", "cuda"],
+    ));
     let mut doc = Stage::cargo("doc", &["doc", "--workspace", "--no-deps"]);
     if let Action::Cargo(command) = &mut doc.action {
         command.env("RUSTDOCFLAGS", "-D warnings");
@@ -208,7 +214,8 @@ mod tests {
             .map(String::from)
             .to_vec();
         expected.extend(ALONE.iter().map(|c| format!("check {c}")));
-        expected.extend(["doc", "readme example", "codegen"].map(String::from));
+        expected
+            .extend(["check replay cuda", "doc", "readme example", "codegen"].map(String::from));
         assert_eq!(names, expected);
         let doc = stages().into_iter().find(|s| s.name == "doc").unwrap();
         assert_eq!(

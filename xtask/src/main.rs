@@ -35,6 +35,7 @@ mod ci;
 mod cmd;
 mod codegen;
 mod diff;
+mod gpu;
 mod lex;
 mod metadata;
 mod ptx;
@@ -93,6 +94,8 @@ enum Command {
         #[arg(last = true, value_name = "ARGS")]
         harness: Vec<String>,
     },
+    /// The checks that need an NVIDIA GPU, in one run (each step says so when there is none)
+    GpuCheck,
     /// The child process of the `ptx` generator, started with NVRTC on LD_LIBRARY_PATH
     #[command(hide = true)]
     NvrtcCompile {
@@ -140,6 +143,7 @@ fn dispatch(command: Command) -> Result<(), Error> {
             eprintln!("$ {}", cmd::display(&command));
             cmd::run(&mut command)
         }
+        Command::GpuCheck => gpu::run(),
         Command::NvrtcCompile { kernels, out } => ptx::compile_all(&kernels, &out),
     }
 }

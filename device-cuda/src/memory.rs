@@ -1,0 +1,279 @@
+//! The CUDA router's memory plan: how one byte budget is split between the weights, the KV pool,
+//! the live SSM state slots, the Marconi checkpoint slots, the snapshot ring, the activation
+//! workspace of the largest step and the logits buffers, as `CpuRouterConfig::from_byte_budget`
+//! splits host memory.
+//!
+//! KV and SSM state are f32 on the device, in the host model's layouts (a block is one
+//! contiguous run of floats, all attention layers, K then V; a slot likewise for all Mamba
+//! layers), so a spill image moves between the host and the CUDA router of the same model.
+
+use model::{Config, KvPool, LayerKind, MambaStates};
+
+use crate::runtime::DType;
+
+/// Bytes every region is aligned to inside its buffer.
+pub const ALIGN: u64 = 256;
+
+/// The CUDA router's sizes and switches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaRouterConfig {
+    /// Device memory the router may use, in bytes.
+    pub budget_bytes: u64,
+    /// Live-state slots: the most sequences that run at once (and the most rows of a step).
+    pub max_seqs: usize,
+    /// The longest sequence (prompt plus generated tokens).
+    pub max_context: usize,
+    /// The most tokens one step computes (prefill chunks plus decode rows): sizes the workspace.
+    pub max_step_tokens: usize,
+    /// The element type of the weights on the device.
+    pub weights: DType,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Slots of the snapshot ring.
+    pub snapshot_slots: usize,
+    /// Whether finished sequences are offered to a prefix cache.
+    pub prefix_cache: bool,
+    /// On a hybrid model, whether the tuned Marconi policy evicts checkpoints (else LRU).
+    pub marconi: bool,
+}
+
+impl CudaRouterConfig {
+    /// A config with bf16 weights, 16-token blocks, 4 ring slots, both caches on, and a step of
+    /// up to `max(2048, max_seqs)` tokens.
+    pub fn new(budget_bytes: u64, max_seqs: usize, max_context: usize) -> Self {
+        CudaRouterConfig {
+            budget_bytes,
+            max_seqs,
+            max_context,
+            max_step_tokens: max_seqs.max(2048),
+            weights: DType::Bf16,
+            block_size: 16,
+            snapshot_slots: 4,
+            prefix_cache: true,
+            marconi: true,
+        }
+    }
+}
+
+/// Why a plan could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A size is zero or does not fit.
+    #[error("invalid CUDA router config: {field} = {value} ({limit})")]
+    BadConfig {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// The limit it broke.
+        limit: &'static str,
+    },
+    /// The budget cannot hold the fixed regions plus one sequence of `max_context` tokens.
+    #[error("byte budget {budget} is too small: {what} need {needed} bytes")]
+    BudgetTooSmall {
+        /// The budget.
+        budget: u64,
+        /// What did not fit.
+        what: &'static str,
+        /// The bytes it needs.
+        needed: u64,
+    },
+    /// The model refused the layout.
+    #[error("model: {0}")]
+    Model(String),
+}
+
+/// Where the budget goes. Every `*_bytes` figure is a region's size; `total_bytes` their sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// The weights, in the configured element type, each tensor aligned to [`ALIGN`].
+    pub weight_bytes: u64,
+    /// One KV block: all attention layers, K and V, f32.
+    pub kv_block_bytes: u64,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// One SSM state slot: every Mamba layer's conv and SSM state, f32.
+    pub state_slot_bytes: u64,
+    /// Live-state slots.
+    pub live_slots: usize,
+    /// Marconi checkpoint slots.
+    pub checkpoint_slots: usize,
+    /// Snapshot ring slots.
+    pub snapshot_slots: usize,
+    /// Activations of the largest step.
+    pub workspace_bytes: u64,
+    /// Logits of two steps in flight (depth 2), `max_seqs` rows each, f32.
+    pub logits_bytes: u64,
+    /// Per-row inputs and outputs of two steps (tokens, feed sources, argmax outputs, masks) and
+    /// the feed cells.
+    pub io_bytes: u64,
+}
+
+fn align(bytes: u64) -> u64 {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// The widest per-token activation of `config` (floats): a Mamba in_proj, the fused QKV, the
+/// dense MLP, or the routed plus shared experts.
+pub fn widest_activation(config: &Config) -> usize {
+    let mut widest = config.hidden_size;
+    if config.has(LayerKind::Mamba) {
+        widest = widest.max(config.mamba_in_proj_dim());
+    }
+    if config.has(LayerKind::Attention) {
+        widest = widest
+            .max((config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim);
+    }
+    if config.has(LayerKind::Mlp) {
+        widest = widest.max(config.intermediate_size);
+    }
+    if config.has(LayerKind::Moe) {
+        widest = widest.max(
+            config.num_experts_per_tok * config.moe_intermediate_size
+                + config.moe_shared_expert_intermediate_size,
+        );
+    }
+    widest
+}
+
+impl MemoryPlan {
+    /// Splits `router.budget_bytes` for `config`, whose weights take `weight_bytes` on the device:
+    ///
+    /// 1. Fixed regions first: the weights, `max_seqs` live slots and the snapshot ring, the
+    ///    workspace (`max_step_tokens` tokens × (3 × hidden + the widest activation) f32, plus a
+    ///    bf16 copy of the widest input for the GEMMs), the logits of two steps and the per-row
+    ///    buffers.
+    /// 2. Of the rest, a hybrid model gives a quarter to checkpoints and three quarters to KV; an
+    ///    attention-only model everything to KV (as the host router does).
+    /// 3. A model without attention has no KV bytes; its pool is bookkeeping only, with blocks
+    ///    for `max_seqs` sequences of `max_context` tokens.
+    ///
+    /// Fails when the fixed regions plus the KV of one `max_context` sequence do not fit.
+    pub fn from_budget(
+        config: &Config,
+        weight_bytes: u64,
+        router: &CudaRouterConfig,
+    ) -> Result<MemoryPlan, PlanError> {
+        for (field, value, limit) in [
+            ("max_seqs", router.max_seqs, "must be at least 1"),
+            ("max_context", router.max_context, "must be at least 1"),
+            (
+                "max_step_tokens",
+                router.max_step_tokens,
+                "must be at least 1",
+            ),
+            ("block_size", router.block_size, "must be at least 1"),
+        ] {
+            if value == 0 {
+                return Err(PlanError::BadConfig {
+                    field,
+                    value: 0,
+                    limit,
+                });
+            }
+        }
+        if router.max_step_tokens < router.max_seqs {
+            return Err(PlanError::BadConfig {
+                field: "max_step_tokens",
+                value: router.max_step_tokens as u64,
+                limit: "must be at least max_seqs (a decode step has one token per sequence)",
+            });
+        }
+        let model_err = |err: model::ModelError| PlanError::Model(err.to_string());
+        let kv_block_bytes = 4 * KvPool::new(config, 1, router.block_size)
+            .map_err(model_err)?
+            .floats_per_block() as u64;
+        let state_slot_bytes = 4 * MambaStates::new(config, 0)
+            .map_err(model_err)?
+            .floats_per_slot() as u64;
+        let tokens = router.max_step_tokens as u64;
+        let hidden = config.hidden_size as u64;
+        let widest = widest_activation(config) as u64;
+        let workspace_bytes =
+            align(4 * tokens * (3 * hidden + widest)) + align(2 * tokens * widest.max(hidden));
+        let rows = router.max_seqs as u64;
+        let vocab = config.vocab_size as u64;
+        let logits_bytes = 2 * align(4 * rows * vocab);
+        // Per step: host tokens, sources, resolved tokens, argmax out (4 x 4 bytes a row) and a
+        // mask (vocab bytes a row); plus one set of feed cells.
+        let io_bytes = 2 * (4 * align(4 * rows) + align(rows * vocab)) + align(4 * rows);
+        let fixed = align(weight_bytes)
+            + align(state_slot_bytes * (router.max_seqs + router.snapshot_slots) as u64)
+            + workspace_bytes
+            + logits_bytes
+            + io_bytes;
+        let min_blocks = router.max_context.div_ceil(router.block_size);
+        let rest = router
+            .budget_bytes
+            .checked_sub(fixed)
+            .ok_or(PlanError::BudgetTooSmall {
+                budget: router.budget_bytes,
+                what: "the weights, live slots, snapshot ring, workspace and logits",
+                needed: fixed + min_blocks as u64 * kv_block_bytes,
+            })?;
+        let hybrid = state_slot_bytes > 0;
+        let (checkpoint_bytes, kv_bytes) = if hybrid {
+            (rest / 4, rest - rest / 4)
+        } else {
+            (0, rest)
+        };
+        let num_blocks = match kv_bytes.checked_div(kv_block_bytes) {
+            Some(blocks) => usize::try_from(blocks).unwrap_or(usize::MAX),
+            None => router.max_seqs.saturating_mul(min_blocks),
+        };
+        if num_blocks < min_blocks {
+            return Err(PlanError::BudgetTooSmall {
+                budget: router.budget_bytes,
+                what: "the fixed regions and the KV of one max_context sequence",
+                needed: fixed + min_blocks as u64 * kv_block_bytes * if hybrid { 4 } else { 3 } / 3,
+            });
+        }
+        if u32::try_from(num_blocks).is_err() {
+            return Err(PlanError::BadConfig {
+                field: "budget_bytes",
+                value: router.budget_bytes,
+                limit: "block ids are u32: the budget gives more than 2^32 blocks",
+            });
+        }
+        let checkpoint_slots = match checkpoint_bytes.checked_div(state_slot_bytes) {
+            Some(slots) if router.prefix_cache => usize::try_from(slots).unwrap_or(usize::MAX),
+            _ => 0,
+        };
+        Ok(MemoryPlan {
+            block_size: router.block_size,
+            weight_bytes,
+            kv_block_bytes,
+            num_blocks,
+            state_slot_bytes,
+            live_slots: router.max_seqs,
+            checkpoint_slots,
+            snapshot_slots: router.snapshot_slots,
+            workspace_bytes,
+            logits_bytes,
+            io_bytes,
+        })
+    }
+
+    /// Bytes of the KV pool.
+    pub fn kv_bytes(&self) -> u64 {
+        self.kv_block_bytes * self.num_blocks as u64
+    }
+
+    /// Bytes of every state slot: live, checkpoint and ring rows, in that order.
+    pub fn state_bytes(&self) -> u64 {
+        self.state_slot_bytes
+            * (self.live_slots + self.checkpoint_slots + self.snapshot_slots) as u64
+    }
+
+    /// Every region's bytes added up (at most the budget).
+    pub fn total_bytes(&self) -> u64 {
+        align(self.weight_bytes)
+            + self.kv_bytes()
+            + self.state_bytes()
+            + self.workspace_bytes
+            + self.logits_bytes
+            + self.io_bytes
+    }
+}
