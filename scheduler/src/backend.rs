@@ -193,10 +193,14 @@ mod cpu {
     #[cfg(feature = "cuda")]
     fn open_cuda(model: &Model, options: &BackendOptions) -> BackendError {
         let c = model.config();
+        // Without an explicit limit, the longest sequence the pool holds.
+        let max_context = options
+            .max_context
+            .unwrap_or(options.kv_blocks * options.block_size);
         let state = device_cuda::MemoryPlan::from_budget(
             c,
             0,
-            &device_cuda::CudaRouterConfig::new(u64::MAX, options.max_seqs, options.max_context),
+            &device_cuda::CudaRouterConfig::new(u64::MAX, options.max_seqs, max_context),
         );
         // The byte budget that gives this build's host sizes (blocks, slots) on the device.
         let budget = state.map_or(u64::MAX, |plan| {
@@ -216,7 +220,7 @@ mod cpu {
             block_size: options.block_size,
             prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
             marconi: options.marconi && MARCONI_COMPILED,
-            ..device_cuda::CudaRouterConfig::new(budget, options.max_seqs, options.max_context)
+            ..device_cuda::CudaRouterConfig::new(budget, options.max_seqs, max_context)
         };
         match device_cuda::CudaRouter::open(model, config) {
             Err(err) => BackendError::Cuda(err.to_string()),
