@@ -131,6 +131,7 @@ pub enum RunOutputs {
     /// Each run's last position, one row per run.
     Last,
 }
+
 /// What [`Model::visit_tensors`] calls with each weight tensor: its checkpoint name, shape and
 /// f32 values.
 pub type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
