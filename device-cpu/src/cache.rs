@@ -24,6 +24,7 @@ use ssm_snapshot::{
 };
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::events::{Adoption, Events, Listed};
 use crate::{CpuRouterConfig, Namespace, RouterError, Shape};
 
 /// The Marconi tree's hold on a running sequence's hit path.
@@ -109,6 +110,7 @@ pub(crate) struct Caches {
     scratch_blocks: Vec<BlockId>,
     lookups: u64,
     hit_tokens: u64,
+    events: Events,
 }
 
 fn extra_key(ns: Namespace) -> ExtraKey {
@@ -240,6 +242,10 @@ impl Caches {
             };
             Index::Marconi(Box::new(store), tuner)
         };
+        let events = Events::new(match index {
+            Index::Marconi(..) => shape.num_blocks,
+            _ => 0,
+        });
         Ok(Caches {
             kv,
             index,
@@ -247,6 +253,7 @@ impl Caches {
             scratch_blocks: Vec::new(),
             lookups: 0,
             hit_tokens: 0,
+            events,
         })
     }
 
@@ -316,8 +323,17 @@ impl Caches {
         }
     }
 
-    /// Applies a Marconi delta to the pool: new references first, then dropped ones.
-    fn apply_delta(kv: &mut KvCache, delta: &mut StoreDelta) {
+    /// Applies a Marconi delta to the pool: new references first, then dropped ones. The cache
+    /// events see it first: `adoption` is the finishing sequence the tree adopted blocks from,
+    /// `cleared` says the tree is empty after it.
+    fn apply_delta(
+        kv: &mut KvCache,
+        delta: &mut StoreDelta,
+        events: &mut Events,
+        adoption: Option<Adoption<'_>>,
+        cleared: bool,
+    ) {
+        events.tree_delta(kv, delta, adoption, cleared);
         for &block in &delta.retain_blocks {
             if let Err(err) = kv.pool_mut().retain(block) {
                 tracing::error!(%err, "the Marconi tree adopted a block nobody held");
@@ -334,19 +350,22 @@ impl Caches {
     /// One block with one reference; evicts from the Marconi tree when the pool is dry (the
     /// pool itself evicts hash-chain blocks). `None` when nothing can be freed.
     pub fn allocate(&mut self) -> Option<u32> {
-        loop {
+        let block = loop {
             if let Ok(block) = self.kv.pool_mut().allocate() {
-                return Some(block.0);
+                break Some(block.0);
             }
             let Index::Marconi(store, _) = &mut self.index else {
-                return None;
+                break None;
             };
             let released = store.evict_for_kv(1, &mut self.delta);
-            Self::apply_delta(&mut self.kv, &mut self.delta);
+            Self::apply_delta(&mut self.kv, &mut self.delta, &mut self.events, None, false);
             if released == 0 {
-                return None;
+                break None;
             }
-        }
+        };
+        // The pool evicts hash-chain blocks itself.
+        self.events.flush_kv();
+        block
     }
 
     /// Drops one reference the router holds on `block`.
@@ -430,7 +449,7 @@ impl Caches {
                 }),
             None => store.reserve_checkpoint(&mut self.delta),
         };
-        Self::apply_delta(&mut self.kv, &mut self.delta);
+        Self::apply_delta(&mut self.kv, &mut self.delta, &mut self.events, None, false);
         slot
     }
 
@@ -455,7 +474,7 @@ impl Caches {
                 let _ = store.cancel_checkpoint(slot);
             }
         }
-        Self::apply_delta(&mut self.kv, &mut self.delta);
+        Self::apply_delta(&mut self.kv, &mut self.delta, &mut self.events, None, false);
     }
 
     /// Offers a finished sequence's full blocks (and, on a hybrid model, its checkpoints, at
@@ -479,6 +498,7 @@ impl Caches {
                 if let Err(err) = self.kv.insert(tokens, &self.scratch_blocks, extra_key(ns)) {
                     tracing::error!(%err, "the prefix cache refused a finished sequence");
                 }
+                self.events.flush_kv();
             }
             Index::Marconi(store, tuner) => {
                 // A restored sequence never looked the tree up; an empty lookup pins the root.
@@ -505,7 +525,18 @@ impl Caches {
                         let _ = store.cancel_checkpoint(slot);
                     }
                 }
-                Self::apply_delta(&mut self.kv, &mut self.delta);
+                let adoption = Adoption {
+                    tokens,
+                    blocks,
+                    extra: extra_key(ns),
+                };
+                Self::apply_delta(
+                    &mut self.kv,
+                    &mut self.delta,
+                    &mut self.events,
+                    Some(adoption),
+                    false,
+                );
                 if let Some(tuner) = tuner {
                     let request = RecordedRequest {
                         namespace: store_namespace(ns),
@@ -528,10 +559,49 @@ impl Caches {
     pub fn clear(&mut self) {
         match &mut self.index {
             Index::Off => {}
-            Index::HashChain => self.kv.clear(),
+            Index::HashChain => {
+                self.kv.clear();
+                self.events.flush_kv();
+            }
             Index::Marconi(store, _) => {
                 store.clear_unpinned(&mut self.delta);
-                Self::apply_delta(&mut self.kv, &mut self.delta);
+                // Blocks on the paths of running sequences stay; when none does, the tree is
+                // empty and one event says so.
+                let cleared = store.held_block_count() == 0;
+                Self::apply_delta(
+                    &mut self.kv,
+                    &mut self.delta,
+                    &mut self.events,
+                    None,
+                    cleared,
+                );
+            }
+        }
+    }
+
+    /// Subscribes `sink` to the cache events (see [`crate::events`]).
+    pub fn subscribe(&mut self, sink: Box<dyn device_io::CacheEventSink>) {
+        let store = match &self.index {
+            Index::Marconi(store, _) => Some(&**store),
+            _ => None,
+        };
+        self.events.subscribe(&mut self.kv, store, sink);
+    }
+
+    /// The keys the cache events give the full blocks of `tokens` in the namespace of `ns`.
+    pub fn block_keys(&mut self, ns: Namespace, tokens: &[u32]) -> Vec<kv_cache::BlockHash> {
+        let mut keys = Vec::new();
+        self.kv.block_hashes(tokens, extra_key(ns), &mut keys);
+        keys
+    }
+
+    /// What the prefix cache holds, block by block, parents first.
+    pub fn contents(&self) -> Vec<Listed> {
+        match &self.index {
+            Index::Off => Vec::new(),
+            Index::HashChain => crate::events::contents(&self.kv, None, &[]),
+            Index::Marconi(store, _) => {
+                crate::events::contents(&self.kv, Some(store), self.events.tree_extra())
             }
         }
     }

@@ -52,6 +52,15 @@
 //! holds nothing for the step itself. A worker thread that panicked makes every later call answer
 //! [`DeviceError::DeviceLost`].
 //!
+//! # Cache events
+//!
+//! `subscribe_cache_events` publishes the prefix cache's changes in one key scheme, `kv-cache`'s
+//! hash chain, on both indexes: on an attention-only model the hash chain's own events; on a
+//! hybrid one a `BlockStored` for each block the Marconi tree adopts from a finishing sequence
+//! (keyed by the chain over that sequence's tokens) and a `BlockRemoved` for each block it gives
+//! back. A new subscription starts with the contents ([`CpuRouter::cache_contents`]); with no
+//! subscription nothing is built or hashed.
+//!
 //! # Example
 //!
 //! Load the tiny fixture checkpoint, prefill a prompt and decode two tokens through `DeviceIo`
@@ -99,6 +108,7 @@ mod cache;
 mod config;
 mod device;
 mod effects;
+mod events;
 pub mod image;
 mod plans;
 mod seq;
@@ -107,8 +117,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Readback, Result,
-    StepPlan, StepResult, Ticket,
+    CacheEvent, CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome,
+    LoraCommand, Readback, Result, StepPlan, StepResult, Ticket,
 };
 use model::{KvPool, MambaStates, Model, Scratch};
 
@@ -523,6 +533,41 @@ impl CpuRouter {
     pub fn cache_stats(&self) -> Result<CacheStats> {
         Ok(self.lock()?.cache.stats())
     }
+
+    /// The keys the cache events give the full blocks of `tokens` in the namespace of `lora_adapter`
+    /// and `cache_salt` (kv-cache's hash chain, on either index), in order: block `i`'s key
+    /// covers `tokens[..(i + 1) * block_size]`.
+    pub fn block_keys(
+        &self,
+        lora_adapter: Option<u32>,
+        cache_salt: Option<u64>,
+        tokens: &[u32],
+    ) -> Result<Vec<device_io::BlockKey>> {
+        let ns = Namespace {
+            adapter: lora_adapter,
+            cache_salt,
+        };
+        let mut inner = self.lock()?;
+        Ok(inner
+            .cache
+            .block_keys(ns, tokens)
+            .into_iter()
+            .map(|hash| device_io::BlockKey(hash.0))
+            .collect())
+    }
+
+    /// What the prefix cache holds now, as the `BlockStored` events that describe it, each after
+    /// its parent: what a new subscription to the cache events starts with (for inspection and
+    /// tests; allocates).
+    pub fn cache_contents(&self) -> Result<Vec<CacheEvent>> {
+        let inner = self.lock()?;
+        Ok(inner
+            .cache
+            .contents()
+            .into_iter()
+            .map(|listed| listed.event)
+            .collect())
+    }
 }
 
 impl DeviceIo for CpuRouter {
@@ -683,6 +728,17 @@ impl DeviceIo for CpuRouter {
     fn clear_prefix_cache(&self) -> Result<()> {
         let mut inner = self.lock()?;
         inner.cache.clear();
+        Ok(())
+    }
+
+    /// Cache events in kv-cache's hash-chain key scheme on both indexes (the hash chain's own
+    /// events on an attention-only model; on a hybrid one, the Marconi tree's adoptions and
+    /// releases of blocks, keyed by the chain over each block's sequence). Clearing publishes
+    /// `AllBlocksCleared` when nothing is left (on the Marconi tree a running sequence's path
+    /// stays, and its blocks' removals are published one by one). With the prefix cache off the
+    /// subscription is accepted and never receives anything.
+    fn subscribe_cache_events(&self, sink: Box<dyn CacheEventSink>) -> Result<()> {
+        self.lock()?.cache.subscribe(sink);
         Ok(())
     }
 

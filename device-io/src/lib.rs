@@ -48,6 +48,12 @@
 //! ordered after every step launched before them, as on one device stream; an effect that needs
 //! data from the device (`SaveSequenceState`, `ReadLogits`) waits for them.
 //!
+//! # Cache events
+//!
+//! A router with a prefix cache publishes its changes (block stored, block removed, all cleared)
+//! to subscribers, for cluster routers that route requests to the replica holding their prefix:
+//! [`DeviceIo::subscribe_cache_events`] and the [`events`] module.
+//!
 //! # LoRA and teardown
 //!
 //! [`DeviceIo::lora`] takes `&mut self`: the core calls it only at quiescence (no step in flight).
@@ -102,6 +108,7 @@
 
 mod effect;
 mod error;
+pub mod events;
 mod facts;
 mod label;
 mod plan;
@@ -111,6 +118,7 @@ pub mod testing;
 
 pub use effect::{Effect, EffectOutcome};
 pub use error::{DeviceError, Phase, Result};
+pub use events::{BlockKey, CacheEvent, CacheEventBus, CacheEventSink};
 pub use facts::DeviceFacts;
 pub use label::{Label, LoraCommand};
 pub use plan::{Feed, PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket};
@@ -159,6 +167,18 @@ pub trait DeviceIo: Send {
         Ok(())
     }
 
+    /// Subscribes `sink` to the prefix cache's events ([`events`] documents the stream): first a
+    /// `BlockStored` for every block cached now, parents first, then every change as it happens,
+    /// never blocking on the sink. A router that keeps no prefix cache accepts the subscription
+    /// and never delivers anything; one that cannot publish events answers
+    /// [`DeviceError::Unsupported`] (the default).
+    fn subscribe_cache_events(&self, sink: Box<dyn CacheEventSink>) -> Result<()> {
+        drop(sink);
+        Err(DeviceError::Unsupported {
+            what: "subscribe_cache_events",
+        })
+    }
+
     /// Applies a LoRA command; called only at quiescence.
     fn lora(&mut self, cmd: Self::LoraCmd) -> std::result::Result<Self::LoraAck, String>;
 
@@ -182,5 +202,8 @@ mod tests {
         assert_send::<Ticket>();
         assert_sync::<Ticket>();
         assert_send::<EffectOutcome>();
+        assert_send::<CacheEvent>();
+        assert_sync::<CacheEvent>();
+        assert_send::<CacheEventBus>();
     }
 }

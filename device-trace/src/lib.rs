@@ -5,7 +5,8 @@
 //! `await_result`, `apply`, `clear_prefix_cache`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
 //! readback=Argmax}`, `fx apply ReserveKv`); after the call, one line with what came back
 //! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`). `model`,
-//! `facts` and `max_depth` pass through silently. Errors pass through unchanged. A sink that
+//! `facts`, `max_depth` and `subscribe_cache_events` pass through silently (a subscription
+//! changes nothing on the device, and a monitor that subscribes must not change a golden trace). Errors pass through unchanged. A sink that
 //! panics loses the line (counted in [`TracingDeviceIo::dropped_lines`]), never the call.
 //!
 //! Lines are deterministic (labels only, no timings, no addresses), so a recorded scenario is a
@@ -51,7 +52,8 @@ mod sink;
 pub use sink::{TraceBuffer, TraceSink};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, StepPlan, StepResult, Ticket,
+    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, StepPlan,
+    StepResult, Ticket,
 };
 
 /// A router that records every call to a [`TraceSink`] and forwards it unchanged.
@@ -152,6 +154,10 @@ where
         let result = self.inner.clear_prefix_cache();
         self.after(&result, |()| "ok".to_string());
         result
+    }
+
+    fn subscribe_cache_events(&self, sink: Box<dyn CacheEventSink>) -> Result<(), DeviceError> {
+        self.inner.subscribe_cache_events(sink)
     }
 
     fn lora(&mut self, cmd: Self::LoraCmd) -> Result<Self::LoraAck, String> {

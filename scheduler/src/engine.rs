@@ -55,13 +55,15 @@
 //!   last of them, and a recompute creates its sequence from all of them.
 
 use std::collections::VecDeque;
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use device_io::{
-    DeviceError, DeviceIo, Effect, Readback, RowOutput, SeqSpec, Sequence, StepPlan, StepResult,
+    CacheEvent, DeviceError, DeviceIo, Effect, Readback, RowOutput, SeqSpec, Sequence, StepPlan,
+    StepResult,
 };
 use xxhash_rust::xxh3::Xxh3;
 
@@ -69,6 +71,7 @@ mod pipeline;
 
 pub use pipeline::PipelineFault;
 
+use crate::cache_events::{self, ChannelSink};
 use crate::event::{Event, FinishReason, ServeError, Usage};
 use crate::guard::Guarded;
 use crate::handle::{Command, EngineClient, EngineStats, Intake, RequestHandle, ShutdownMode};
@@ -400,6 +403,8 @@ pub struct Engine<D: DeviceIo> {
     flight: Option<pipeline::Flight>,
     /// A deliberate fault of the depth-2 protocol (the oracle's negative control).
     pipeline_fault: Option<PipelineFault>,
+    /// Cache-event subscriptions that fell behind (the subscriptions' sinks count them).
+    cache_event_lags: Arc<AtomicU64>,
 }
 
 impl<D: DeviceIo> std::fmt::Debug for Engine<D> {
@@ -486,6 +491,7 @@ where
             depth,
             flight: None,
             pipeline_fault: None,
+            cache_event_lags: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -522,9 +528,11 @@ where
 
     /// A snapshot of the engine and its router.
     pub fn stats(&self) -> EngineStats {
+        let mut metrics = self.metrics;
+        metrics.cache_event_lags = self.cache_event_lags.load(Ordering::Relaxed);
         EngineStats {
             facts: self.router.facts(),
-            metrics: self.metrics,
+            metrics,
             waiting: self.waiting.len(),
             running: self.running.len(),
             orphans: self.orphans.len(),
@@ -535,6 +543,31 @@ where
     /// Drops every cached prefix that no running request holds (vLLM's `reset_prefix_cache`).
     pub fn clear_prefix_cache(&self) -> Result<(), DeviceError> {
         self.router.clear_prefix_cache()
+    }
+
+    /// Subscribes to the prefix cache's events with the default backlog; see
+    /// [`crate::cache_events`]. The stream starts with the blocks cached now. A router without
+    /// cache events answers `DeviceError::Unsupported`.
+    pub fn subscribe_cache_events(&self) -> Result<Receiver<CacheEvent>, DeviceError> {
+        self.subscribe_cache_events_with_backlog(cache_events::default_backlog(
+            &self.router.facts(),
+        ))
+    }
+
+    /// [`Engine::subscribe_cache_events`] with room for `backlog` unreceived events.
+    pub fn subscribe_cache_events_with_backlog(
+        &self,
+        backlog: NonZeroUsize,
+    ) -> Result<Receiver<CacheEvent>, DeviceError> {
+        let (sink, receiver) = ChannelSink::new(backlog, Arc::clone(&self.cache_event_lags));
+        self.router.subscribe_cache_events(Box::new(sink))?;
+        Ok(receiver)
+    }
+
+    /// Brings `metrics.cache_event_lags` up to date with what the subscriptions counted (at the
+    /// end of every step, in [`Engine::stats`] and at shutdown).
+    fn count_cache_event_lags(&mut self) {
+        self.metrics.cache_event_lags = self.cache_event_lags.load(Ordering::Relaxed);
     }
 
     /// Requests waiting (new or preempted).
@@ -694,6 +727,7 @@ where
 
     fn end_step(&mut self, mut report: StepReport) -> StepReport {
         report.ended = std::mem::take(&mut self.step_ended);
+        self.count_cache_event_lags();
         report
     }
 
@@ -803,6 +837,7 @@ where
                 });
             }
         }
+        self.count_cache_event_lags();
         let Engine {
             router, metrics, ..
         } = self;
@@ -845,6 +880,13 @@ where
             }
             Command::ClearPrefixCache(answer) => {
                 let _ = answer.send(self.clear_prefix_cache());
+            }
+            Command::SubscribeCacheEvents { backlog, answer } => {
+                let subscribed = match backlog {
+                    Some(backlog) => self.subscribe_cache_events_with_backlog(backlog),
+                    None => self.subscribe_cache_events(),
+                };
+                let _ = answer.send(subscribed);
             }
         }
     }

@@ -96,6 +96,15 @@ impl<D: DeviceIo> Guarded<D> {
         self.call("clear_prefix_cache", |router| router.clear_prefix_cache())
     }
 
+    pub(crate) fn subscribe_cache_events(
+        &self,
+        sink: Box<dyn device_io::CacheEventSink>,
+    ) -> Result<()> {
+        self.call("subscribe_cache_events", |router| {
+            router.subscribe_cache_events(sink)
+        })
+    }
+
     /// Tears the router down; a panic there is an error like any other.
     pub(crate) fn teardown(self) -> Result<()> {
         let router = self.router;

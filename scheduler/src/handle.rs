@@ -4,12 +4,13 @@
 //! Every handle and client talks to the engine through one command channel; the engine takes
 //! commands at the start of each step (or blocks on them when idle, on its own thread).
 
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::{DeviceError, DeviceFacts, DeviceIo, Sequence};
+use device_io::{CacheEvent, DeviceError, DeviceFacts, DeviceIo, Sequence};
 
 use crate::engine::{Engine, EngineError, Tracked};
 use crate::event::{Event, FinishReason, ServeError, Usage};
@@ -26,6 +27,11 @@ pub(crate) enum Command {
     Stats(Sender<EngineStats>),
     /// Clear the router's prefix cache and answer how that went.
     ClearPrefixCache(Sender<Result<(), DeviceError>>),
+    /// Subscribe to the prefix cache's events (with this backlog, or the default one).
+    SubscribeCacheEvents {
+        backlog: Option<NonZeroUsize>,
+        answer: Sender<Result<Receiver<CacheEvent>, DeviceError>>,
+    },
 }
 
 /// A snapshot of an engine and its router, for monitoring and leak checks
@@ -51,7 +57,7 @@ pub struct EngineStats {
 }
 
 /// Why a control call of a client ([`EngineClient::stats`],
-/// [`EngineClient::clear_prefix_cache`]) failed.
+/// [`EngineClient::clear_prefix_cache`], [`EngineClient::subscribe_cache_events`]) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ControlError {
     /// The engine has stopped (its thread ended) and answers nothing.
@@ -241,6 +247,34 @@ impl EngineClient {
         let (answer, answered) = crossbeam_channel::bounded(1);
         self.commands
             .send(Command::ClearPrefixCache(answer))
+            .map_err(|_| ControlError::EngineStopped)?;
+        Ok(answered.recv().map_err(|_| ControlError::EngineStopped)??)
+    }
+
+    /// Subscribes to the prefix cache's events with the default backlog (see
+    /// [`crate::cache_events`]): the stream starts with the blocks cached now and goes on with
+    /// every change; it ends when the engine stops, or when this subscriber falls a backlog
+    /// behind (then subscribe again). Answered between two steps of the engine. A router without
+    /// cache events answers [`ControlError::Router`] with `DeviceError::Unsupported`.
+    pub fn subscribe_cache_events(&self) -> Result<Receiver<CacheEvent>, ControlError> {
+        self.subscribe(None)
+    }
+
+    /// [`EngineClient::subscribe_cache_events`] with room for `backlog` unreceived events.
+    pub fn subscribe_cache_events_with_backlog(
+        &self,
+        backlog: NonZeroUsize,
+    ) -> Result<Receiver<CacheEvent>, ControlError> {
+        self.subscribe(Some(backlog))
+    }
+
+    fn subscribe(
+        &self,
+        backlog: Option<NonZeroUsize>,
+    ) -> Result<Receiver<CacheEvent>, ControlError> {
+        let (answer, answered) = crossbeam_channel::bounded(1);
+        self.commands
+            .send(Command::SubscribeCacheEvents { backlog, answer })
             .map_err(|_| ControlError::EngineStopped)?;
         Ok(answered.recv().map_err(|_| ControlError::EngineStopped)??)
     }

@@ -58,6 +58,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+pub mod cache_events;
 mod engine;
 mod event;
 mod guard;
@@ -69,6 +70,8 @@ pub mod sampling;
 pub mod spill;
 pub mod workload;
 
+/// The prefix cache's events and their keys ([`cache_events`]).
+pub use device_io::{BlockKey, CacheEvent};
 #[doc(hidden)]
 pub use engine::PipelineFault;
 pub use engine::{Engine, EngineConfig, EngineError, Preemption};

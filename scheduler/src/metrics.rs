@@ -69,6 +69,9 @@ pub struct Metrics {
     /// Steps that found a step in flight and could not run ahead (admission, prefill work, a
     /// compaction, host logits, a dry pool), so awaited it first and ran at depth 1.
     pub pipeline_drains: u64,
+    /// Cache-event subscriptions ended because their subscriber fell a whole backlog behind (see
+    /// [`crate::cache_events`]); counted as of the latest step or control call.
+    pub cache_event_lags: u64,
 }
 
 impl Metrics {
@@ -104,6 +107,7 @@ impl Metrics {
             rollbacks: self.rollbacks - earlier.rollbacks,
             rollback_failures: self.rollback_failures - earlier.rollback_failures,
             pipeline_drains: self.pipeline_drains - earlier.pipeline_drains,
+            cache_event_lags: self.cache_event_lags - earlier.cache_event_lags,
         }
     }
 }

@@ -340,6 +340,19 @@ pub struct StoreStats {
     pub dropped_checkpoints: u64,
 }
 
+/// One block reference of the tree as [`SnapshotStore::visit_blocks`] shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TreeBlock<'a> {
+    /// The namespace of the tree that holds it.
+    pub namespace: Namespace,
+    /// The block before it in its sequence (`None` for a first block).
+    pub parent: Option<BlockId>,
+    /// The block.
+    pub block: BlockId,
+    /// Its tokens (`block_size` of them).
+    pub tokens: &'a [u32],
+}
+
 /// A cached checkpoint as [`SnapshotStore::cached_checkpoints`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct CachedCheckpoint {
@@ -967,6 +980,33 @@ impl SnapshotStore {
         }
         out.sort();
         out
+    }
+
+    /// Calls `visit` once for every block reference the tree holds, each block after the block
+    /// before it in its sequence (depth first): what a router needs to describe the tree's
+    /// contents block by block (its cache events' starting contents) without hashing a prefix
+    /// twice. Allocates only a traversal stack.
+    pub fn visit_blocks(&self, mut visit: impl FnMut(TreeBlock<'_>)) {
+        let mut roots: Vec<(Namespace, u32)> =
+            self.roots.iter().map(|(&ns, &id)| (ns, id)).collect();
+        roots.sort_unstable();
+        let mut stack: Vec<(u32, Option<BlockId>)> = Vec::new();
+        for (namespace, root) in roots {
+            stack.push((root, None));
+            while let Some((id, mut parent)) = stack.pop() {
+                let node = &self.nodes[id as usize];
+                for (i, &block) in node.blocks.iter().enumerate() {
+                    visit(TreeBlock {
+                        namespace,
+                        parent,
+                        block,
+                        tokens: &node.tokens[i * self.block..(i + 1) * self.block],
+                    });
+                    parent = Some(block);
+                }
+                stack.extend(node.children.iter().map(|&child| (child, parent)));
+            }
+        }
     }
 
     fn prefix_of(&self, id: u32) -> Vec<u32> {
@@ -1822,6 +1862,53 @@ mod tests {
             .into_iter()
             .map(|c| c.tokens)
             .collect()
+    }
+
+    #[test]
+    fn visiting_blocks_shows_each_after_its_parent_with_its_tokens() {
+        let mut s = store(2, 1000, BudgetScope::CheckpointsAndKv, 0.0);
+        let mut d = StoreDelta::default();
+        let other = Namespace {
+            adapter: 3,
+            salt: 9,
+        };
+        serve(&mut s, NS, &[1, 2, 3], &[1, 2, 3, 4, 5, 6], &mut d);
+        // Leaves the first sequence inside its edge at 4: a branch point splits the edge.
+        serve(
+            &mut s,
+            NS,
+            &[1, 2, 3, 4, 7, 8, 9],
+            &[1, 2, 3, 4, 7, 8, 9, 10],
+            &mut d,
+        );
+        serve(&mut s, other, &[1, 2, 3], &[1, 2, 3, 4], &mut d);
+        let expected = s.cached_blocks();
+        let prefix_of: HashMap<(Namespace, BlockId), Vec<u32>> = expected
+            .iter()
+            .map(|(ns, prefix, block)| ((*ns, *block), prefix.clone()))
+            .collect();
+        let mut visited = Vec::new();
+        s.visit_blocks(|b| {
+            let prefix = &prefix_of[&(b.namespace, b.block)];
+            let (before, tokens) = prefix.split_at(prefix.len() - 2);
+            assert_eq!(b.tokens, tokens, "block {:?}", b.block);
+            match b.parent {
+                None => assert!(before.is_empty(), "block {:?} has a parent", b.block),
+                Some(parent) => {
+                    assert_eq!(prefix_of[&(b.namespace, parent)], before);
+                    assert!(visited.contains(&(b.namespace, parent)), "parent first");
+                }
+            }
+            visited.push((b.namespace, b.block));
+        });
+        let mut all: Vec<(Namespace, BlockId)> = expected
+            .iter()
+            .map(|(ns, _, block)| (*ns, *block))
+            .collect();
+        all.sort();
+        visited.sort();
+        assert_eq!(visited, all);
+        assert_eq!(visited.len(), 3 + 2 + 2);
     }
 
     #[test]

@@ -510,6 +510,12 @@ where
     fn clear_prefix_cache(&self) -> Result<(), DeviceError> {
         self.inner.clear_prefix_cache()
     }
+    fn subscribe_cache_events(
+        &self,
+        sink: Box<dyn device_io::CacheEventSink>,
+    ) -> Result<(), DeviceError> {
+        self.inner.subscribe_cache_events(sink)
+    }
     fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, String> {
         self.inner.lora(cmd)
     }
