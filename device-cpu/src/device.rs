@@ -300,6 +300,7 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         ticket: Ticket(job.ticket),
         rows: outputs,
         logits: (logits_rows > 0).then_some(LogitsHandle { step: job.ticket }),
+        tokens: Vec::new(),
     });
     completed
 }

@@ -77,6 +77,8 @@ pub(crate) fn apply(
             inner.sync(seq);
             rollback(shape, inner, seq)
         }
+        // Speculative decoding is not implemented on this router yet (see the crate docs).
+        Effect::TruncateKv { .. } => Err(DeviceError::Unsupported { what: "TruncateKv" }),
         // No MTP ring, one stream, no expert workers: see the module docs.
         Effect::SaveHiddenCatchup { .. }
         | Effect::SyncSecondary

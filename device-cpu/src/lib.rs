@@ -19,6 +19,9 @@
 //!   reservation ledger; `Rollback` answers `Unsupported` at depth 1). The MTP / stream / expert
 //!   effects are no-ops because this router has no catch-up ring, one stream and no expert
 //!   workers.
+//! - **Speculative decoding** (`Verify`, `Draft`, `TruncateKv`) answers `Unsupported` for now:
+//!   the model has the entry points (`Model::forward_runs` with per-token snapshots,
+//!   `Model::mtp`), this router does not drive them yet.
 //!
 //! # Depth
 //!
@@ -632,6 +635,9 @@ impl DeviceIo for CpuRouter {
                 readback,
                 rows,
             )?,
+            // Speculative decoding is not implemented on this router yet (see the crate docs).
+            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
+            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
             StepPlan::DecodeFed { sources, masks } => {
                 if self.shape.max_depth < 2 {
                     return Err(DeviceError::Unsupported { what: "DecodeFed" });

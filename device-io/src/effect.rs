@@ -85,22 +85,35 @@ pub enum Effect<'a, S, P> {
         /// The ring slot.
         slot: usize,
     },
-    /// Restore the sequence's live SSM state from snapshot ring slot `slot`.
+    /// Restore the sequence's live SSM state from snapshot ring slot `slot`, which must hold a
+    /// snapshot of this sequence (saved by `SsmSnapshotSave` or written by a `Verify`). It
+    /// restores the SSM state only, never positions or K/V ([`Effect::TruncateKv`] drops those);
+    /// a state past the sequence's length (after a truncation) is in step again once the snapshot
+    /// restored was taken at exactly its length.
     SsmSnapshotRestore {
         /// The sequence whose state is restored.
         seq: &'a S,
         /// The ring slot.
         slot: usize,
     },
-    /// Keep the hidden state of batch row `row` at position `pos` in the MTP catch-up ring, so the
-    /// MTP head can draft after a gap.
+    /// Keep the hidden state of batch row `row` of the latest settled step at position `pos` in
+    /// that row's sequence's MTP catch-up ring, so the MTP head can catch up with (and draft after)
+    /// the positions the main model computed since it last ran: the core applies it for each
+    /// position a sequence keeps after a `Decode`, `DecodeFed` or `Verify` (a `Prefill` keeps its
+    /// own). A position the ring already holds, or the head has consumed, is not saved again; a
+    /// ring that is full refuses it ([`DeviceError::Invalid`](crate::DeviceError::Invalid)).
     SaveHiddenCatchup {
         /// The batch row of the last step.
         row: usize,
         /// The sequence position of that row.
         pos: usize,
     },
-    /// Make the secondary stream wait for the primary one.
+    /// The secondary (MTP) state catches up with the primary (main model's): for every live
+    /// sequence the MTP head runs over the positions of its catch-up ring whose next token the
+    /// router knows (all but the sequence's latest position), ordered after every step launched
+    /// before it, as a drafter's stream waits for the target's. Afterwards each ring holds at most
+    /// the latest position, which the next `Draft` consumes with the token after it. A router
+    /// without an MTP head has nothing to catch up.
     SyncSecondary,
     /// Stop the expert-parallel workers (part of teardown).
     EpShutdown,
@@ -150,6 +163,24 @@ pub enum Effect<'a, S, P> {
         /// The sequence whose latest reservation is undone.
         seq: &'a mut S,
     },
+    /// Speculative decoding: keeps the sequence's first `len` positions of its latest
+    /// reservation (a `Verify`'s accepted positions) and drops the rest: `computed_len` becomes
+    /// `len`, the K/V past it is forgotten (no prefix-cache insert ever covers it), the blocks the
+    /// reservation added that lie wholly past `len` return to the pool, a Marconi checkpoint past
+    /// `len` is discarded (the one it replaced is the sequence's again), the MTP catch-up ring
+    /// forgets positions past `len`, and the ledger entry closes. `len` must lie in
+    /// `reserved position..=computed_len` ([`DeviceError::Invalid`](crate::DeviceError::Invalid)
+    /// otherwise, nothing changed); `len == computed_len` only closes the entry.
+    ///
+    /// The SSM state is not touched: after dropping positions it is past `len` until an
+    /// [`Effect::SsmSnapshotRestore`] of the snapshot taken at `len`; in between the router
+    /// refuses to compute, spill or checkpoint the sequence.
+    TruncateKv {
+        /// The sequence to truncate.
+        seq: &'a mut S,
+        /// The positions it keeps.
+        len: usize,
+    },
 }
 
 impl<S, P> Effect<'_, S, P> {
@@ -171,6 +202,7 @@ impl<S, P> Effect<'_, S, P> {
             Effect::Quiesce { .. } => "Quiesce",
             Effect::ReserveKv { .. } => "ReserveKv",
             Effect::Rollback { .. } => "Rollback",
+            Effect::TruncateKv { .. } => "TruncateKv",
         }
     }
 }

@@ -23,6 +23,7 @@ impl<S, P> Label for Effect<'_, S, P> {
                 format!("SaveHiddenCatchup{{row={row}, pos={pos}}}")
             }
             Effect::Quiesce { stream } => format!("Quiesce{{stream={stream}}}"),
+            Effect::TruncateKv { len, .. } => format!("TruncateKv{{len={len}}}"),
             other => other.name().to_string(),
         }
     }
@@ -53,6 +54,20 @@ impl Label for StepPlan<'_> {
                     !masks.is_empty()
                 )
             }
+            StepPlan::Verify {
+                inputs,
+                snapshots,
+                readback,
+            } => {
+                let drafts: usize = inputs.iter().map(|i| i.len().saturating_sub(1)).sum();
+                format!(
+                    "Verify{{n={}, drafts={drafts}, snapshots={}, readback={}}}",
+                    inputs.len(),
+                    !snapshots.is_empty(),
+                    readback.name()
+                )
+            }
+            StepPlan::Draft { tokens, k } => format!("Draft{{n={}, k={k}}}", tokens.len()),
         }
     }
 }
@@ -185,6 +200,13 @@ mod tests {
         check(E::Quiesce { stream: 1 }, "Quiesce{stream=1}");
         check(E::ReserveKv { seq: &mut seq }, "ReserveKv");
         check(E::Rollback { seq: &mut seq }, "Rollback");
+        check(
+            E::TruncateKv {
+                seq: &mut seq,
+                len: 12,
+            },
+            "TruncateKv{len=12}",
+        );
     }
 
     #[test]
@@ -218,6 +240,23 @@ mod tests {
                 }
                 .label(),
                 "DecodeFed{n=3, fed=2, masked=false}",
+            ),
+            (
+                StepPlan::Verify {
+                    inputs: &[&[1, 2, 3], &[4]],
+                    snapshots: &[&[0, 1], &[]],
+                    readback: Readback::Argmax,
+                }
+                .label(),
+                "Verify{n=2, drafts=2, snapshots=true, readback=Argmax}",
+            ),
+            (
+                StepPlan::Draft {
+                    tokens: &[1, 2],
+                    k: 3,
+                }
+                .label(),
+                "Draft{n=2, k=3}",
             ),
             (
                 EffectOutcome::Reserved { blocks: 1 }.label(),

@@ -54,6 +54,24 @@
 //! to subscribers, for cluster routers that route requests to the replica holding their prefix:
 //! [`DeviceIo::subscribe_cache_events`] and the [`events`] module.
 //!
+//! # Speculative decoding
+//!
+//! One speculative step for a batch of decode rows, at depth 1 (a pipelined router drains first):
+//!
+//! 1. drafts: [`StepPlan::Draft`] runs the router's MTP head `k` times per row (or the core
+//!    proposes tokens from any other drafter);
+//! 2. [`StepPlan::Verify`] feeds each row's next token and its drafts, `k + 1` positions in one
+//!    launch, opening the row's ledger entry and writing its SSM state after each draft position
+//!    into the snapshot ring slots the core names;
+//! 3. the core accepts `a` drafts per row (the longest prefix equal to the target's argmax for a
+//!    greedy row; speculative rejection sampling for a sampled one), emits `a + 1` tokens (fewer
+//!    when a stop condition ends the request inside the run), and for a row that keeps fewer
+//!    positions than it fed applies [`Effect::TruncateKv`] and [`Effect::SsmSnapshotRestore`] of
+//!    the snapshot at the kept length, so nothing of a rejected draft stays (no K/V the prefix
+//!    cache could take, no checkpoint, no SSM state);
+//! 4. with the MTP drafter, [`Effect::SaveHiddenCatchup`] for every kept position and one
+//!    [`Effect::SyncSecondary`], so the MTP head's state follows the main model's.
+//!
 //! # LoRA and teardown
 //!
 //! [`DeviceIo::lora`] takes `&mut self`: the core calls it only at quiescence (no step in flight).
@@ -121,7 +139,7 @@ pub use error::{DeviceError, Phase, Result};
 pub use events::{BlockKey, CacheEvent, CacheEventBus, CacheEventSink};
 pub use facts::DeviceFacts;
 pub use label::{Label, LoraCommand};
-pub use plan::{Feed, PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket};
+pub use plan::{Feed, PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket, TokenRun};
 pub use sequence::{SeqSpec, Sequence};
 
 /// A router: owns device memory and executes the core's plans and effects.

@@ -94,6 +94,46 @@ pub enum StepPlan<'a> {
         /// Empty, or one mask per row restricting its argmax as in [`Readback::ArgmaxMasked`].
         masks: &'a [&'a [bool]],
     },
+    /// Speculative decoding, the target's half: row `i` feeds `inputs[i][0]` (its next token, as
+    /// a [`StepPlan::Decode`] row would) at its next position `c` and its `k_i` drafts
+    /// `inputs[i][1..]` at `c + 1..=c + k_i`, all in one launch; every position's logits are the
+    /// bits a decode step of that token would give. Each position's device argmax comes back in
+    /// [`StepResult::tokens`] (the row's [`RowOutput::run`]), and with
+    /// [`Readback::HostLogits`] every position's logits, the row's rows consecutive from
+    /// [`RowOutput::logits_row`]. [`Readback::ArgmaxMasked`] is
+    /// [`DeviceError::Unsupported`](crate::DeviceError::Unsupported) (a mask depends on the
+    /// tokens before it).
+    ///
+    /// Like `ReserveKv`, the step opens each row's reservation ledger entry at `c`, holding the
+    /// blocks it added; [`Effect::TruncateKv`](crate::Effect::TruncateKv) then keeps the accepted
+    /// positions and releases the rest through that entry. On a model with Mamba layers,
+    /// `snapshots[i][j]` (a snapshot ring slot) receives the row's SSM state as it is after input
+    /// `j` (`j < k_i`), the state to restore with
+    /// [`Effect::SsmSnapshotRestore`](crate::Effect::SsmSnapshotRestore) when exactly `j` drafts
+    /// are accepted; `snapshots` is empty or has one slice of `k_i` slots per row. The router
+    /// also keeps every position's hidden state for [`Effect::SaveHiddenCatchup`](crate::Effect::SaveHiddenCatchup).
+    Verify {
+        /// Per row: its next token, then its drafts (at least one token).
+        inputs: &'a [&'a [u32]],
+        /// Empty, or per row the snapshot ring slots of its rewind points.
+        snapshots: &'a [&'a [usize]],
+        /// How the positions' results come back.
+        readback: Readback<'a>,
+    },
+    /// Speculative decoding, the drafter's half (a router whose model has an MTP head; others
+    /// answer [`DeviceError::Unsupported`](crate::DeviceError::Unsupported)): each row first
+    /// catches its MTP head up with the main model over the positions whose hidden states its
+    /// catch-up ring holds (the last of them with `tokens[i]`, the row's next token, which no step
+    /// has computed yet), then drafts `k` tokens greedily, each from the one before (device
+    /// argmax); row `i`'s drafts are `StepResult::tokens[i * k..(i + 1) * k]`. The MTP head's K/V
+    /// at the draft positions is speculative and is overwritten by the next catch-up; the
+    /// sequence's `computed_len` does not change.
+    Draft {
+        /// Per row: its next token.
+        tokens: &'a [u32],
+        /// Drafts per row, at least 1.
+        k: usize,
+    },
 }
 
 /// Where a row of a [`StepPlan::DecodeFed`] takes its input token from.
@@ -113,6 +153,8 @@ impl StepPlan<'_> {
             StepPlan::Prefill { budgets, .. } => budgets.len(),
             StepPlan::Decode { tokens, .. } => tokens.len(),
             StepPlan::DecodeFed { sources, .. } => sources.len(),
+            StepPlan::Verify { inputs, .. } => inputs.len(),
+            StepPlan::Draft { tokens, .. } => tokens.len(),
         }
     }
 }
@@ -138,6 +180,18 @@ pub struct RowOutput {
     pub logits_row: Option<usize>,
     /// For prefill rows, how the prompt advanced.
     pub prefill: Option<PrefillReport>,
+    /// For `Verify` and `Draft` rows, where the row's tokens are in [`StepResult::tokens`] (and,
+    /// for a `Verify` with host logits, how many consecutive logits rows it has).
+    pub run: Option<TokenRun>,
+}
+
+/// A row's span of [`StepResult::tokens`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TokenRun {
+    /// Index of the row's first token.
+    pub start: usize,
+    /// Its tokens.
+    pub len: usize,
 }
 
 /// A settled step.
@@ -152,4 +206,7 @@ pub struct StepResult<P> {
     /// [`Effect::ReadLogits`](crate::Effect::ReadLogits) until `max_depth()` newer steps have
     /// been launched, so at depth 2 the host can copy step t's logits while step t+1 computes.
     pub logits: Option<P>,
+    /// `Verify`: the device argmax of every position, row after row; `Draft`: the drafts, row
+    /// after row; empty for other plans.
+    pub tokens: Vec<u32>,
 }

@@ -432,6 +432,8 @@ impl ScriptedRouter {
             Ok(())
         };
         match plan {
+            StepPlan::Verify { .. } => Err(DeviceError::Unsupported { what: "Verify" }),
+            StepPlan::Draft { .. } => Err(DeviceError::Unsupported { what: "Draft" }),
             StepPlan::Prefill { readback, budgets } => {
                 if let Readback::ArgmaxMasked { masks } = readback {
                     self.check_masks(masks, rows.len(), "Prefill")?;
@@ -572,6 +574,13 @@ impl DeviceIo for ScriptedRouter {
                 return Err(DeviceError::Unsupported { what: "DecodeFed" });
             }
         }
+        // Speculative decoding is the host router's (the oracle's) to model: a script has no
+        // target distribution to verify drafts against.
+        match plan {
+            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
+            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
+            _ => {}
+        }
         if state.unsettled.len() >= self.config.max_depth.max(1) {
             let detail = format!(
                 "{} steps are unsettled and max_depth is {}",
@@ -610,6 +619,8 @@ impl DeviceIo for ScriptedRouter {
                 .map(|(seq, budget)| (seq.prompt_len - seq.computed).min(*budget))
                 .collect(),
             StepPlan::Decode { .. } | StepPlan::DecodeFed { .. } => vec![1; rows.len()],
+            // Refused by `inputs_of` above.
+            StepPlan::Verify { .. } | StepPlan::Draft { .. } => vec![0; rows.len()],
         };
         let needed: usize = rows
             .iter()
@@ -669,6 +680,7 @@ impl DeviceIo for ScriptedRouter {
                 token,
                 logits_row: None,
                 prefill,
+                run: None,
             });
             last_rows.push((seq.id, token));
         }
@@ -707,6 +719,7 @@ impl DeviceIo for ScriptedRouter {
                     ticket,
                     rows: outputs,
                     logits: Some(ticket.0),
+                    tokens: Vec::new(),
                 },
                 ready_at,
                 fed_from,
@@ -913,6 +926,7 @@ impl DeviceIo for ScriptedRouter {
                 };
                 Ok(EffectOutcome::Unit)
             }
+            Effect::TruncateKv { .. } => Err(DeviceError::Unsupported { what: "TruncateKv" }),
             Effect::MarconiCheckpoint { seq } if seq.state_ahead => {
                 let detail = format!("sequence {} was rolled back; release it", seq.id);
                 Err(invalid("MarconiCheckpoint", detail))

@@ -151,6 +151,7 @@ impl DeviceIo for NullRouter {
                 token,
                 logits_row: None,
                 prefill,
+                run: None,
             });
         }
         let ticket = Ticket(state.next_ticket);
@@ -159,6 +160,7 @@ impl DeviceIo for NullRouter {
             ticket,
             rows: outputs,
             logits: None,
+            tokens: Vec::new(),
         });
         Ok(ticket)
     }
