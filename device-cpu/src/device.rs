@@ -26,10 +26,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::{DeviceError, PrefillReport, Result, RowOutput, StepResult, Ticket};
-use model::{DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
+use device_io::{DeviceError, PrefillReport, Result, RowOutput, StepResult, Ticket, TokenRun};
+use model::{DecodeRow, KvPool, MambaStates, Model, PrefillRow, RunOutputs, RunRow, Scratch};
 
-use crate::LogitsHandle;
+use crate::{LogitsHandle, StepHidden};
 
 /// The memory a step computes on.
 pub(crate) struct Device {
@@ -90,6 +90,12 @@ pub(crate) enum Op {
     ZeroSlot(usize),
     /// Copy state row `from` to state row `to`.
     CopySlot { from: usize, to: usize },
+    /// Copy the Mamba layers `layers` of state row `from` to state row `to`.
+    CopyLayers {
+        from: usize,
+        to: usize,
+        layers: Range<usize>,
+    },
     /// Compute a prompt chunk of one row; `emit` appends its last position's logits to the
     /// step's logits.
     Prefill {
@@ -98,7 +104,57 @@ pub(crate) enum Op {
         blocks: Range<usize>,
         slot: usize,
         emit: bool,
+        /// On a model with an MTP head: the head's part of the chunk.
+        mtp: Option<MtpChunk>,
     },
+}
+
+/// The MTP head over a prefill chunk: it consumes the chunk's first `next.len()` positions, whose
+/// next tokens are `tokens[next]`; `keep` (the row's tenure) keeps the chunk's last position's
+/// hidden state in the row's catch-up ring (the prompt's last position, whose next token is not
+/// known yet).
+#[derive(Debug, Clone)]
+pub(crate) struct MtpChunk {
+    pub next: Range<usize>,
+    pub keep: Option<u64>,
+}
+
+/// One row of a verification: `tokens` at `start..`, with a snapshot state row per token.
+#[derive(Debug, Clone)]
+pub(crate) struct RunJobRow {
+    pub tokens: Range<usize>,
+    pub start: usize,
+    pub blocks: Range<usize>,
+    pub slot: usize,
+    pub snapshots: Vec<usize>,
+}
+
+/// One row of a draft: the catch-up over the ring (none: the row drafts nothing), then the
+/// drafts from position `next_pos` (the row's next token's) on state row `scratch`.
+#[derive(Debug, Clone)]
+pub(crate) struct DraftJobRow {
+    pub catchup: Option<Catchup>,
+    pub next_pos: usize,
+    pub blocks: Range<usize>,
+    pub slot: usize,
+    pub scratch: usize,
+}
+
+/// The head's catch-up: positions `start..start + next.len()` with next tokens `tokens[next]`
+/// and hidden inputs `hidden[rows]` (floats) of the draft job.
+#[derive(Debug, Clone)]
+pub(crate) struct Catchup {
+    pub start: usize,
+    pub next: Range<usize>,
+    pub rows: Range<usize>,
+}
+
+/// A draft step: `k` drafts per row.
+#[derive(Debug, Default)]
+pub(crate) struct DraftJob {
+    pub k: usize,
+    pub rows: Vec<DraftJobRow>,
+    pub hidden: Vec<f32>,
 }
 
 /// Where a decode row's input token comes from.
@@ -140,6 +196,13 @@ pub(crate) struct StepJob {
     /// The rows' tenures, in row order.
     pub tenures: Vec<u64>,
     pub vocab: usize,
+    /// A verification's rows (then `decode` and `ops` are empty).
+    pub runs: Vec<RunJobRow>,
+    /// A draft (then everything else is empty).
+    pub draft: Option<DraftJob>,
+    /// Keep the hidden states of the decode or verification rows (a model with an MTP head).
+    pub keep_hidden: bool,
+    pub hidden_size: usize,
 }
 
 /// A computed (or failed) step.
@@ -152,6 +215,10 @@ pub(crate) struct Completed {
     pub tenures: Vec<u64>,
     /// The filled host-logits buffer, when asked for.
     pub host_logits: Option<Vec<f32>>,
+    /// Prefill: the hidden states kept in a ring (tenure, position, row).
+    pub kept: Vec<(u64, usize, Vec<f32>)>,
+    /// Decode or verification rows' hidden states, when kept.
+    pub hidden: Option<StepHidden>,
 }
 
 /// An item of device work.
@@ -195,6 +262,11 @@ fn run_copies(device: &mut Device, ops: &[Op]) -> std::result::Result<(), String
         let done = match *op {
             Op::ZeroSlot(slot) => device.states.zero_slot(slot),
             Op::CopySlot { from, to } => device.states.copy_slot(from, to),
+            Op::CopyLayers {
+                from,
+                to,
+                ref layers,
+            } => device.states.copy_layers(from, to, layers.clone()),
             Op::Prefill { .. } => Ok(()),
         };
         if let Err(err) = done {
@@ -216,6 +288,8 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         argmax: vec![None; rows],
         tenures: std::mem::take(&mut job.tenures),
         host_logits: None,
+        kept: Vec::new(),
+        hidden: None,
     };
     let fail = |device: &mut Device, completed: &mut Completed, err: DeviceError| {
         device.failed.extend(completed.tenures.iter().copied());
@@ -253,7 +327,8 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
     let mut logits = std::mem::take(&mut device.logits[index].data);
     device.logits[index].step = None;
     logits.clear();
-    match compute(model, device, &job, &mut logits) {
+    let mut extra = Extra::default();
+    match compute(model, device, &job, &mut logits, &mut extra) {
         Ok(()) => {}
         Err(err) => {
             device.logits[index].data = logits;
@@ -265,8 +340,74 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
     let logits_rows = logits.len() / vocab;
     let host = job.host_logits.is_some();
     let mut outputs = Vec::with_capacity(rows);
-    device.feed.clear();
-    for (i, &token_row) in job.token_rows.iter().enumerate() {
+    completed.kept = std::mem::take(&mut extra.kept);
+    if job.keep_hidden {
+        let mut table = Vec::with_capacity(rows);
+        let mut offset = 0;
+        for (i, &tenure) in completed.tenures.iter().enumerate() {
+            let (start, len) = match job.runs.get(i) {
+                Some(run) => (run.start, run.tokens.len()),
+                None => (job.decode[i].pos, 1),
+            };
+            table.push((tenure, start, len, offset));
+            offset += len;
+        }
+        completed.hidden = Some(StepHidden {
+            ticket: job.ticket,
+            rows: table,
+            width: job.hidden_size,
+            data: std::mem::take(&mut extra.hidden),
+        });
+    }
+    let mut tokens = Vec::new();
+    if let Some(draft) = &job.draft {
+        // Drafts: no logits, no feed cells.
+        device.feed_step = None;
+        device.logits[index].data = logits;
+        let mut start = 0;
+        for row in &draft.rows {
+            let len = if row.catchup.is_some() { draft.k } else { 0 };
+            outputs.push(RowOutput {
+                run: Some(TokenRun { start, len }),
+                ..RowOutput::default()
+            });
+            start += len;
+        }
+        completed.result = Ok(StepResult {
+            ticket: Ticket(job.ticket),
+            rows: outputs,
+            logits: None,
+            tokens: extra.tokens,
+        });
+        return completed;
+    }
+    if !job.runs.is_empty() {
+        // A verification: every position's argmax; no feed cells (the core truncates).
+        device.feed.clear();
+        device.feed_step = None;
+        let mut start = 0;
+        for run in &job.runs {
+            let len = run.tokens.len();
+            for row in start..start + len {
+                tokens.push(argmax(&logits[row * vocab..(row + 1) * vocab], None));
+            }
+            outputs.push(RowOutput {
+                logits_row: host.then_some(start),
+                run: Some(TokenRun { start, len }),
+                ..RowOutput::default()
+            });
+            start += len;
+        }
+    }
+    if job.runs.is_empty() {
+        device.feed.clear();
+    }
+    let token_rows: &[Option<usize>] = if job.runs.is_empty() {
+        &job.token_rows
+    } else {
+        &[]
+    };
+    for (i, &token_row) in token_rows.iter().enumerate() {
         let mut out = RowOutput {
             prefill: job.reports.as_ref().map(|reports| reports[i]),
             ..RowOutput::default()
@@ -286,7 +427,9 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         device.feed.push(cell);
         outputs.push(out);
     }
-    device.feed_step = Some(job.ticket);
+    if job.runs.is_empty() {
+        device.feed_step = Some(job.ticket);
+    }
     if let Some(mut into) = job.host_logits.take() {
         into.clear();
         into.extend_from_slice(&logits);
@@ -300,9 +443,20 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         ticket: Ticket(job.ticket),
         rows: outputs,
         logits: (logits_rows > 0).then_some(LogitsHandle { step: job.ticket }),
-        tokens: Vec::new(),
+        tokens,
     });
     completed
+}
+
+/// What a step computes besides its logits.
+#[derive(Default)]
+struct Extra {
+    /// Prefill: hidden rows kept in rings.
+    kept: Vec<(u64, usize, Vec<f32>)>,
+    /// Decode / verification rows' hidden states, when kept.
+    hidden: Vec<f32>,
+    /// A draft's tokens.
+    tokens: Vec<u32>,
 }
 
 fn compute(
@@ -310,7 +464,11 @@ fn compute(
     device: &mut Device,
     job: &StepJob,
     logits: &mut Vec<f32>,
+    extra: &mut Extra,
 ) -> std::result::Result<(), model::ModelError> {
+    if let Some(draft) = &job.draft {
+        return compute_draft(model, device, job, draft, extra);
+    }
     let Device {
         kv,
         states,
@@ -323,12 +481,16 @@ fn compute(
         match op {
             Op::ZeroSlot(slot) => states.zero_slot(*slot)?,
             Op::CopySlot { from, to } => states.copy_slot(*from, *to)?,
+            Op::CopyLayers { from, to, layers } => {
+                states.copy_layers(*from, *to, layers.clone())?
+            }
             Op::Prefill {
                 tokens,
                 start_pos,
                 blocks,
                 slot,
                 emit,
+                mtp: None,
             } => {
                 let row = PrefillRow {
                     tokens: &job.tokens[tokens.clone()],
@@ -341,7 +503,115 @@ fn compute(
                     logits.extend_from_slice(row_logits);
                 }
             }
+            Op::Prefill {
+                tokens,
+                start_pos,
+                blocks,
+                slot,
+                emit,
+                mtp: Some(chunk),
+            } => {
+                // The main stack with every position's hidden state, then the MTP head over the
+                // positions whose next token is known.
+                let blocks = &job.blocks[blocks.clone()];
+                let run = RunRow {
+                    tokens: &job.tokens[tokens.clone()],
+                    start_pos: *start_pos,
+                    blocks,
+                    slot: *slot,
+                    snapshots: &[],
+                };
+                let mut hidden = Vec::new();
+                model.forward_runs(
+                    scratch,
+                    kv,
+                    states,
+                    &[run],
+                    RunOutputs::All,
+                    row_logits,
+                    Some(&mut hidden),
+                )?;
+                let n = tokens.len();
+                let (vocab, d) = (job.vocab, job.hidden_size);
+                if *emit {
+                    logits.extend_from_slice(&row_logits[(n - 1) * vocab..n * vocab]);
+                }
+                let consumed = chunk.next.len();
+                if consumed > 0 {
+                    let head = RunRow {
+                        tokens: &job.tokens[chunk.next.clone()],
+                        start_pos: *start_pos,
+                        blocks,
+                        slot: *slot,
+                        snapshots: &[],
+                    };
+                    let (mut head_logits, mut head_out) = (Vec::new(), Vec::new());
+                    model.mtp(
+                        scratch,
+                        kv,
+                        states,
+                        &[head],
+                        &hidden[..consumed * d],
+                        RunOutputs::Last,
+                        &mut head_logits,
+                        &mut head_out,
+                    )?;
+                }
+                if let Some(tenure) = chunk.keep {
+                    let last = hidden[(n - 1) * d..n * d].to_vec();
+                    extra.kept.push((tenure, *start_pos + n - 1, last));
+                }
+            }
         }
+    }
+    if !job.runs.is_empty() {
+        let runs: Vec<RunRow<'_>> = job
+            .runs
+            .iter()
+            .map(|run| RunRow {
+                tokens: &job.tokens[run.tokens.clone()],
+                start_pos: run.start,
+                blocks: &job.blocks[run.blocks.clone()],
+                slot: run.slot,
+                snapshots: &run.snapshots,
+            })
+            .collect();
+        let hidden = job.keep_hidden.then_some(&mut extra.hidden);
+        model.forward_runs(scratch, kv, states, &runs, RunOutputs::All, logits, hidden)?;
+        return Ok(());
+    }
+    if !job.decode.is_empty() && job.keep_hidden {
+        // The same bits as `Model::decode`, with the hidden states the MTP head needs.
+        let inputs: Vec<u32> = job
+            .decode
+            .iter()
+            .map(|row| match row.input {
+                Input::Token(token) => token,
+                Input::Feed(source) => feed.get(source).copied().unwrap_or(u32::MAX),
+            })
+            .collect();
+        let runs: Vec<RunRow<'_>> = job
+            .decode
+            .iter()
+            .zip(&inputs)
+            .map(|(row, token)| RunRow {
+                tokens: std::slice::from_ref(token),
+                start_pos: row.pos,
+                blocks: &job.blocks[row.blocks.clone()],
+                slot: row.slot,
+                snapshots: &[],
+            })
+            .collect();
+        model.forward_runs(
+            scratch,
+            kv,
+            states,
+            &runs,
+            RunOutputs::All,
+            logits,
+            Some(&mut extra.hidden),
+        )?;
+        return Ok(());
     }
     if !job.decode.is_empty() {
         let batch: Vec<DecodeRow<'_>> = job
@@ -359,6 +629,109 @@ fn compute(
             .collect();
         model.decode(scratch, kv, states, &batch, logits)?;
     }
+    Ok(())
+}
+
+/// A draft step: the catch-up of every drafting row in one batch of the MTP head, then `k - 1`
+/// batches of one position per row on the rows' scratch state rows.
+fn compute_draft(
+    model: &Model,
+    device: &mut Device,
+    job: &StepJob,
+    draft: &DraftJob,
+    extra: &mut Extra,
+) -> std::result::Result<(), model::ModelError> {
+    let Device {
+        kv,
+        states,
+        scratch,
+        ..
+    } = device;
+    let drafting: Vec<(&DraftJobRow, &Catchup)> = draft
+        .rows
+        .iter()
+        .filter_map(|row| row.catchup.as_ref().map(|c| (row, c)))
+        .collect();
+    if drafting.is_empty() {
+        return Ok(());
+    }
+    let (vocab, k) = (job.vocab, draft.k);
+    let runs: Vec<RunRow<'_>> = drafting
+        .iter()
+        .map(|(row, catchup)| RunRow {
+            tokens: &job.tokens[catchup.next.clone()],
+            start_pos: catchup.start,
+            blocks: &job.blocks[row.blocks.clone()],
+            slot: row.slot,
+            snapshots: &[],
+        })
+        .collect();
+    let mut hidden_in = Vec::new();
+    for (_, catchup) in &drafting {
+        hidden_in.extend_from_slice(&draft.hidden[catchup.rows.clone()]);
+    }
+    let (mut logits, mut out) = (Vec::new(), Vec::new());
+    model.mtp(
+        scratch,
+        kv,
+        states,
+        &runs,
+        &hidden_in,
+        RunOutputs::Last,
+        &mut logits,
+        &mut out,
+    )?;
+    let n = drafting.len();
+    let mut drafts = vec![0u32; n * k];
+    let mut current: Vec<u32> = (0..n)
+        .map(|i| argmax(&logits[i * vocab..(i + 1) * vocab], None))
+        .collect();
+    for (i, &token) in current.iter().enumerate() {
+        drafts[i * k] = token;
+    }
+    if k > 1 {
+        // The drafts change the head's state: they run on a copy.
+        for (row, _) in &drafting {
+            if row.scratch != row.slot {
+                states.copy_slot(row.slot, row.scratch)?;
+            }
+        }
+        let mut g = out;
+        for depth in 1..k {
+            let runs: Vec<RunRow<'_>> = drafting
+                .iter()
+                .zip(&current)
+                .map(|((row, _), token)| RunRow {
+                    tokens: std::slice::from_ref(token),
+                    start_pos: row.next_pos + depth - 1,
+                    blocks: &job.blocks[row.blocks.clone()],
+                    slot: row.scratch,
+                    snapshots: &[],
+                })
+                .collect();
+            let mut next_out = Vec::new();
+            model.mtp(
+                scratch,
+                kv,
+                states,
+                &runs,
+                &g,
+                RunOutputs::Last,
+                &mut logits,
+                &mut next_out,
+            )?;
+            let next: Vec<u32> = (0..n)
+                .map(|i| argmax(&logits[i * vocab..(i + 1) * vocab], None))
+                .collect();
+            drop(runs);
+            current = next;
+            for (i, &token) in current.iter().enumerate() {
+                drafts[i * k + depth] = token;
+            }
+            g = next_out;
+        }
+    }
+    extra.tokens = drafts;
     Ok(())
 }
 

@@ -8,10 +8,16 @@
 //! the position reserved, the block added, and the output checkpoint a `MarconiCheckpoint` taken
 //! past that position replaced, so a rollback restores exactly what the sequence had before.
 //!
-//! `SaveHiddenCatchup`, `SyncSecondary`, `EpShutdown` and `Quiesce` are deliberate no-ops here:
-//! this router keeps no MTP catch-up ring (the MTP issue adds one), runs on one host "stream" that
-//! is always drained when `launch` returns, and has no expert-parallel workers. They answer `Unit`
-//! and change no state (tested).
+//! `TruncateKv` closes a `Verify`'s ledger entry keeping its accepted positions: the blocks it
+//! added wholly past them return to the pool (once), a checkpoint past them is dropped, the MTP
+//! catch-up ring forgets them; the sequence is then `state_ahead` (refused by every plan and by
+//! spilling and checkpointing) until `SsmSnapshotRestore` of the snapshot at its length.
+//!
+//! `SaveHiddenCatchup` keeps a hidden state of the latest settled step in the sequence's MTP
+//! catch-up ring (on a model with an MTP head; a no-op otherwise). `SyncSecondary` answers `Unit`:
+//! the host runs the catch-up inside the next `Draft`, which is ordered after every step before
+//! it, so the head's state is the same as if it had run at the effect. `EpShutdown` and `Quiesce`
+//! are no-ops: one host "stream", always drained, and no expert-parallel workers.
 
 use std::io::Read;
 
@@ -68,7 +74,10 @@ pub(crate) fn apply(
             marconi_checkpoint(shape, inner, &dev, seq)
         }
         Effect::SsmSnapshotSave { seq, slot } => snapshot_save(shape, inner, &dev, seq, slot),
-        Effect::SsmSnapshotRestore { seq, slot } => snapshot_restore(shape, inner, &dev, seq, slot),
+        Effect::SsmSnapshotRestore { seq, slot } => {
+            inner.sync(seq);
+            snapshot_restore(shape, inner, &dev, seq, slot)
+        }
         Effect::ReserveKv { seq } => {
             inner.sync(seq);
             reserve_kv(shape, inner, seq)
@@ -77,13 +86,16 @@ pub(crate) fn apply(
             inner.sync(seq);
             rollback(shape, inner, seq)
         }
-        // Speculative decoding is not implemented on this router yet (see the crate docs).
-        Effect::TruncateKv { .. } => Err(DeviceError::Unsupported { what: "TruncateKv" }),
-        // No MTP ring, one stream, no expert workers: see the module docs.
-        Effect::SaveHiddenCatchup { .. }
-        | Effect::SyncSecondary
-        | Effect::EpShutdown
-        | Effect::Quiesce { .. } => Ok(EffectOutcome::Unit),
+        Effect::TruncateKv { seq, len } => {
+            inner.sync(seq);
+            truncate_kv(shape, inner, seq, len)
+        }
+        Effect::SaveHiddenCatchup { row, pos } => save_hidden(shape, inner, row, pos),
+        // The catch-up runs inside the next `Draft` (see the module docs); one stream, no
+        // expert workers.
+        Effect::SyncSecondary | Effect::EpShutdown | Effect::Quiesce { .. } => {
+            Ok(EffectOutcome::Unit)
+        }
     }
 }
 
@@ -570,24 +582,48 @@ fn snapshot_save(
     inner.ring[slot] = Some(RingEntry {
         tenure: seq.tenure.expect("owned_slot checked it"),
         pos: seq.computed_len,
+        main_only: false,
     });
     Ok(EffectOutcome::Unit)
 }
 
 /// Restores the SSM state only: positions and KV are the caller's (the speculative path truncates
 /// them); the ring slot must hold a snapshot of this very sequence.
+///
+/// A snapshot a `Verify` wrote holds the main model's Mamba layers only (the MTP head's state is
+/// not part of a verification), so only those are copied. Restoring the snapshot taken at exactly
+/// the sequence's length after a truncation puts its state back in step.
 fn snapshot_restore(
     shape: &Shape,
     inner: &mut Inner,
     dev: &Dev<'_>,
-    seq: &CpuSeq,
+    seq: &mut CpuSeq,
     slot: usize,
 ) -> Result<EffectOutcome> {
     ring_slot(shape, slot, "SsmSnapshotRestore")?;
     let live = owned_slot(inner, seq, "SsmSnapshotRestore")?;
     match inner.ring[slot] {
         Some(entry) if Some(entry.tenure) == seq.tenure => {
-            dev.copy(inner, shape.ring_row(slot), live)?;
+            let from = shape.ring_row(slot);
+            let op = if entry.main_only {
+                Op::CopyLayers {
+                    from,
+                    to: live,
+                    layers: 0..shape.main_mamba_layers,
+                }
+            } else {
+                Op::CopySlot { from, to: live }
+            };
+            inner.copies(dev.model, dev.device, vec![op])?;
+            if seq.state_ahead && entry.pos == seq.computed_len {
+                seq.state_ahead = false;
+                seq.checkpoint_due = inner.cache.wants_end_checkpoints()
+                    && seq.computed_len % shape.block_size == 0
+                    && seq
+                        .reservation
+                        .as_ref()
+                        .is_none_or(|r| r.at < seq.computed_len);
+            }
             Ok(EffectOutcome::Unit)
         }
         Some(_) => Err(invalid(
@@ -630,7 +666,7 @@ fn reserve_kv(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<Effe
     seq.blocks.extend(block);
     seq.reservation = Some(Reservation {
         at: seq.computed_len,
-        block,
+        blocks: block.into_iter().collect(),
         superseded: None,
     });
     Ok(EffectOutcome::Reserved {
@@ -644,7 +680,7 @@ fn rollback(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<Effect
         return Err(DeviceError::Unsupported { what: "Rollback" });
     }
     check_tenure(inner, seq, "Rollback")?;
-    let (Some(tenure), Some(reservation)) = (seq.tenure, seq.reservation) else {
+    let (Some(tenure), Some(reservation)) = (seq.tenure, seq.reservation.clone()) else {
         return Err(invalid(
             "Rollback",
             format!("sequence {} has no reservation to undo", seq.id),
@@ -672,11 +708,145 @@ fn rollback(shape: &Shape, inner: &mut Inner, seq: &mut CpuSeq) -> Result<Effect
     } else if let Some((_, slot)) = reservation.superseded {
         inner.cache.free_checkpoint_slot(slot);
     }
-    if let Some(block) = reservation.block {
+    for &block in reservation.blocks.iter().rev() {
         if let Some(index) = seq.blocks.iter().rposition(|&b| b == block) {
             seq.blocks.remove(index);
             inner.cache.release(block);
         }
     }
+    if let Some(track) = inner.mtp.get_mut(&tenure) {
+        track.forget_from(at);
+    }
+    Ok(EffectOutcome::Unit)
+}
+
+/// Keeps the first `len` positions of the sequence's latest reservation (a `Verify`'s accepted
+/// positions) and releases the rest through the ledger (see `Effect::TruncateKv`).
+fn truncate_kv(
+    shape: &Shape,
+    inner: &mut Inner,
+    seq: &mut CpuSeq,
+    len: usize,
+) -> Result<EffectOutcome> {
+    check_tenure(inner, seq, "TruncateKv")?;
+    let (Some(tenure), Some(reservation)) = (seq.tenure, seq.reservation.as_ref()) else {
+        return Err(invalid(
+            "TruncateKv",
+            format!("sequence {} has no reservation to truncate", seq.id),
+        ));
+    };
+    let at = reservation.at;
+    if len < at || len > seq.computed_len {
+        return Err(invalid(
+            "TruncateKv",
+            format!(
+                "sequence {} keeps {len} positions; its reservation covers {at}..={}",
+                seq.id, seq.computed_len
+            ),
+        ));
+    }
+    let reservation = seq.reservation.take().expect("checked above");
+    if len < seq.computed_len {
+        seq.computed_len = len;
+        seq.tokens.truncate(len.max(seq.prompt_len));
+        if let Some(pending) = inner.pending.get_mut(&tenure) {
+            pending.retain(|p| p.pos < len);
+        }
+        if let Some(resolved) = inner.resolved.get_mut(&tenure) {
+            resolved.retain(|&(pos, _)| pos < len);
+        }
+        // Mamba state moved past `len`; an `SsmSnapshotRestore` at `len` puts it back in step.
+        seq.state_ahead = shape.hybrid;
+        seq.checkpoint_due = false;
+    }
+    // A Marconi checkpoint past `len` is a rejected draft's: the one it replaced comes back.
+    if seq.output_checkpoint.is_some_and(|(pos, _)| pos > len) {
+        if let Some((_, slot)) = seq.output_checkpoint.take() {
+            inner.cache.free_checkpoint_slot(slot);
+        }
+        seq.output_checkpoint = reservation.superseded;
+    } else if let Some((_, slot)) = reservation.superseded {
+        inner.cache.free_checkpoint_slot(slot);
+    }
+    // The blocks the reservation added that lie wholly past `len` go back to the pool, once.
+    let keep = len.div_ceil(shape.block_size);
+    for &block in reservation.blocks.iter().rev() {
+        match seq.blocks.iter().rposition(|&b| b == block) {
+            Some(index) if index >= keep => {
+                seq.blocks.remove(index);
+                inner.cache.release(block);
+            }
+            _ => {}
+        }
+    }
+    if let Some(track) = inner.mtp.get_mut(&tenure) {
+        track.forget_from(len);
+    }
+    if !seq.state_ahead {
+        seq.checkpoint_due =
+            inner.cache.wants_end_checkpoints() && len > at && len % shape.block_size == 0;
+    }
+    Ok(EffectOutcome::Unit)
+}
+
+/// Keeps the hidden state of row `row` of the latest settled step at position `pos` in that
+/// row's sequence's catch-up ring (a no-op on a model without an MTP head).
+fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Result<EffectOutcome> {
+    if !shape.mtp {
+        return Ok(EffectOutcome::Unit);
+    }
+    let Some(ticket) = inner.settled else {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            "no step has settled yet".to_string(),
+        ));
+    };
+    let Some(step) = inner.step_hidden.iter().find(|h| h.ticket == ticket) else {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            format!("step {ticket} kept no hidden states (a prefill keeps its own)"),
+        ));
+    };
+    let Some(&(tenure, start, len, offset)) = step.rows.get(row) else {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            format!(
+                "row {row} is outside step {ticket}'s {} rows",
+                step.rows.len()
+            ),
+        ));
+    };
+    if pos < start || pos >= start + len {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            format!(
+                "row {row} of step {ticket} computed positions {start}..{}, not {pos}",
+                start + len
+            ),
+        ));
+    }
+    let d = step.width;
+    let at = (offset + pos - start) * d;
+    let data = step.data[at..at + d].to_vec();
+    if !inner.tenures.contains_key(&tenure) {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            format!("row {row}'s sequence was released"),
+        ));
+    }
+    let track = inner.mtp.entry(tenure).or_default();
+    if pos < track.consumed || track.ring.contains_key(&pos) {
+        return Ok(EffectOutcome::Unit);
+    }
+    if track.ring.len() >= crate::CATCHUP_RING {
+        return Err(invalid(
+            "SaveHiddenCatchup",
+            format!(
+                "the catch-up ring of row {row}'s sequence is full ({} positions)",
+                crate::CATCHUP_RING
+            ),
+        ));
+    }
+    track.ring.insert(pos, data);
     Ok(EffectOutcome::Unit)
 }

@@ -16,12 +16,16 @@
 //! - **Effects.** Every effect of the contract does what it says (see [`CpuRouter`]'s `apply`):
 //!   release (caching first), compaction, detaching, spill images ([`image`] documents the format),
 //!   logits readback, Marconi checkpoints, the snapshot ring, KV reservation and rollback (the
-//!   reservation ledger; `Rollback` answers `Unsupported` at depth 1). The MTP / stream / expert
-//!   effects are no-ops because this router has no catch-up ring, one stream and no expert
-//!   workers.
-//! - **Speculative decoding** (`Verify`, `Draft`, `TruncateKv`) answers `Unsupported` for now:
-//!   the model has the entry points (`Model::forward_runs` with per-token snapshots,
-//!   `Model::mtp`), this router does not drive them yet.
+//!   reservation ledger; `Rollback` answers `Unsupported` at depth 1), `TruncateKv`, and the MTP
+//!   catch-up ring (`SaveHiddenCatchup`). The stream / expert effects are no-ops because this
+//!   router has one stream and no expert workers.
+//! - **Speculative decoding** (see the `spec` module): `Verify` computes each row's next token and
+//!   drafts as one run of `Model::forward_runs`, writing the per-position Mamba snapshots into the
+//!   ring slots the core names (main layers only) and opening the row's ledger entry for
+//!   `TruncateKv`; `Draft` runs the MTP head (`Model::mtp`): the catch-up over the ring of hidden
+//!   states `SaveHiddenCatchup` kept, then `k` greedy drafts on a scratch copy of the state. On a
+//!   model with an MTP head every prefill chunk also runs the head over its positions whose next
+//!   token is known, and decode steps keep their hidden states.
 //!
 //! # Depth
 //!
@@ -115,6 +119,7 @@ mod events;
 pub mod image;
 mod plans;
 mod seq;
+mod spec;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -192,6 +197,39 @@ pub(crate) struct Tenure {
 pub(crate) struct RingEntry {
     pub tenure: u64,
     pub pos: usize,
+    /// Written by a `Verify`: the main model's Mamba layers only.
+    pub main_only: bool,
+}
+
+/// Positions an MTP catch-up ring holds at most (a `Verify` of 4 drafts keeps 5).
+pub(crate) const CATCHUP_RING: usize = 16;
+
+/// A sequence's MTP head: the positions it has consumed and the main model's hidden states it
+/// has not consumed yet (the catch-up ring), by position.
+#[derive(Debug, Default)]
+pub(crate) struct MtpTrack {
+    /// The head's K/V and state cover positions `..consumed`.
+    pub consumed: usize,
+    pub ring: BTreeMap<usize, Vec<f32>>,
+}
+
+impl MtpTrack {
+    /// Forgets the ring's positions at and past `len` (dropped by a truncation or rollback).
+    pub fn forget_from(&mut self, len: usize) {
+        self.ring.retain(|&pos, _| pos < len);
+        self.consumed = self.consumed.min(len);
+    }
+}
+
+/// The hidden states a step kept (decode and verify rows on a model with an MTP head), for
+/// `SaveHiddenCatchup`.
+#[derive(Debug)]
+pub(crate) struct StepHidden {
+    pub ticket: u64,
+    /// Per row: tenure, first position, positions, first hidden row.
+    pub rows: Vec<(u64, usize, usize, usize)>,
+    pub width: usize,
+    pub data: Vec<f32>,
 }
 
 /// A fed position whose token the host has not resolved yet: the token is the argmax of `row`
@@ -238,6 +276,12 @@ pub(crate) struct Inner {
     /// The argmax of each row of the latest step the device finished (for a fed step launched
     /// after its source finished).
     pub last_argmax: Option<(u64, Vec<Option<u32>>)>,
+    /// The MTP head of each tenure that has one running.
+    pub mtp: BTreeMap<u64, MtpTrack>,
+    /// The hidden states of the latest steps that kept them (at most three).
+    pub step_hidden: VecDeque<StepHidden>,
+    /// The latest ticket `await_result` handed over.
+    pub settled: Option<u64>,
 }
 
 impl Inner {
@@ -246,6 +290,21 @@ impl Inner {
     fn take_in(&mut self, mut done: device::Completed) {
         if let Some(buffer) = done.host_logits.take() {
             self.host_logits = Some((done.ticket, buffer));
+        }
+        // A prefill keeps its last prompt position's hidden state in the sequence's ring.
+        for (tenure, pos, row) in done.kept.drain(..) {
+            if self.tenures.contains_key(&tenure) {
+                let track = self.mtp.entry(tenure).or_default();
+                if pos >= track.consumed {
+                    track.ring.insert(pos, row);
+                }
+            }
+        }
+        if let Some(hidden) = done.hidden.take() {
+            if self.step_hidden.len() >= 3 {
+                self.step_hidden.pop_front();
+            }
+            self.step_hidden.push_back(hidden);
         }
         match &done.result {
             Ok(_) => {
@@ -327,6 +386,7 @@ impl Inner {
 
     /// Forgets everything kept about a tenure that ended.
     pub fn forget(&mut self, tenure: u64) {
+        self.mtp.remove(&tenure);
         self.pending.remove(&tenure);
         self.resolved.remove(&tenure);
         self.failed.remove(&tenure);
@@ -356,6 +416,11 @@ pub(crate) struct Shape {
     pub hybrid: bool,
     pub layout: image::Layout,
     pub max_depth: usize,
+    /// The model has an MTP head.
+    pub mtp: bool,
+    /// Mamba layers of the main stack (the first ones of a slot).
+    pub main_mamba_layers: usize,
+    pub hidden_size: usize,
 }
 
 impl Shape {
@@ -365,6 +430,11 @@ impl Shape {
 
     pub fn ring_row(&self, slot: usize) -> usize {
         self.max_seqs + self.checkpoint_slots + slot
+    }
+
+    /// A scratch state row per live slot (drafting, a verification's last snapshot).
+    pub fn scratch_row(&self, slot: usize) -> usize {
+        self.max_seqs + self.checkpoint_slots + self.snapshot_slots + slot
     }
 }
 
@@ -460,7 +530,11 @@ impl CpuRouter {
             0
         };
         let snapshot_slots = config.snapshot_slots;
-        let states = MambaStates::new(mc, config.max_seqs + checkpoint_slots + snapshot_slots)?;
+        let scratch_rows = if hybrid { config.max_seqs } else { 0 };
+        let states = MambaStates::new(
+            mc,
+            config.max_seqs + checkpoint_slots + snapshot_slots + scratch_rows,
+        )?;
         let layout = image::Layout {
             fingerprint: model.fingerprint(),
             block_size: config.block_size,
@@ -480,6 +554,9 @@ impl CpuRouter {
             hybrid,
             layout,
             max_depth: config.max_depth,
+            mtp: model.has_mtp(),
+            main_mamba_layers: mc.count(model::LayerKind::Mamba),
+            hidden_size: mc.hidden_size,
         };
         let cache = cache::Caches::new(&model, &config, &shape)?;
         let device = Arc::new(Mutex::new(Device::new(
@@ -511,6 +588,9 @@ impl CpuRouter {
             failed: BTreeSet::new(),
             host_logits: None,
             last_argmax: None,
+            mtp: BTreeMap::new(),
+            step_hidden: VecDeque::new(),
+            settled: None,
         };
         tracing::debug!(?shape, "host router ready");
         Ok(CpuRouter {
@@ -635,9 +715,27 @@ impl DeviceIo for CpuRouter {
                 readback,
                 rows,
             )?,
-            // Speculative decoding is not implemented on this router yet (see the crate docs).
-            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
-            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
+            StepPlan::Verify {
+                inputs,
+                snapshots,
+                readback,
+            } => spec::verify(
+                &self.shape,
+                &mut inner,
+                ticket,
+                inputs,
+                snapshots,
+                readback,
+                rows,
+            )?,
+            StepPlan::Draft { tokens, k } => {
+                if !self.shape.mtp {
+                    return Err(DeviceError::Unsupported { what: "Draft" });
+                }
+                // The catch-up reads the rings the steps before it fill.
+                inner.fence(&self.model, &self.device)?;
+                spec::draft(&self.shape, &mut inner, ticket, tokens, k, rows)?
+            }
             StepPlan::DecodeFed { sources, masks } => {
                 if self.shape.max_depth < 2 {
                     return Err(DeviceError::Unsupported { what: "DecodeFed" });
@@ -718,6 +816,7 @@ impl DeviceIo for CpuRouter {
         let waited = inner.wait_for(ticket.0);
         inner.unsettled.pop_front();
         waited?;
+        inner.settled = Some(ticket.0);
         inner
             .stash
             .remove(&ticket.0)

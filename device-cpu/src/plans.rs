@@ -17,21 +17,21 @@
 use device_io::{DeviceError, Feed, PrefillReport, Readback, Result};
 
 use crate::cache::Attach;
-use crate::device::{DecodeJobRow, Input, Op, StepJob};
+use crate::device::{DecodeJobRow, Input, MtpChunk, Op, StepJob};
 use crate::{CpuSeq, Inner, PendingFeed, Shape, SlotOwner, Tenure};
 
 /// What a fed position holds in `CpuSeq::tokens` until its step has finished.
 pub(crate) const FED_PLACEHOLDER: u32 = u32::MAX;
 
-fn invalid(what: &'static str, detail: String) -> DeviceError {
+pub(crate) fn invalid(what: &'static str, detail: String) -> DeviceError {
     DeviceError::Invalid { what, detail }
 }
 
 /// How the host gets a step's token positions back: the masks (flattened, empty for none) and
 /// where host logits go.
-type Sink<'a> = (Vec<bool>, Option<&'a mut Vec<f32>>);
+pub(crate) type Sink<'a> = (Vec<bool>, Option<&'a mut Vec<f32>>);
 
-fn sink<'a>(
+pub(crate) fn sink<'a>(
     shape: &Shape,
     what: &'static str,
     rows: usize,
@@ -79,7 +79,7 @@ fn flatten_masks(
 
 /// Takes `count` blocks into `inner.fresh` (cleared first), evicting cached ones if the free
 /// list runs dry; on failure gives back what it took and answers the typed error.
-fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<()> {
+pub(crate) fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<()> {
     let available = inner.cache.free_blocks() + inner.cache.evictable_blocks();
     inner.fresh.clear();
     for _ in 0..count {
@@ -228,6 +228,7 @@ pub(crate) fn prefill<'a>(
         ticket,
         masks,
         vocab: shape.vocab_size,
+        hidden_size: shape.hidden_size,
         ..StepJob::default()
     };
     let reports = commit_prefill(shape, inner, budgets, rows, new_rows, &needs, &mut job);
@@ -297,12 +298,27 @@ fn commit_prefill(
             }
             let tokens = job.tokens.len()..job.tokens.len() + (stop - pos);
             job.tokens.extend_from_slice(&seq.tokens[pos..stop]);
+            let mtp = shape.mtp.then(|| {
+                // The head consumes the positions whose next token is in the prompt.
+                let tenure = seq.tenure.expect("assigned above");
+                let known = stop.min(seq.prompt_len - 1);
+                let next = job.tokens.len()..job.tokens.len() + known.saturating_sub(pos);
+                if known > pos {
+                    job.tokens.extend_from_slice(&seq.tokens[pos + 1..=known]);
+                }
+                inner.mtp.entry(tenure).or_default().consumed = known.max(pos);
+                MtpChunk {
+                    next,
+                    keep: (stop == seq.prompt_len).then_some(tenure),
+                }
+            });
             job.ops.push(Op::Prefill {
                 tokens,
                 start_pos: pos,
                 blocks: blocks.clone(),
                 slot,
                 emit: stop == seq.prompt_len,
+                mtp,
             });
             pos = stop;
             seq.computed_len = pos;
@@ -511,6 +527,8 @@ pub(crate) fn decode<'a>(
         masks,
         vocab: shape.vocab_size,
         fed_from,
+        keep_hidden: shape.mtp,
+        hidden_size: shape.hidden_size,
         ..StepJob::default()
     };
     let wants_checkpoints = inner.cache.wants_end_checkpoints();

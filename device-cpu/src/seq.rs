@@ -23,8 +23,10 @@
 //! - After a prompt is complete, a position fed on the device (`DecodeFed` with `Feed::Row`) holds
 //!   `u32::MAX` in `tokens` until the router has seen the step that produced its token finish
 //!   (it resolves it the next time it is handed the sequence).
-//! - `reservation` is the open run-ahead (see [`Reservation`]); `state_ahead` is set by a rollback
-//!   that dropped a computed position, after which the sequence may only be released.
+//! - `reservation` is the open run-ahead or verification (see [`Reservation`]); `state_ahead` is set
+//!   by a rollback or a truncation that dropped a computed position (the live SSM state is past
+//!   `computed_len`) and cleared by an `SsmSnapshotRestore` of a snapshot taken at exactly
+//!   `computed_len`; while it is set the sequence is never computed, spilled or checkpointed.
 
 use device_io::{SeqSpec, Sequence};
 
@@ -73,13 +75,14 @@ pub struct CpuSeq {
     pub(crate) state_ahead: bool,
 }
 
-/// A reservation ledger entry (one per sequence: a new reservation commits the one before).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A reservation ledger entry (one per sequence: a new reservation commits the one before), opened
+/// by `ReserveKv` (one position) or by a `Verify` (its row's positions).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reservation {
     /// The position reserved (the sequence's `computed_len` when it was reserved).
     pub at: usize,
-    /// The block the reservation added, if it added one.
-    pub block: Option<u32>,
+    /// The blocks the reservation added, in position order (at most one for `ReserveKv`).
+    pub blocks: Vec<u32>,
     /// The output checkpoint a `MarconiCheckpoint` past `at` replaced, held until the run-ahead
     /// is kept (freed then) or rolled back (restored then).
     pub superseded: Option<(usize, crate::cache::CheckpointSlot)>,

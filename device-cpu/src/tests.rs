@@ -83,8 +83,11 @@ fn the_snapshot_ring_saves_and_restores_the_live_state() {
     decode(&r, &mut s, 10);
     assert_ne!(live_state(&r, &s), saved);
     assert_eq!(
-        r.apply(Effect::SsmSnapshotRestore { seq: &s, slot: 2 })
-            .unwrap(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut s,
+            slot: 2
+        })
+        .unwrap(),
         EffectOutcome::Unit
     );
     assert_eq!(live_state(&r, &s), saved);

@@ -332,8 +332,11 @@ fn contract_violations_are_invalid_and_change_nothing() {
             "outside the 4",
         ),
         (
-            r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
-                .unwrap_err(),
+            r.apply(Effect::SsmSnapshotRestore {
+                seq: &mut a,
+                slot: 0,
+            })
+            .unwrap_err(),
             "SsmSnapshotRestore",
             "no snapshot",
         ),
@@ -377,8 +380,11 @@ fn contract_violations_are_invalid_and_change_nothing() {
     prefill(&r, &mut c, 20);
     release(&r, &mut b, false);
     let (what, detail) = invalid(
-        r.apply(Effect::SsmSnapshotRestore { seq: &c, slot: 1 })
-            .unwrap_err(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut c,
+            slot: 1,
+        })
+        .unwrap_err(),
     );
     assert_eq!(
         (what, detail.as_str()),

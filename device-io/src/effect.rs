@@ -92,7 +92,7 @@ pub enum Effect<'a, S, P> {
     /// restored was taken at exactly its length.
     SsmSnapshotRestore {
         /// The sequence whose state is restored.
-        seq: &'a S,
+        seq: &'a mut S,
         /// The ring slot.
         slot: usize,
     },

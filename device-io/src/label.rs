@@ -188,7 +188,10 @@ mod tests {
             "SsmSnapshotSave{slot=0}",
         );
         check(
-            E::SsmSnapshotRestore { seq: &seq, slot: 1 },
+            E::SsmSnapshotRestore {
+                seq: &mut seq,
+                slot: 1,
+            },
             "SsmSnapshotRestore{slot=1}",
         );
         check(

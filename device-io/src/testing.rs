@@ -15,6 +15,13 @@
 //! starts afresh if prefilled again), as on the host router. `tests/tests/router_conformance.rs`
 //! runs the same misuse on both and compares.
 //!
+//! It models speculative verification as the host router does: [`StepPlan::Verify`] answers
+//! every position from the script (or the fallback) and opens each row's ledger entry; snapshot
+//! ring slots record the position after each draft; [`Effect::TruncateKv`] keeps the accepted
+//! positions (releasing the blocks past them) and leaves the sequence refused by every plan,
+//! spill and snapshot until [`Effect::SsmSnapshotRestore`] of the snapshot at its length.
+//! [`StepPlan::Draft`] is [`DeviceError::Unsupported`]: a script has no MTP head.
+//!
 //! At `max_depth: 2` it models the pipelined contract: [`StepPlan::DecodeFed`] takes each row's
 //! input from the previous launched step's answer for that row ([`Feed::Row`], validated: same
 //! sequence, a token position) or from the host ([`Feed::Host`]); `ReserveKv` opens a ledger
@@ -177,8 +184,8 @@ struct State {
     /// Every decode input a sequence consumed, by id and position.
     inputs: BTreeMap<u64, BTreeMap<usize, u32>>,
     rollbacks: Vec<u64>,
-    /// The snapshot ring: which sequence saved into each slot.
-    ring: [Option<u64>; SNAPSHOT_SLOTS],
+    /// The snapshot ring: which sequence saved into each slot, at which length.
+    ring: [Option<(u64, usize)>; SNAPSHOT_SLOTS],
     /// The steps whose logits are held (the latest `max_depth`), with their token-position rows.
     logits: VecDeque<(u64, usize)>,
 }
@@ -382,6 +389,153 @@ impl ScriptedRouter {
             .unwrap_or(token)
     }
 
+    /// `Verify`: each row's positions answered from the script (or the fallback) in order, a
+    /// ledger entry per row, and ring entries at the positions after each draft.
+    fn verify(
+        &self,
+        state: &mut State,
+        inputs: &[&[u32]],
+        snapshots: &[&[usize]],
+        readback: Readback<'_>,
+        rows: &mut [&mut ScriptedSeq],
+    ) -> Result<Ticket> {
+        const WHAT: &str = "Verify";
+        match readback {
+            Readback::Argmax => {}
+            Readback::HostLogits { .. } => {
+                return Err(DeviceError::Unsupported { what: "HostLogits" })
+            }
+            Readback::ArgmaxMasked { .. } => {
+                return Err(DeviceError::Unsupported {
+                    what: "Verify with ArgmaxMasked",
+                })
+            }
+        }
+        if !snapshots.is_empty() && snapshots.len() != rows.len() {
+            let detail = format!("{} snapshot lists for {} rows", snapshots.len(), rows.len());
+            return Err(invalid(WHAT, detail));
+        }
+        let vocab = self.config.vocab_size;
+        let max_context = self.config.num_blocks * self.config.block_size;
+        let mut named = [false; SNAPSHOT_SLOTS];
+        for (i, (seq, input)) in rows.iter().zip(inputs).enumerate() {
+            let id = seq.id;
+            if input.is_empty() {
+                return Err(invalid(WHAT, format!("row {i} feeds no token")));
+            }
+            if seq.state_ahead {
+                let detail = format!("row {i} (sequence {id}) was rolled back; release it");
+                return Err(invalid(WHAT, detail));
+            }
+            if seq.slot.is_none() || seq.computed < seq.prompt_len {
+                let detail = format!("row {i} (sequence {id}) has no complete prompt");
+                return Err(invalid(WHAT, detail));
+            }
+            if seq.computed + input.len() > max_context {
+                let detail = format!(
+                    "row {i} (sequence {id}) would reach {} tokens, over max_context                      {max_context}",
+                    seq.computed + input.len()
+                );
+                return Err(invalid(WHAT, detail));
+            }
+            if let Some(&bad) = input.iter().find(|&&t| t as usize >= vocab) {
+                let detail = format!("row {i} feeds token {bad}, vocabulary {vocab}");
+                return Err(invalid(WHAT, detail));
+            }
+            if let Some(slots) = snapshots.get(i) {
+                if slots.len() != input.len() - 1 {
+                    let detail = format!(
+                        "row {i} names {} snapshot slots for {} drafts",
+                        slots.len(),
+                        input.len() - 1
+                    );
+                    return Err(invalid(WHAT, detail));
+                }
+                for &slot in slots.iter() {
+                    Self::ring_slot(slot, WHAT)?;
+                    if std::mem::replace(&mut named[slot], true) {
+                        return Err(invalid(WHAT, format!("ring slot {slot} is named twice")));
+                    }
+                }
+            }
+        }
+        let needs: Vec<usize> = rows
+            .iter()
+            .zip(inputs)
+            .map(|(seq, input)| {
+                self.blocks_for(seq.computed + input.len())
+                    .saturating_sub(seq.blocks)
+            })
+            .collect();
+        let needed: usize = needs.iter().sum();
+        let free = self.config.num_blocks - state.blocks_used;
+        if needed > free {
+            return Err(DeviceError::KvExhausted { needed, free });
+        }
+        let mut outputs = Vec::with_capacity(rows.len());
+        let mut tokens = Vec::new();
+        for (i, ((seq, input), blocks)) in rows.iter_mut().zip(inputs).zip(needs).enumerate() {
+            let at = seq.computed;
+            state.blocks_used += blocks;
+            seq.blocks += blocks;
+            seq.reservation = Some(Reservation { at, blocks });
+            if let Some(slots) = snapshots.get(i) {
+                for (j, &slot) in slots.iter().enumerate() {
+                    state.ring[slot] = Some((seq.id, at + j + 1));
+                }
+            }
+            let start = tokens.len();
+            for &token in input.iter() {
+                state
+                    .inputs
+                    .entry(seq.id)
+                    .or_default()
+                    .insert(seq.computed, token);
+                seq.tokens.truncate(seq.computed.max(seq.prompt_len));
+                seq.tokens.push(token);
+                seq.computed += 1;
+                tokens.push(self.answer(state, seq, None));
+            }
+            outputs.push(RowOutput {
+                run: Some(crate::TokenRun {
+                    start,
+                    len: input.len(),
+                }),
+                ..RowOutput::default()
+            });
+        }
+        // A verification reaches no feed cell (the core truncates its rows).
+        state.last_rows = rows.iter().map(|seq| (seq.id, None)).collect();
+        let ticket = Ticket(state.next_ticket);
+        state.next_ticket += 1;
+        state.logits.push_back((ticket.0, 0));
+        while state.logits.len() > self.config.max_depth.max(1) {
+            state.logits.pop_front();
+        }
+        let ready_at = (!self.step_time.is_zero()).then(|| {
+            let now = Instant::now();
+            let start = state.device_free_at.map_or(now, |free| free.max(now));
+            start + self.step_time
+        });
+        if ready_at.is_some() {
+            state.device_free_at = ready_at;
+        }
+        state.unsettled.insert(
+            ticket.0,
+            Unsettled {
+                result: StepResult {
+                    ticket,
+                    rows: outputs,
+                    logits: None,
+                    tokens,
+                },
+                ready_at,
+                fed_from: None,
+            },
+        );
+        Ok(ticket)
+    }
+
     fn check_masks(&self, masks: &[&[bool]], rows: usize, what: &'static str) -> Result<()> {
         if masks.len() != rows {
             let detail = format!("{} masks for {rows} rows", masks.len());
@@ -432,8 +586,10 @@ impl ScriptedRouter {
             Ok(())
         };
         match plan {
-            StepPlan::Verify { .. } => Err(DeviceError::Unsupported { what: "Verify" }),
-            StepPlan::Draft { .. } => Err(DeviceError::Unsupported { what: "Draft" }),
+            // Handled by `verify`; a script has no drafter.
+            StepPlan::Verify { .. } | StepPlan::Draft { .. } => {
+                Err(DeviceError::Unsupported { what: "Draft" })
+            }
             StepPlan::Prefill { readback, budgets } => {
                 if let Readback::ArgmaxMasked { masks } = readback {
                     self.check_masks(masks, rows.len(), "Prefill")?;
@@ -574,12 +730,9 @@ impl DeviceIo for ScriptedRouter {
                 return Err(DeviceError::Unsupported { what: "DecodeFed" });
             }
         }
-        // Speculative decoding is the host router's (the oracle's) to model: a script has no
-        // target distribution to verify drafts against.
-        match plan {
-            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
-            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
-            _ => {}
+        // A script has no MTP head to draft with.
+        if let StepPlan::Draft { .. } = plan {
+            return Err(DeviceError::Unsupported { what: "Draft" });
         }
         if state.unsettled.len() >= self.config.max_depth.max(1) {
             let detail = format!(
@@ -588,6 +741,14 @@ impl DeviceIo for ScriptedRouter {
                 self.config.max_depth
             );
             return Err(invalid("launch", detail));
+        }
+        if let StepPlan::Verify {
+            inputs,
+            snapshots,
+            readback,
+        } = plan
+        {
+            return self.verify(&mut state, inputs, snapshots, readback, rows);
         }
         let masks: &[&[bool]] = match &plan {
             StepPlan::Prefill {
@@ -773,7 +934,7 @@ impl DeviceIo for ScriptedRouter {
                     state.slots[slot] = false;
                 }
                 for entry in state.ring.iter_mut() {
-                    if *entry == Some(seq.id) {
+                    if entry.is_some_and(|(id, _)| id == seq.id) {
                         *entry = None;
                     }
                 }
@@ -926,7 +1087,35 @@ impl DeviceIo for ScriptedRouter {
                 };
                 Ok(EffectOutcome::Unit)
             }
-            Effect::TruncateKv { .. } => Err(DeviceError::Unsupported { what: "TruncateKv" }),
+            Effect::TruncateKv { seq, len } => {
+                Self::live_slot(seq, "TruncateKv")?;
+                let Some(reservation) = seq.reservation else {
+                    let detail = format!("sequence {} has no reservation to truncate", seq.id);
+                    return Err(invalid("TruncateKv", detail));
+                };
+                if len < reservation.at || len > seq.computed {
+                    let detail = format!(
+                        "sequence {} keeps {len} positions; its reservation covers {}..={}",
+                        seq.id, reservation.at, seq.computed
+                    );
+                    return Err(invalid("TruncateKv", detail));
+                }
+                seq.reservation = None;
+                if len < seq.computed {
+                    seq.computed = len;
+                    seq.tokens.truncate(len.max(seq.prompt_len));
+                    seq.state_ahead = true;
+                    if let Some(inputs) = state.inputs.get_mut(&seq.id) {
+                        inputs.retain(|&pos, _| pos < len);
+                    }
+                }
+                // The blocks the reservation added wholly past `len` go back.
+                let keep = (seq.blocks - reservation.blocks).max(self.blocks_for(len));
+                let freed = seq.blocks - keep;
+                state.blocks_used -= freed;
+                seq.blocks = keep;
+                Ok(EffectOutcome::Unit)
+            }
             Effect::MarconiCheckpoint { seq } if seq.state_ahead => {
                 let detail = format!("sequence {} was rolled back; release it", seq.id);
                 Err(invalid("MarconiCheckpoint", detail))
@@ -938,16 +1127,24 @@ impl DeviceIo for ScriptedRouter {
             Effect::SsmSnapshotSave { seq, slot } => {
                 Self::ring_slot(slot, "SsmSnapshotSave")?;
                 Self::live_slot(seq, "SsmSnapshotSave")?;
-                state.ring[slot] = Some(seq.id);
+                if seq.state_ahead {
+                    let detail = format!("sequence {} was rolled back; release it", seq.id);
+                    return Err(invalid("SsmSnapshotSave", detail));
+                }
+                state.ring[slot] = Some((seq.id, seq.computed));
                 Ok(EffectOutcome::Unit)
             }
             Effect::SsmSnapshotRestore { seq, slot } => {
                 Self::ring_slot(slot, "SsmSnapshotRestore")?;
                 Self::live_slot(seq, "SsmSnapshotRestore")?;
-                if state.ring[slot] != Some(seq.id) {
+                let Some((id, pos)) = state.ring[slot].filter(|(id, _)| *id == seq.id) else {
                     let detail =
                         format!("ring slot {slot} holds no snapshot of sequence {}", seq.id);
                     return Err(invalid("SsmSnapshotRestore", detail));
+                };
+                // The snapshot at exactly the sequence's length puts a truncated state in step.
+                if id == seq.id && pos == seq.computed {
+                    seq.state_ahead = false;
                 }
                 Ok(EffectOutcome::Unit)
             }

@@ -83,10 +83,12 @@ fn effect_seq_id<S: Sequence, P>(effect: &Effect<'_, S, P>) -> Option<u64> {
         | Effect::RestoreSequenceState { seq, .. }
         | Effect::MarconiCheckpoint { seq }
         | Effect::ReserveKv { seq }
-        | Effect::Rollback { seq } => Some(seq.id()),
-        Effect::SaveSequenceState { seq, .. }
-        | Effect::SsmSnapshotSave { seq, .. }
+        | Effect::Rollback { seq }
+        | Effect::TruncateKv { seq, .. }
         | Effect::SsmSnapshotRestore { seq, .. } => Some(seq.id()),
+        Effect::SaveSequenceState { seq, .. } | Effect::SsmSnapshotSave { seq, .. } => {
+            Some(seq.id())
+        }
         _ => None,
     }
 }

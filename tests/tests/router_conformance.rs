@@ -209,8 +209,11 @@ where
             .is_ok(),
     );
     calls.push(
-        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
-            .is_ok(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 0,
+        })
+        .is_ok(),
     );
     calls.push(release(r, &mut a));
     calls
@@ -243,20 +246,29 @@ where
             .is_ok(),
     );
     calls.push(
-        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
-            .is_ok(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 0,
+        })
+        .is_ok(),
     );
     calls.push(
         r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 })
             .is_ok(),
     );
     calls.push(
-        r.apply(Effect::SsmSnapshotRestore { seq: &b, slot: 0 })
-            .is_ok(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut b,
+            slot: 0,
+        })
+        .is_ok(),
     );
     calls.push(
-        r.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 })
-            .is_ok(),
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 0,
+        })
+        .is_ok(),
     );
     let mut c = seq::<D>(3, &[7]);
     calls.push(prefill(r, &mut c, 8));
@@ -395,6 +407,80 @@ where
     calls
 }
 
+fn verify<D: DeviceIo>(r: &D, seq: &mut D::Seq, input: &[u32], snapshots: &[usize]) -> bool {
+    let lists = [snapshots];
+    let plan = StepPlan::Verify {
+        inputs: &[input],
+        snapshots: if snapshots.is_empty() { &[] } else { &lists },
+        readback: Readback::Argmax,
+    };
+    step(r, plan, &mut [seq]).0
+}
+
+fn truncate<D: DeviceIo>(r: &D, seq: &mut D::Seq, len: usize) -> bool {
+    r.apply(Effect::TruncateKv { seq, len }).is_ok()
+}
+
+/// Speculative decoding: verifications of incomplete prompts, foreign tokens, bad snapshot
+/// lists and slots; truncations outside the ledger entry; a truncated sequence computed, spilled
+/// or snapshotted before its SSM restore, restored from the wrong snapshot, then the right one.
+fn speculation_misuse<D: DeviceIo>(r: &D) -> Vec<bool>
+where
+    D::Seq: Sequence,
+{
+    let mut a = seq::<D>(1, &[1, 2, 3, 4, 5, 6]);
+    let mut calls = vec![
+        prefill(r, &mut a, 2),
+        verify(r, &mut a, &[1, 2], &[0]),
+        prefill(r, &mut a, 8),
+        truncate(r, &mut a, 6),
+        verify(r, &mut a, &[], &[]),
+        verify(r, &mut a, &[1, 256], &[0]),
+        verify(r, &mut a, &[1, 2, 3], &[0]),
+        verify(r, &mut a, &[1, 2, 3], &[1, 1]),
+        verify(r, &mut a, &[1, 2], &[4]),
+        verify(r, &mut a, &[1, 2, 3, 4], &[0, 1, 2]),
+        truncate(r, &mut a, 5),
+        truncate(r, &mut a, 11),
+        truncate(r, &mut a, 8),
+        decode(r, &mut a, 7),
+        verify(r, &mut a, &[7], &[]),
+    ];
+    let mut image = Vec::new();
+    calls.push(
+        r.apply(Effect::SaveSequenceState {
+            seq: &a,
+            writer: &mut image,
+        })
+        .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 3 })
+            .is_ok(),
+    );
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 0,
+        })
+        .is_ok(),
+    );
+    calls.push(decode(r, &mut a, 7));
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 1,
+        })
+        .is_ok(),
+    );
+    calls.push(decode(r, &mut a, 7));
+    calls.push(verify(r, &mut a, &[7, 8], &[2]));
+    calls.push(truncate(r, &mut a, 11));
+    calls.push(decode(r, &mut a, 9));
+    calls.push(release(r, &mut a));
+    calls
+}
+
 fn scenarios<D: DeviceIo>() -> Vec<(&'static str, Scenario<D>)>
 where
     D::Seq: Sequence,
@@ -436,6 +522,7 @@ where
             "rows that do not match the plan",
             rows_that_do_not_match_the_plan::<D>,
         ),
+        ("speculation misuse", speculation_misuse::<D>),
     ]
 }
 

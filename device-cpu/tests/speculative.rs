@@ -1,0 +1,349 @@
+//! Speculative decoding on the host router, on both MTP fixtures (`nemotron-h-tiny/mtp`,
+//! `nemotron-h-alt/mtp`): a `Verify` gives every position the bits of a decode step; keeping the
+//! accepted positions (`TruncateKv`, `SsmSnapshotRestore`) leaves the sequence exactly where plain
+//! decoding would, so the tokens and logits that follow are the same bits; `Draft` gives the NumPy
+//! reference's draft ids (after the prompt, and after five decoded tokens caught up through
+//! `SaveHiddenCatchup`); every block and slot comes back; skipping the SSM restore is refused.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{argmax, bits, prefill, release, seq};
+use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
+use device_io::{DeviceError, DeviceIo, Effect, Readback, Sequence, StepPlan};
+use model::Model;
+
+fn mtp_dir(fixture: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(fixture)
+        .join("mtp")
+}
+
+struct Case {
+    prompt: Vec<u32>,
+    draft0: Vec<u32>,
+    draft1: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn cases(fixture: &str) -> Vec<Case> {
+    let text = std::fs::read_to_string(mtp_dir(fixture).join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            prompt: ids(&c["prompt_ids"]),
+            draft0: ids(&c["draft0_ids"]),
+            draft1: ids(&c["draft1_ids"]),
+            greedy: ids(&c["greedy_ids"]),
+        })
+        .collect()
+}
+
+fn router(fixture: &str) -> CpuRouter {
+    let model = Model::load(&mtp_dir(fixture).join("model")).unwrap();
+    assert!(model.has_mtp());
+    let mut config = CpuRouterConfig::new(64, 4);
+    config.max_context = Some(256);
+    config.prefix_cache = false;
+    config.snapshot_slots = 16;
+    CpuRouter::new(model, config).unwrap()
+}
+
+/// Plain greedy decoding: `steps` tokens and their logits (the prefill's row first).
+fn plain(fixture: &str, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let r = router(fixture);
+    let mut s = seq(1, prompt);
+    let (mut logits, _) = prefill(&r, &mut s, 64);
+    let mut tokens = Vec::new();
+    let mut rows = Vec::new();
+    for _ in 0..steps {
+        let token = argmax(&logits);
+        tokens.push(token);
+        rows.push(logits.clone());
+        logits = common::decode(&r, &mut [&mut s], &[token]);
+    }
+    release(&r, &mut s, false);
+    (tokens, rows)
+}
+
+/// One speculative step: verify `token` and `drafts`, keep the accepted prefix and the bonus;
+/// returns the emitted tokens and the logits row each was chosen from.
+fn speculate(
+    r: &CpuRouter,
+    s: &mut CpuSeq,
+    token: u32,
+    drafts: &[u32],
+    restore: bool,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>), DeviceError> {
+    let vocab = r.facts().vocab_size;
+    let c = s.computed_len();
+    let mut input = vec![token];
+    input.extend_from_slice(drafts);
+    let slots: Vec<usize> = (0..drafts.len()).collect();
+    let mut host = Vec::new();
+    let ticket = r.launch(
+        StepPlan::Verify {
+            inputs: &[&input],
+            snapshots: &[&slots],
+            readback: Readback::HostLogits { into: &mut host },
+        },
+        &mut [&mut *s],
+    )?;
+    let result = r.await_result(ticket)?;
+    let run = result.rows[0].run.unwrap();
+    assert_eq!(run.len, input.len());
+    let targets = &result.tokens[run.start..run.start + run.len];
+    let mut accepted = 0;
+    while accepted < drafts.len() && drafts[accepted] == targets[accepted] {
+        accepted += 1;
+    }
+    let mut emitted = drafts[..accepted].to_vec();
+    emitted.push(targets[accepted]);
+    let rows: Vec<Vec<f32>> = (0..=accepted)
+        .map(|j| host[(run.start + j) * vocab..(run.start + j + 1) * vocab].to_vec())
+        .collect();
+    for (j, row) in rows.iter().enumerate() {
+        assert_eq!(argmax(row), targets[j]);
+    }
+    for pos in c..=c + accepted {
+        r.apply(Effect::SaveHiddenCatchup { row: 0, pos })?;
+    }
+    r.apply(Effect::TruncateKv {
+        seq: s,
+        len: c + accepted + 1,
+    })?;
+    if accepted < drafts.len() && restore {
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: s,
+            slot: accepted,
+        })?;
+    }
+    Ok((emitted, rows))
+}
+
+/// Speculates with drafts that are right for `right` tokens and then wrong (per step, cycling),
+/// until `steps` tokens: the same tokens and logits as plain decoding.
+fn check_verify(fixture: &str) {
+    for (index, case) in cases(fixture).iter().enumerate() {
+        let steps = 12;
+        let (want_tokens, want_rows) = plain(fixture, &case.prompt, steps + 5);
+        for k in 1..=4 {
+            let r = router(fixture);
+            let initial = r.facts();
+            let mut s = seq(1, &case.prompt);
+            let (logits, _) = prefill(&r, &mut s, 64);
+            let mut tokens = vec![argmax(&logits)];
+            let mut rows = vec![logits];
+            let mut step = 0;
+            while tokens.len() < steps {
+                // Right for `step % (k + 1)` drafts, then one wrong one.
+                let n = tokens.len();
+                let right = step % (k + 1);
+                let drafts: Vec<u32> = (0..k)
+                    .map(|j| {
+                        let truth = want_tokens.get(n + j).copied().unwrap_or(0);
+                        if j < right {
+                            truth
+                        } else {
+                            (truth + 1) % 256
+                        }
+                    })
+                    .collect();
+                let (emitted, emitted_rows) =
+                    speculate(&r, &mut s, tokens[n - 1], &drafts, true).unwrap();
+                assert_eq!(
+                    emitted.len(),
+                    right.min(k) + 1,
+                    "{fixture} case {index} k {k}"
+                );
+                tokens.extend(emitted);
+                rows.extend(emitted_rows);
+                step += 1;
+            }
+            tokens.truncate(steps);
+            rows.truncate(steps);
+            assert_eq!(tokens, want_tokens[..steps], "{fixture} case {index} k {k}");
+            assert_eq!(
+                bits(&rows),
+                bits(&want_rows[..steps]),
+                "{fixture} case {index} k {k}: logits"
+            );
+            release(&r, &mut s, false);
+            assert_eq!(r.facts(), initial, "{fixture} case {index} k {k}");
+        }
+    }
+}
+
+#[test]
+fn verification_with_rollback_gives_the_bits_of_plain_decoding_on_the_tiny_mtp_fixture() {
+    check_verify("nemotron-h-tiny");
+}
+
+#[test]
+fn verification_with_rollback_gives_the_bits_of_plain_decoding_on_the_alt_mtp_fixture() {
+    check_verify("nemotron-h-alt");
+}
+
+/// The router's drafts are the reference's: after the prompt, and after five decoded tokens
+/// whose hidden states the core kept.
+fn check_drafts(fixture: &str) {
+    for (index, case) in cases(fixture).iter().enumerate() {
+        let r = router(fixture);
+        let initial = r.facts();
+        let mut s = seq(1, &case.prompt);
+        prefill(&r, &mut s, 64);
+        let draft = |s: &mut CpuSeq, token: u32| -> Vec<u32> {
+            let ticket = r
+                .launch(
+                    StepPlan::Draft {
+                        tokens: &[token],
+                        k: 4,
+                    },
+                    &mut [s],
+                )
+                .unwrap();
+            let result = r.await_result(ticket).unwrap();
+            let run = result.rows[0].run.unwrap();
+            result.tokens[run.start..run.start + run.len].to_vec()
+        };
+        assert_eq!(
+            draft(&mut s, case.greedy[0]),
+            case.draft0,
+            "{fixture} {index}"
+        );
+        let n = case.prompt.len();
+        for j in 0..5 {
+            common::decode(&r, &mut [&mut s], &[case.greedy[j]]);
+            r.apply(Effect::SaveHiddenCatchup { row: 0, pos: n + j })
+                .unwrap();
+        }
+        assert_eq!(
+            draft(&mut s, case.greedy[5]),
+            case.draft1,
+            "{fixture} {index}"
+        );
+        release(&r, &mut s, false);
+        assert_eq!(r.facts(), initial);
+    }
+}
+
+#[test]
+fn drafts_match_the_numpy_reference_on_the_tiny_mtp_fixture() {
+    check_drafts("nemotron-h-tiny");
+}
+
+#[test]
+fn drafts_match_the_numpy_reference_on_the_alt_mtp_fixture() {
+    check_drafts("nemotron-h-alt");
+}
+
+/// Skipping the SSM restore after a rejected draft (the planted bug) is caught: the router
+/// refuses to compute the sequence rather than compute on a state past its length.
+#[test]
+fn a_skipped_ssm_restore_is_refused() {
+    let case = &cases("nemotron-h-alt")[2];
+    let r = router("nemotron-h-alt");
+    let mut s = seq(1, &case.prompt);
+    let (logits, _) = prefill(&r, &mut s, 64);
+    let token = argmax(&logits);
+    let wrong = (case.greedy[1] + 1) % 256;
+    speculate(&r, &mut s, token, &[wrong, 0], false).unwrap();
+    let err = speculate(&r, &mut s, case.greedy[1], &[0], true).unwrap_err();
+    assert!(
+        matches!(err, DeviceError::Invalid { what: "Verify", ref detail } if detail.contains("past its length")),
+        "{err:?}"
+    );
+    release(&r, &mut s, false);
+}
+
+/// Bad verifications and truncations are typed errors that change nothing.
+#[test]
+fn bad_verifications_and_truncations_are_refused() {
+    let r = router("nemotron-h-tiny");
+    let mut s = seq(1, &[1, 2, 3, 4, 5]);
+    prefill(&r, &mut s, 64);
+    let before = (s.computed_len(), s.tokens().to_vec(), r.facts());
+    let verify = |s: &mut CpuSeq, inputs: &[&[u32]], snapshots: &[&[usize]]| {
+        r.launch(
+            StepPlan::Verify {
+                inputs,
+                snapshots,
+                readback: Readback::Argmax,
+            },
+            &mut [s],
+        )
+        .unwrap_err()
+    };
+    for (inputs, snapshots, needle) in [
+        (&[&[][..]][..], &[][..], "feeds no token"),
+        (&[&[1, 999][..]][..], &[][..], "outside the vocabulary"),
+        (
+            &[&[1, 2, 3][..]][..],
+            &[&[0][..]][..],
+            "snapshot slots for 2 drafts",
+        ),
+        (&[&[1, 2, 3][..]][..], &[&[0, 0][..]][..], "named twice"),
+        (
+            &[&[1, 2][..]][..],
+            &[&[99][..]][..],
+            "outside the 16 snapshot slots",
+        ),
+    ] {
+        let err = verify(&mut s, inputs, snapshots);
+        assert!(
+            matches!(&err, DeviceError::Invalid { detail, .. } if detail.contains(needle)),
+            "{needle}: {err:?}"
+        );
+    }
+    assert_eq!(
+        r.apply(Effect::TruncateKv {
+            seq: &mut s,
+            len: 5
+        })
+        .unwrap_err(),
+        DeviceError::Invalid {
+            what: "TruncateKv",
+            detail: "sequence 1 has no reservation to truncate".to_string()
+        }
+    );
+    assert_eq!((s.computed_len(), s.tokens().to_vec(), r.facts()), before);
+    // A truncation outside the reservation.
+    r.await_result(
+        r.launch(
+            StepPlan::Verify {
+                inputs: &[&[7, 8]],
+                snapshots: &[],
+                readback: Readback::Argmax,
+            },
+            &mut [&mut s],
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    for len in [4, 8] {
+        let err = r
+            .apply(Effect::TruncateKv { seq: &mut s, len })
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            DeviceError::Invalid {
+                what: "TruncateKv",
+                ..
+            }
+        ));
+    }
+    assert_eq!(s.computed_len(), 7);
+    release(&r, &mut s, false);
+}
