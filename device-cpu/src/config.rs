@@ -50,6 +50,15 @@ pub struct CpuRouterConfig {
     /// device work runs in order on a worker thread, `launch` returns at once, and the core may
     /// launch a `DecodeFed` step before it awaits the previous one.
     pub max_depth: usize,
+    /// Threads the model's forward pass runs on (matrix products, attention and the Mamba scan
+    /// split by output columns, rows and heads; outputs are the same bits for every count).
+    /// [`default_threads`] by default.
+    pub threads: usize,
+}
+
+/// The machine's available parallelism (1 when it cannot be told).
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 /// The default block size, as in vLLM.
@@ -60,7 +69,8 @@ pub const DEFAULT_SNAPSHOT_SLOTS: usize = 4;
 impl CpuRouterConfig {
     /// A config with `num_blocks` blocks of [`DEFAULT_BLOCK_SIZE`] tokens and `max_seqs` live slots;
     /// four checkpoint slots per live slot, [`DEFAULT_SNAPSHOT_SLOTS`] ring slots, prefix cache and
-    /// Marconi on, `max_context` the model's (or the pool's, when smaller), and depth 1.
+    /// Marconi on, `max_context` the model's (or the pool's, when smaller), depth 1, and
+    /// [`default_threads`] threads.
     pub fn new(num_blocks: usize, max_seqs: usize) -> Self {
         CpuRouterConfig {
             block_size: DEFAULT_BLOCK_SIZE,
@@ -72,6 +82,7 @@ impl CpuRouterConfig {
             marconi: true,
             max_context: None,
             max_depth: 1,
+            threads: default_threads(),
         }
     }
 
@@ -136,6 +147,7 @@ impl CpuRouterConfig {
             marconi: true,
             max_context: Some(max_context),
             max_depth: 1,
+            threads: default_threads(),
         })
     }
 

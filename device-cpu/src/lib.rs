@@ -133,7 +133,9 @@ use model::{KvPool, MambaStates, Model, Scratch};
 use crate::device::{Device, Done, Executor, Work};
 
 pub use cache::CacheStats;
-pub use config::{CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_SNAPSHOT_SLOTS};
+pub use config::{
+    default_threads, CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_SNAPSHOT_SLOTS,
+};
 pub use seq::{CpuSeq, LogitsHandle, Namespace};
 
 /// Why a router could not be built.
@@ -521,6 +523,10 @@ impl CpuRouter {
                 "block ids are u32",
             ));
         }
+        if config.threads == 0 {
+            return Err(bad_config("threads", 0, "must be at least 1"));
+        }
+        let scratch = Scratch::with_threads(mc, config.threads)?;
         let kv = KvPool::new(mc, config.num_blocks, config.block_size)?;
         let state_floats = MambaStates::new(mc, 0)?.floats_per_slot();
         let hybrid = state_floats > 0;
@@ -562,7 +568,7 @@ impl CpuRouter {
         let device = Arc::new(Mutex::new(Device::new(
             kv,
             states,
-            Scratch::new(mc),
+            scratch,
             config.max_depth,
         )));
         let model = Arc::new(model);

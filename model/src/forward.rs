@@ -15,33 +15,41 @@
 //! Callers validate everything (ids, positions, layouts) before calling [`forward`]; it only
 //! indexes memory the validation has vouched for.
 
+use std::sync::Arc;
+
 use crate::config::DtClamp;
-use crate::math::{dot, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares};
+use crate::math::{
+    dot_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
+};
 use crate::state::{KvPool, MambaStates};
 use crate::weights::{
     AttentionWeights, Layer, Linear, MambaWeights, Mixer, MlpWeights, MoeWeights, MtpWeights,
     Weights,
 };
-use crate::{Config, DecodeRow, LayerKind, PrefillRow, RunRow};
+use crate::{Config, DecodeRow, LayerKind, ModelError, PrefillRow, RunRow};
 
 /// Rows processed together at most; longer prefills are split (which cannot change any bits).
 pub(crate) const MAX_ROWS: usize = 128;
 
-/// Reusable activation buffers. They only grow, so a steady-state step allocates nothing here
-/// (matrixmultiply still allocates its packing buffer per product). A `Scratch` may be shared by
-/// models of different configs; it simply grows to the largest.
+/// Reusable activation buffers and the thread pool a forward pass runs on.
+///
+/// Buffers only grow, so a steady-state step allocates little here (the Mamba scan builds one
+/// small list of state slices per layer). A `Scratch` may be shared by models of different
+/// configs; it simply grows to the largest. Its thread count ([`Scratch::with_threads`]) never
+/// changes any output bit: work is split by output rows, heads or columns, never inside a sum.
 #[derive(Debug, Default, Clone)]
 pub struct Scratch {
+    /// The pool the forward pass runs on; `None` runs it on the caller's thread.
+    pool: Option<Arc<rayon::ThreadPool>>,
+    mm: Matmul,
     hidden: Vec<f32>,
     normed: Vec<f32>,
     proj: Vec<f32>,
     mixed: Vec<f32>,
     out: Vec<f32>,
-    // Mamba per-token temporaries.
+    // Mamba: conv outputs of every row, the scan's outputs (run-major, see `mamba`).
     conv_out: Vec<f32>,
-    dt_b: Vec<f32>,
-    // Attention scores of one query head.
-    scores: Vec<f32>,
+    scan: Vec<f32>,
     // MoE.
     router: Vec<f32>,
     choices: Vec<(usize, f32)>,
@@ -66,7 +74,8 @@ fn take(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
 }
 
 impl Scratch {
-    /// Buffers pre-sized for `config` at the largest row count one forward pass uses (128).
+    /// Buffers pre-sized for `config` at the largest row count one forward pass uses (128); the
+    /// forward pass runs on the caller's thread.
     pub fn new(config: &Config) -> Self {
         let mut scratch = Self::default();
         let rows = MAX_ROWS;
@@ -88,6 +97,46 @@ impl Scratch {
         take(&mut scratch.proj, rows * widest);
         take(&mut scratch.mixed, rows * widest);
         scratch
+    }
+
+    /// Like [`Scratch::new`], with forward passes spread over a pool of `threads` threads (1: the
+    /// caller's thread, no pool). Outputs are the same bits for every thread count.
+    pub fn with_threads(config: &Config, threads: usize) -> Result<Self, ModelError> {
+        let mut scratch = Self::new(config);
+        scratch.set_threads(threads)?;
+        Ok(scratch)
+    }
+
+    /// Changes the thread count (see [`Scratch::with_threads`]).
+    pub fn set_threads(&mut self, threads: usize) -> Result<(), ModelError> {
+        if threads == 0 {
+            return Err(ModelError::InvalidConfig {
+                field: "threads",
+                value: "0".into(),
+                reason: "a forward pass needs at least one thread".into(),
+            });
+        }
+        self.pool = if threads == 1 {
+            None
+        } else {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("model-compute-{i}"))
+                .build()
+                .map_err(|e| ModelError::InvalidConfig {
+                    field: "threads",
+                    value: threads.to_string(),
+                    reason: format!("the thread pool could not be started: {e}"),
+                })?;
+            Some(Arc::new(pool))
+        };
+        self.mm.kernels.threads = threads;
+        Ok(())
+    }
+
+    /// Threads a forward pass uses.
+    pub fn threads(&self) -> usize {
+        self.mm.kernels.threads
     }
 }
 
@@ -150,6 +199,25 @@ impl Rows<'_, '_> {
         }
     }
 
+    /// The runs of rows sharing a state slot, in row order, as (first row, length): a prefill
+    /// chunk is one run, each decode row its own, each sequence of a batch of runs one.
+    fn runs(&self) -> Vec<(usize, usize)> {
+        match self {
+            Self::Prefill { len, .. } => vec![(0, *len)],
+            Self::Decode(rows) => (0..rows.len()).map(|i| (i, 1)).collect(),
+            Self::Runs { table, .. } => {
+                let mut runs: Vec<(usize, usize)> = Vec::new();
+                for (i, &(run, _)) in table.iter().enumerate() {
+                    match runs.last_mut() {
+                        Some((first, len)) if table[*first].0 == run => *len += 1,
+                        _ => runs.push((i, 1)),
+                    }
+                }
+                runs
+            }
+        }
+    }
+
     /// The state slot that receives the row's Mamba state as it is after this row, if any.
     fn snapshot(&self, i: usize) -> Option<usize> {
         match self {
@@ -173,9 +241,32 @@ pub(crate) enum LogitRows<'o> {
 }
 
 /// Runs `rows` through the model and writes the logits `logit_rows` asks for, and, when
-/// `hidden_out` is given, every row's hidden state after the final norm (`m * hidden_size`).
+/// `hidden_out` is given, every row's hidden state after the final norm (`m * hidden_size`); on
+/// the scratch's thread pool when it has one.
 #[allow(clippy::too_many_arguments)] // the model's state, the rows, and the two outputs
 pub(crate) fn forward(
+    config: &Config,
+    weights: &Weights,
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    logit_rows: LogitRows<'_>,
+    hidden_out: Option<&mut [f32]>,
+) {
+    let run = |scratch: &mut Scratch| {
+        forward_here(
+            config, weights, scratch, kv, states, rows, logit_rows, hidden_out,
+        )
+    };
+    match scratch.pool.clone() {
+        Some(pool) => pool.install(|| run(scratch)),
+        None => run(scratch),
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // see `forward`
+fn forward_here(
     config: &Config,
     weights: &Weights,
     scratch: &mut Scratch,
@@ -207,9 +298,34 @@ pub(crate) fn forward(
 /// The MTP head over `rows` (whose tokens are each position's *next* token): the input
 /// `eh_proj [enorm(E[token]), hnorm(hidden_in[i])]`, the MTP layers (KV and state indices after
 /// the main stack's), the final norm, the shared `lm_head`. `hidden_out` receives every row's
-/// normed output (the next draft position's hidden input).
+/// normed output (the next draft position's hidden input). Runs on the scratch's thread pool
+/// when it has one, like [`forward`].
 #[allow(clippy::too_many_arguments)] // the same state arguments as `forward`, plus the two hidden streams
 pub(crate) fn forward_mtp(
+    config: &Config,
+    weights: &Weights,
+    mtp: &MtpWeights,
+    scratch: &mut Scratch,
+    kv: &mut KvPool,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    hidden_in: &[f32],
+    logit_rows: LogitRows<'_>,
+    hidden_out: Option<&mut [f32]>,
+) {
+    let run = |scratch: &mut Scratch| {
+        forward_mtp_here(
+            config, weights, mtp, scratch, kv, states, rows, hidden_in, logit_rows, hidden_out,
+        )
+    };
+    match scratch.pool.clone() {
+        Some(pool) => pool.install(|| run(scratch)),
+        None => run(scratch),
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // see `forward_mtp`
+fn forward_mtp_here(
     config: &Config,
     weights: &Weights,
     mtp: &MtpWeights,
@@ -233,7 +349,13 @@ pub(crate) fn forward_mtp(
         rms_norm(&hidden_in[i * d..(i + 1) * d], &mtp.hnorm, eps, h);
     }
     let hidden = take(&mut scratch.hidden, m * d);
-    matmul(&scratch.normed[..m * 2 * d], m, &mtp.eh_proj, hidden);
+    matmul(
+        &mut scratch.mm,
+        &scratch.normed[..m * 2 * d],
+        m,
+        &mtp.eh_proj,
+        hidden,
+    );
     let base = (
         config.count(LayerKind::Attention),
         config.count(LayerKind::Mamba),
@@ -282,7 +404,14 @@ fn stack(
             }
             Mixer::Mlp(w) => {
                 let normed = &scratch.normed[..m * d];
-                mlp(w, normed, m, &mut scratch.mixed, &mut scratch.out);
+                mlp(
+                    &mut scratch.mm,
+                    w,
+                    normed,
+                    m,
+                    &mut scratch.mixed,
+                    &mut scratch.out,
+                );
             }
             Mixer::Moe(w) => moe(config, w, scratch, m),
         }
@@ -334,6 +463,7 @@ fn head(
         None => {
             let start = (first - norm_first) * d;
             matmul(
+                &mut scratch.mm,
                 &scratch.normed[start..start + count * d],
                 count,
                 lm_head,
@@ -347,6 +477,7 @@ fn head(
                 g.copy_from_slice(&scratch.normed[row * d..(row + 1) * d]);
             }
             matmul(
+                &mut scratch.mm,
                 &scratch.mixed[..rows.len() * d],
                 rows.len(),
                 lm_head,
@@ -357,15 +488,32 @@ fn head(
 }
 
 /// Dense MLP: `out = down(relu(up x)²)`.
-fn mlp(w: &MlpWeights, x: &[f32], m: usize, act: &mut Vec<f32>, out: &mut Vec<f32>) {
+fn mlp(
+    mm: &mut Matmul,
+    w: &MlpWeights,
+    x: &[f32],
+    m: usize,
+    act: &mut Vec<f32>,
+    out: &mut Vec<f32>,
+) {
     let act = take(act, m * w.up.out_dim);
-    matmul(x, m, &w.up, act);
+    matmul(mm, x, m, &w.up, act);
     relu2(act);
     let out = take(out, m * w.down.out_dim);
-    matmul(act, m, &w.down, out);
+    matmul(mm, act, m, &w.down, out);
 }
 
-/// Mamba2 mixer (ARCH.md §3), one recurrence step per row in row order.
+/// Mamba2 mixer (ARCH.md §3).
+///
+/// The projections batch all rows. The causal conv then runs row by row (it reads and shifts each
+/// sequence's history). The selective scan is split into tasks of one head over one *run* of rows
+/// sharing a state slot (a prefill chunk is one run; each decode row is its own; each sequence of
+/// a batch of runs is one): a task steps its head's state through the run's tokens in order, so
+/// the state (`P x N` floats) stays in L1 while tokens stream past, and every state element and
+/// output sees exactly the per-token recurrence a decode step computes. Tasks write disjoint parts
+/// of `scan` (run-major: the run starting at row `f` holds `[head][token][P]` from `f * inner`),
+/// which the gate and group norm read back per row. A row with a snapshot slot has its conv
+/// history copied there after the conv, and each head's state after that head's step of the row.
 fn mamba(
     config: &Config,
     w: &MambaWeights,
@@ -392,23 +540,19 @@ fn mamba(
     };
     let proj = take(&mut scratch.proj, m * proj_dim);
     matmul(
+        &mut scratch.mm,
         &scratch.normed[..m * config.hidden_size],
         m,
         &w.in_proj,
         proj,
     );
-    let mixed = take(&mut scratch.mixed, m * inner);
-    let conv_out = take(&mut scratch.conv_out, conv_dim);
-    let dt_b = take(&mut scratch.dt_b, n);
-    let heads_per_group = h / g;
-    let group_size = inner / g;
-    for i in 0..m {
-        let u = &scratch.proj[i * proj_dim..(i + 1) * proj_dim];
-        let (z, rest) = u.split_at(inner);
-        let (xbc, dt_raw) = rest.split_at(conv_dim);
-        let (conv_hist, ssm) = states.layer_mut(rows.slot(i), layer);
+    let proj = &scratch.proj[..m * proj_dim];
+    let conv_out = take(&mut scratch.conv_out, m * conv_dim);
+    for (i, out) in conv_out.chunks_exact_mut(conv_dim).enumerate() {
+        let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
+        let (conv_hist, _) = states.layer_mut(rows.slot(i), layer);
         // Causal depthwise conv over the K-1 previous inputs and this one.
-        for c in 0..conv_dim {
+        for (c, o) in out.iter_mut().enumerate() {
             let taps = &w.conv_weight[c * k..(c + 1) * k];
             let mut acc = 0.0f32;
             for (j, tap) in taps[..k - 1].iter().enumerate() {
@@ -418,38 +562,104 @@ fn mamba(
             if let Some(bias) = &w.conv_bias {
                 acc += bias[c];
             }
-            conv_out[c] = silu(acc);
+            *o = silu(acc);
         }
         if k > 1 {
             conv_hist.copy_within(conv_dim.., 0);
             conv_hist[(k - 2) * conv_dim..].copy_from_slice(xbc);
         }
-        let (x, bc) = conv_out.split_at(inner);
-        let (b_all, c_all) = bc.split_at(g * n);
-        let y = &mut mixed[i * inner..(i + 1) * inner];
-        for (head, &raw) in dt_raw.iter().enumerate() {
+        if let Some(snapshot) = rows.snapshot(i) {
+            states.copy_conv(rows.slot(i), snapshot, layer);
+        }
+    }
+    let conv_out = &scratch.conv_out[..m * conv_dim];
+
+    // Runs of rows that share a state slot, as (first row, length): a prefill chunk is one run,
+    // decode rows are one each, a batch of runs has one per sequence.
+    let runs = rows.runs();
+    let heads_per_group = h / g;
+    let scan = take(&mut scratch.scan, m * inner);
+    // The runs' head states, then the snapshot slots' (row order), slot-major.
+    let snapshot_rows: Vec<(usize, usize)> = (0..m)
+        .filter_map(|i| rows.snapshot(i).map(|slot| (i, slot)))
+        .collect();
+    let slots = runs
+        .iter()
+        .map(|&(first, _)| rows.slot(first))
+        .chain(snapshot_rows.iter().map(|&(_, slot)| slot));
+    let mut head_states = states.ssm_heads_mut(layer, slots, h).into_iter();
+    // One task per (run, head): its state, its `len x P` part of `scan`, and the snapshot
+    // slots' parts for that head with the token after which each receives the state.
+    let mut tasks: Vec<ScanTask<'_>> = Vec::with_capacity(runs.len() * h);
+    let mut rest: &mut [f32] = scan;
+    for &(first, len) in &runs {
+        for head in 0..h {
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(len * p);
+            rest = tail;
+            let state = head_states.next().expect("one state per run and head");
+            tasks.push(ScanTask {
+                first,
+                head,
+                state,
+                out,
+                snapshots: Vec::new(),
+            });
+        }
+    }
+    for &(i, _) in &snapshot_rows {
+        let run = runs.partition_point(|&(first, _)| first <= i) - 1;
+        let t = i - runs[run].0;
+        for head in 0..h {
+            let state = head_states.next().expect("one state per snapshot and head");
+            tasks[run * h + head].snapshots.push((t, state));
+        }
+    }
+    let kernels = scratch.mm.kernels;
+    kernels.for_each_task(&mut tasks, |task| {
+        let ScanTask {
+            first,
+            head,
+            state,
+            out,
+            snapshots,
+        } = task;
+        let (first, head) = (*first, *head);
+        let group = head / heads_per_group;
+        let mut snapshots = snapshots.iter_mut().peekable();
+        for (t, y) in out.chunks_exact_mut(p).enumerate() {
+            let i = first + t;
+            let raw = proj[i * proj_dim + inner + conv_dim + head];
             let mut dt = softplus(raw + w.dt_bias[head]);
             if let Some(min) = clamp {
                 dt = dt.max(min);
             }
             let decay = (dt * w.a[head]).exp();
-            let group = head / heads_per_group;
-            let b = &b_all[group * n..(group + 1) * n];
-            let c = &c_all[group * n..(group + 1) * n];
-            for (o, &bv) in dt_b.iter_mut().zip(b) {
-                *o = dt * bv;
+            let row = &conv_out[i * conv_dim..(i + 1) * conv_dim];
+            let x = &row[head * p..(head + 1) * p];
+            let b = &row[inner + group * n..inner + (group + 1) * n];
+            let c = &row[inner + (g + group) * n..inner + (g + group + 1) * n];
+            for ((yv, &xv), s) in y.iter_mut().zip(x).zip(state.chunks_exact_mut(n)) {
+                *yv = ssm_step(s, decay, dt, b, xv, c) + w.d[head] * xv;
             }
-            for pp in 0..p {
-                let channel = head * p + pp;
-                let xv = x[channel];
-                let s = &mut ssm[channel * n..(channel + 1) * n];
-                y[channel] = ssm_step(s, decay, dt_b, xv, c) + w.d[head] * xv;
+            if let Some((_, snapshot)) = snapshots.next_if(|(at, _)| *at == t) {
+                snapshot.copy_from_slice(state);
             }
         }
-        if let Some(snapshot) = rows.snapshot(i) {
-            states.copy_layer(rows.slot(i), snapshot, layer);
+    });
+    drop(tasks);
+
+    // Gate first, then RMSNorm per group (norm_before_gate = False), row by row.
+    let scan = &scratch.scan[..m * inner];
+    let mixed = take(&mut scratch.mixed, m * inner);
+    let group_size = inner / g;
+    kernels.for_each_chunk(mixed, inner, |i, y| {
+        let (first, len) = runs[runs.partition_point(|&(first, _)| first <= i) - 1];
+        let t = i - first;
+        for (head, yh) in y.chunks_exact_mut(p).enumerate() {
+            let start = first * inner + (head * len + t) * p;
+            yh.copy_from_slice(&scan[start..start + p]);
         }
-        // Gate first, then RMSNorm per group (norm_before_gate = False).
+        let z = &proj[i * proj_dim..i * proj_dim + inner];
         for (yv, &zv) in y.iter_mut().zip(z) {
             *yv *= silu(zv);
         }
@@ -462,23 +672,42 @@ fn mamba(
                 *v = wv * (*v * inv);
             }
         }
-    }
+    });
     let out = take(&mut scratch.out, m * config.hidden_size);
-    matmul(&scratch.mixed[..m * inner], m, &w.out_proj, out);
+    matmul(
+        &mut scratch.mm,
+        &scratch.mixed[..m * inner],
+        m,
+        &w.out_proj,
+        out,
+    );
+}
+
+/// One (run, head) task of the Mamba scan (see [`mamba`]).
+struct ScanTask<'s> {
+    /// The run's first row.
+    first: usize,
+    head: usize,
+    /// The head's `P x N` state in the run's slot.
+    state: &'s mut [f32],
+    /// The head's outputs for the run's tokens (`len x P`).
+    out: &'s mut [f32],
+    /// (token of the run, the head's state in a snapshot slot), ascending by token.
+    snapshots: Vec<(usize, &'s mut [f32])>,
 }
 
 /// One channel's SSM step, fused so the state is read and written once:
 /// `s = s * decay + (dt * B) * x`, returning `s · C` (the same lanes and fold order as `dot`).
-#[inline]
-fn ssm_step(s: &mut [f32], decay: f32, dt_b: &[f32], x: f32, c: &[f32]) -> f32 {
+#[inline(always)]
+fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: f32, c: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut acc = [0.0f32; LANES];
     let mut s_chunks = s.chunks_exact_mut(LANES);
-    let mut b_chunks = dt_b.chunks_exact(LANES);
+    let mut b_chunks = b.chunks_exact(LANES);
     let mut c_chunks = c.chunks_exact(LANES);
     for ((sv, bv), cv) in (&mut s_chunks).zip(&mut b_chunks).zip(&mut c_chunks) {
         for l in 0..LANES {
-            sv[l] = sv[l] * decay + bv[l] * x;
+            sv[l] = sv[l] * decay + (dt * bv[l]) * x;
             acc[l] += sv[l] * cv[l];
         }
     }
@@ -489,13 +718,21 @@ fn ssm_step(s: &mut [f32], decay: f32, dt_b: &[f32], x: f32, c: &[f32]) -> f32 {
         .zip(b_chunks.remainder())
         .zip(c_chunks.remainder())
     {
-        *sv = *sv * decay + bv * x;
+        *sv = *sv * decay + (dt * bv) * x;
         tail += *sv * cv;
     }
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
 /// Causal GQA attention without positional encoding (ARCH.md §4) over the paged pool.
+///
+/// One task per (row, KV head) computes that row's query heads of the KV head's group: it streams
+/// the row's keys and values `0..=pos` tile by tile (a tile is the part of one KV block the query
+/// may see, so tiles are fixed by absolute positions), with an online softmax (running max `m`,
+/// running sum `l`, output rescaled by `exp(m_old - m_new)` when the max grows). The result of a
+/// query depends only on its position, its keys and the block size: not on the other rows, the
+/// chunking of the prompt or the thread count. Tasks write disjoint `group x head_dim` slices of
+/// `mixed` (the row's heads of that group are adjacent).
 fn attention(
     config: &Config,
     w: &AttentionWeights,
@@ -512,7 +749,13 @@ fn attention(
     );
     let qkv_dim = (nh + 2 * nkv) * hd;
     let proj = take(&mut scratch.proj, m * qkv_dim);
-    matmul(&scratch.normed[..m * config.hidden_size], m, &w.qkv, proj);
+    matmul(
+        &mut scratch.mm,
+        &scratch.normed[..m * config.hidden_size],
+        m,
+        &w.qkv,
+        proj,
+    );
     let block_size = kv.block_size();
     let value_offset = kv.value_offset();
     // Write every row's K/V first: rows of one prefill chunk attend to earlier rows of the chunk.
@@ -528,41 +771,118 @@ fn attention(
     }
     let scale = (hd as f64).powf(-0.5) as f32;
     let group = nh / nkv;
+    let kv = &*kv;
+    let proj = &scratch.proj[..m * qkv_dim];
     let mixed = take(&mut scratch.mixed, m * nh * hd);
-    let data = kv.data();
-    for i in 0..m {
-        let pos = rows.pos(i);
-        let blocks = rows.blocks(i);
-        let q_row = &scratch.proj[i * qkv_dim..i * qkv_dim + nh * hd];
-        let scores = take(&mut scratch.scores, pos + 1);
-        for head in 0..nh {
-            let q = &q_row[head * hd..(head + 1) * hd];
-            let kv_head = head / group;
-            let mut max = f32::NEG_INFINITY;
-            for (s, score) in scores.iter_mut().enumerate() {
-                let at = kv.key_index(layer, blocks[s / block_size], s % block_size, kv_head);
-                *score = dot(q, &data[at..at + hd]) * scale;
-                max = max.max(*score);
-            }
-            let mut sum = 0.0f32;
-            for score in scores.iter_mut() {
-                *score = (*score - max).exp();
-                sum += *score;
-            }
-            let o = &mut mixed[i * nh * hd + head * hd..i * nh * hd + (head + 1) * hd];
-            o.fill(0.0);
-            for (s, &e) in scores.iter().enumerate() {
-                let weight = e / sum;
-                let at = kv.key_index(layer, blocks[s / block_size], s % block_size, kv_head)
-                    + value_offset;
-                for (ov, &vv) in o.iter_mut().zip(&data[at..at + hd]) {
-                    *ov += weight * vv;
-                }
-            }
+    let kernels = scratch.mm.kernels;
+    kernels.for_each_chunk(mixed, group * hd, |index, out| {
+        let (i, kv_head) = (index / nkv, index % nkv);
+        let q = &proj[i * qkv_dim + kv_head * group * hd..i * qkv_dim + (kv_head + 1) * group * hd];
+        let query = Query {
+            kv,
+            layer,
+            kv_head,
+            pos: rows.pos(i),
+            blocks: rows.blocks(i),
+            head_dim: hd,
+            scale,
+        };
+        kernels.arch.dispatch(AttendRow { query, q, out });
+    });
+    let out = take(&mut scratch.out, m * config.hidden_size);
+    matmul(
+        &mut scratch.mm,
+        &scratch.mixed[..m * nh * hd],
+        m,
+        &w.o_proj,
+        out,
+    );
+}
+
+/// One row's query heads of one KV group, as a [`pulp::WithSimd`] operation so the loops are
+/// compiled for the CPU's vector instructions (no result depends on them: see `gemm`).
+struct AttendRow<'a> {
+    query: Query<'a>,
+    q: &'a [f32],
+    out: &'a mut [f32],
+}
+
+impl pulp::WithSimd for AttendRow<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let hd = self.query.head_dim;
+        for (q, out) in self.q.chunks_exact(hd).zip(self.out.chunks_exact_mut(hd)) {
+            self.query.attend(simd, q, out);
         }
     }
-    let out = take(&mut scratch.out, m * config.hidden_size);
-    matmul(&scratch.mixed[..m * nh * hd], m, &w.o_proj, out);
+}
+
+/// Keys a tile holds at most (a KV block larger than this is cut into tiles of this size).
+const TILE: usize = 64;
+
+/// What one query row reads: its KV head's keys and values at positions `0..=pos`.
+struct Query<'a> {
+    kv: &'a KvPool,
+    layer: usize,
+    kv_head: usize,
+    pos: usize,
+    blocks: &'a [u32],
+    head_dim: usize,
+    scale: f32,
+}
+
+impl Query<'_> {
+    /// `out = softmax(q·Kᵀ · scale) · V` over positions `0..=pos`, tile by tile with an online
+    /// softmax (see [`attention`]).
+    #[inline(always)]
+    fn attend<S: pulp::Simd>(&self, simd: S, q: &[f32], out: &mut [f32]) {
+        let hd = self.head_dim;
+        let block_size = self.kv.block_size();
+        let stride = self.kv.key_stride();
+        let value_offset = self.kv.value_offset();
+        let data = self.kv.data();
+        let mut scores = [0.0f32; TILE];
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+        out.fill(0.0);
+        let mut start = 0;
+        while start <= self.pos {
+            let block = self.blocks[start / block_size];
+            let offset = start % block_size;
+            let len = (block_size - offset).min(TILE).min(self.pos + 1 - start);
+            let first = self.kv.key_index(self.layer, block, offset, self.kv_head);
+            let scores = &mut scores[..len];
+            let mut tile_max = f32::NEG_INFINITY;
+            for (j, score) in scores.iter_mut().enumerate() {
+                let at = first + j * stride;
+                *score = dot_simd(simd, q, &data[at..at + hd]) * self.scale;
+                tile_max = tile_max.max(*score);
+            }
+            if tile_max > max {
+                // exp(-inf) = 0 on the first tile, when nothing has been summed yet.
+                let rescale = (max - tile_max).exp();
+                sum *= rescale;
+                for o in out.iter_mut() {
+                    *o *= rescale;
+                }
+                max = tile_max;
+            }
+            for (j, &score) in scores.iter().enumerate() {
+                let weight = (score - max).exp();
+                sum += weight;
+                let at = first + j * stride + value_offset;
+                for (o, &v) in out.iter_mut().zip(&data[at..at + hd]) {
+                    *o += weight * v;
+                }
+            }
+            start += len;
+        }
+        let inv = 1.0 / sum;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
 }
 
 /// Index of the largest value (lowest index on ties).
@@ -649,7 +969,7 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
     let expert_dim = config.moe_expert_dim();
     let normed = &scratch.normed[..m * d];
     let router = take(&mut scratch.router, m * e);
-    matmul(normed, m, &w.gate, router);
+    matmul(&mut scratch.mm, normed, m, &w.gate, router);
     scratch.choices.clear();
     scratch.choices.resize(m * k, (0, 0.0));
     for (logits, choices) in router
@@ -661,7 +981,7 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
     let expert_input: &[f32] = match &w.latent {
         Some((fc1, _)) => {
             let latent = take(&mut scratch.latent_in, m * expert_dim);
-            matmul(normed, m, fc1, latent);
+            matmul(&mut scratch.mm, normed, m, fc1, latent);
             &scratch.latent_in[..m * expert_dim]
         }
         None => normed,
@@ -685,6 +1005,7 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
                 .copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
         }
         mlp(
+            &mut scratch.mm,
             ew,
             &scratch.expert_in[..count * expert_dim],
             count,
@@ -705,12 +1026,19 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
     // shared expert is added; `mixed` is free for the shared expert's activation.
     if let Some((_, fc2)) = &w.latent {
         let out = take(&mut scratch.out, m * d);
-        matmul(&scratch.routed[..m * expert_dim], m, fc2, out);
+        matmul(
+            &mut scratch.mm,
+            &scratch.routed[..m * expert_dim],
+            m,
+            fc2,
+            out,
+        );
     } else {
         let out = take(&mut scratch.out, m * d);
         out.copy_from_slice(&scratch.routed[..m * d]);
     }
     mlp(
+        &mut scratch.mm,
         &w.shared,
         &scratch.normed[..m * d],
         m,

@@ -61,6 +61,7 @@
 mod config;
 mod error;
 mod forward;
+mod gemm;
 mod math;
 pub mod parity;
 mod state;

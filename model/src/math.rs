@@ -1,37 +1,47 @@
-//! Numeric kernels with a fixed evaluation order: the matrix product (matrixmultiply's sgemm via
-//! ndarray's safe wrapper), dot products and sums of squares in 8 fixed lanes, RMSNorm, and the
-//! scalar activations.
+//! Numeric kernels with a fixed evaluation order: the matrix product (the packed kernel of
+//! [`crate::gemm`]), dot products and sums of squares in 8 fixed lanes, RMSNorm, and the scalar
+//! activations.
 //!
 //! Invariant: every function here computes each output row from that row's inputs alone, in an
-//! order that depends only on the vector lengths, never on how many rows are processed together.
-//! For [`matmul`] this rests on matrixmultiply's structure: an output element is accumulated over
-//! `k` in `kc`-sized blocks (a function of `k` only) by the same micro-kernel whatever the row count
-//! or the row's place inside a tile; `tests/invariance.rs` checks it bit for bit.
+//! order that depends only on the vector lengths, never on how many rows are processed together
+//! or on how many threads share the work; `tests/invariance.rs` checks it bit for bit.
 
-use ndarray::linalg::general_mat_mul;
-use ndarray::{ArrayView2, ArrayViewMut2};
-
+use crate::gemm::{self, Kernels};
 use crate::weights::Linear;
 
-/// `out[m, lin.out_dim] = x[m, lin.in_dim] · W[out, in]ᵀ (+ bias)`, with `W` stored transposed.
-pub(crate) fn matmul(x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
-    let (k, n) = (lin.in_dim, lin.out_dim);
-    let out = &mut out[..rows * n];
-    if rows == 0 {
-        return;
+/// The matrix product's context: the kernels (threads, instruction set) and its panel scratch.
+#[derive(Debug, Clone)]
+pub(crate) struct Matmul {
+    pub kernels: Kernels,
+    tmp: Vec<f32>,
+}
+
+impl Default for Matmul {
+    fn default() -> Self {
+        Self::new(Kernels::single())
     }
-    // The shapes below are guaranteed by the caller's buffer sizing and `Weights::build`.
-    let a = ArrayView2::from_shape((rows, k), &x[..rows * k]).expect("activation shape");
-    let b = ArrayView2::from_shape((k, n), &lin.weight_t[..]).expect("weight shape");
-    let mut c = ArrayViewMut2::from_shape((rows, n), &mut *out).expect("output shape");
-    general_mat_mul(1.0, &a, &b, 0.0, &mut c);
-    if let Some(bias) = &lin.bias {
-        for row in out.chunks_exact_mut(n) {
-            for (o, b) in row.iter_mut().zip(bias) {
-                *o += b;
-            }
+}
+
+impl Matmul {
+    pub(crate) fn new(kernels: Kernels) -> Self {
+        Self {
+            kernels,
+            tmp: Vec::new(),
         }
     }
+}
+
+/// `out[m, lin.out_dim] = x[m, lin.in_dim] · Wᵀ (+ bias)`; see [`gemm`] for the evaluation order.
+pub(crate) fn matmul(mm: &mut Matmul, x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
+    gemm::matmul(
+        &mm.kernels,
+        x,
+        rows,
+        &lin.weight,
+        lin.bias.as_deref(),
+        &mut mm.tmp,
+        out,
+    );
 }
 
 const LANES: usize = 8;
@@ -50,6 +60,11 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
+        // Fixed-size views let the compiler keep `acc` in one vector register.
+        let (x, y): (&[f32; LANES], &[f32; LANES]) = match (x.try_into(), y.try_into()) {
+            (Ok(x), Ok(y)) => (x, y),
+            _ => unreachable!("chunks_exact yields {LANES} floats"),
+        };
         for l in 0..LANES {
             acc[l] += x[l] * y[l];
         }
@@ -59,6 +74,31 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     fold(acc, tail)
+}
+
+/// [`dot`] with explicit 8-lane vectors where the instruction set has them (AVX2: one register
+/// holds the 8 lanes): the very same operations in the same order, so the same bits, without
+/// relying on the compiler to keep the lanes apart (it interleaves them with shuffles otherwise).
+#[inline(always)]
+pub(crate) fn dot_simd<S: pulp::Simd>(simd: S, a: &[f32], b: &[f32]) -> f32 {
+    if S::F32_LANES != LANES {
+        return dot(a, b);
+    }
+    let (va, ta) = S::as_simd_f32s(a);
+    let (vb, tb) = S::as_simd_f32s(b);
+    let mut acc = simd.splat_f32s(0.0);
+    for (&x, &y) in va.iter().zip(vb) {
+        acc = simd.add_f32s(acc, simd.mul_f32s(x, y));
+    }
+    let mut lanes = [0.0f32; LANES];
+    lanes.copy_from_slice(bytemuck::cast_slice::<S::f32s, f32>(std::slice::from_ref(
+        &acc,
+    )));
+    let mut tail = 0.0f32;
+    for (x, y) in ta.iter().zip(tb) {
+        tail += x * y;
+    }
+    fold(lanes, tail)
 }
 
 /// `Σ a_i²`, same order as [`dot`].
@@ -110,58 +150,28 @@ pub(crate) fn relu2(values: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-
-    fn random(n: usize, rng: &mut rand_chacha::ChaCha8Rng) -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-    }
-
-    /// One row's product has the same bits alone and at any place in a batch of any size. The
-    /// shapes cross matrixmultiply's tile sizes (8 or 16 rows, 8 or 16 columns) and its 256-deep
-    /// k-blocking, and the bias path.
-    #[test]
-    fn matmul_row_bits_do_not_depend_on_batch() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &(k, n) in &[(64, 196), (300, 70), (17, 9)] {
-            let weight = random(n * k, &mut rng);
-            let lin = Linear::from_rows(&weight, Some(random(n, &mut rng)), n, k);
-            let batch = 70;
-            let x = random(batch * k, &mut rng);
-            let mut all = vec![0.0; batch * n];
-            matmul(&x, batch, &lin, &mut all);
-            for &rows in &[1usize, 2, 7, 8, 9, 16, 17, 33, 70] {
-                let mut part = vec![0.0; rows * n];
-                for start in [0, batch - rows] {
-                    matmul(&x[start * k..], rows, &lin, &mut part);
-                    for r in 0..rows {
-                        let ours = &part[r * n..(r + 1) * n];
-                        let full = &all[(start + r) * n..(start + r + 1) * n];
-                        assert!(
-                            ours.iter()
-                                .zip(full)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "k={k} n={n}: row {} differs in a batch of {rows}",
-                            start + r
-                        );
-                    }
-                }
-            }
-            // And it is the right product (sgemm vs a plain f64 dot, loosely).
-            for r in [0, batch - 1] {
-                for o in [0, n - 1] {
-                    let exact: f64 = (0..k)
-                        .map(|i| f64::from(x[r * k + i]) * f64::from(weight[o * k + i]))
-                        .sum::<f64>()
-                        + f64::from(lin.bias.as_ref().unwrap()[o]);
-                    assert!((f64::from(all[r * n + o]) - exact).abs() < 1e-4);
-                }
-            }
-        }
-    }
 
     #[test]
     fn scalar_kernels() {
         assert_eq!(dot(&[1.0; 19], &[2.0; 19]), 38.0);
+        // The explicit-vector form is the same function, bit for bit, on any lengths.
+        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.91).cos()).collect();
+        struct Both<'a>(&'a [f32], &'a [f32]);
+        impl pulp::WithSimd for Both<'_> {
+            type Output = Vec<(u32, u32)>;
+            fn with_simd<S: pulp::Simd>(self, simd: S) -> Self::Output {
+                (0..=self.0.len())
+                    .map(|n| {
+                        let (x, y) = (&self.0[..n], &self.1[..n]);
+                        (dot(x, y).to_bits(), dot_simd(simd, x, y).to_bits())
+                    })
+                    .collect()
+            }
+        }
+        for (plain, simd) in pulp::Arch::new().dispatch(Both(&a, &b)) {
+            assert_eq!(plain, simd);
+        }
         assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);

@@ -189,6 +189,12 @@ impl KvPool {
             + (offset * self.kv_heads + head) * self.head_dim
     }
 
+    /// Distance from one position's key to the next position's in a block.
+    #[inline]
+    pub(crate) fn key_stride(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
     /// Distance from a key to its value.
     #[inline]
     pub(crate) fn value_offset(&self) -> usize {
@@ -459,13 +465,14 @@ impl MambaStates {
         Ok(())
     }
 
-    /// Copies Mamba layer `layer` of slot `src` over slot `dst` (both validated).
-    pub(crate) fn copy_layer(&mut self, src: usize, dst: usize, layer: usize) {
+    /// Copies the conv history of Mamba layer `layer` of slot `src` over slot `dst` (both
+    /// validated); the forward pass copies the SSM state head by head.
+    pub(crate) fn copy_conv(&mut self, src: usize, dst: usize, layer: usize) {
         let per = self.layout.layer_floats();
         let n = self.floats_per_slot();
         let from = src * n + layer * per;
         self.data
-            .copy_within(from..from + per, dst * n + layer * per);
+            .copy_within(from..from + self.layout.conv_floats, dst * n + layer * per);
     }
 
     /// Conv history and SSM state of Mamba layer `layer` in `slot` (slot already validated).
@@ -473,6 +480,39 @@ impl MambaStates {
         let start = slot * self.floats_per_slot() + layer * self.layout.layer_floats();
         let region = &mut self.data[start..start + self.layout.layer_floats()];
         region.split_at_mut(self.layout.conv_floats)
+    }
+
+    /// The SSM state of Mamba layer `layer`, cut into its heads' `P x N` parts, for each slot of
+    /// `slots` in that order: `slots.len() * heads` disjoint slices, slot-major. Slots must be
+    /// valid and distinct (the caller validated them), and `heads` must divide the state.
+    pub(crate) fn ssm_heads_mut(
+        &mut self,
+        layer: usize,
+        slots: impl Iterator<Item = usize>,
+        heads: usize,
+    ) -> Vec<&mut [f32]> {
+        let per_slot = self.floats_per_slot();
+        let start = layer * self.layout.layer_floats() + self.layout.conv_floats;
+        let ssm = self.layout.ssm_floats;
+        let mut wanted: Vec<(usize, usize)> = slots.enumerate().map(|(i, s)| (s, i)).collect();
+        wanted.sort_unstable();
+        let mut found: Vec<(usize, &mut [f32])> = Vec::with_capacity(wanted.len());
+        let mut next = wanted.iter().peekable();
+        for (slot, region) in self.data.chunks_exact_mut(per_slot.max(1)).enumerate() {
+            if let Some(&(_, order)) = next.next_if(|&&(s, _)| s == slot) {
+                found.push((order, &mut region[start..start + ssm]));
+            }
+        }
+        assert_eq!(
+            found.len(),
+            wanted.len(),
+            "slots must be valid and distinct"
+        );
+        found.sort_unstable_by_key(|&(order, _)| order);
+        found
+            .into_iter()
+            .flat_map(|(_, state)| state.chunks_exact_mut((ssm / heads).max(1)))
+            .collect()
     }
 }
 

@@ -13,17 +13,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::gemm::Packed;
 use crate::{Config, LayerKind, ModelError};
 
-/// A dense linear map with an optional bias, stored **transposed**.
-///
-/// `weight_t` is `[in, out]` row-major (the checkpoint's `[out, in]` transposed at load), so the
-/// matrix product's packing of the right-hand operand reads contiguous rows. The transposition
-/// changes no bits of any product: sgemm packs the same values into the same panels either way.
+/// A dense linear map with an optional bias, its matrix packed for the matrix product
+/// ([`crate::gemm::Packed`]: 16-column panels, the layout every product reads, built once at load).
 #[derive(Debug, Clone)]
 pub(crate) struct Linear {
-    /// `in * out` floats; row `i` holds input feature `i`'s weight for every output.
-    pub weight_t: Vec<f32>,
+    /// The `[out, in]` matrix, packed.
+    pub weight: Packed,
     /// `out` floats when present.
     pub bias: Option<Vec<f32>>,
     /// Output features.
@@ -143,17 +141,6 @@ fn linear(
     Ok(Linear::from_rows(&weight, bias, out_dim, in_dim))
 }
 
-/// `[rows, cols]` row-major -> `[cols, rows]` row-major, into `out`.
-fn transpose_into(src: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
-    out.clear();
-    out.resize(rows * cols, 0.0);
-    for (r, row) in src.chunks_exact(cols).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            out[c * rows + r] = v;
-        }
-    }
-}
-
 impl Linear {
     /// From a checkpoint-layout `[out, in]` matrix.
     pub(crate) fn from_rows(
@@ -162,10 +149,8 @@ impl Linear {
         out_dim: usize,
         in_dim: usize,
     ) -> Self {
-        let mut weight_t = Vec::new();
-        transpose_into(weight, out_dim, in_dim, &mut weight_t);
         Self {
-            weight_t,
+            weight: Packed::from_rows(weight, out_dim, in_dim),
             bias,
             out_dim,
             in_dim,
@@ -174,7 +159,7 @@ impl Linear {
 
     /// The checkpoint-layout `[out, in]` matrix, into `out`.
     pub(crate) fn rows_into(&self, out: &mut Vec<f32>) {
-        transpose_into(&self.weight_t, self.in_dim, self.out_dim, out);
+        self.weight.rows_into(out);
     }
 }
 

@@ -1,5 +1,6 @@
-//! Bit-for-bit invariance of a row's logits and state: alone or inside a decode batch of 7, and
-//! whatever the prefill chunking (one chunk, chunks of 1, 16 or 33, token-by-token decode).
+//! Bit-for-bit invariance of a row's logits and state: alone or inside a decode batch of 7,
+//! whatever the prefill chunking (one chunk, chunks of 1, 16 or 33, token-by-token decode), and
+//! whatever the number of threads the forward pass runs on (1, 2 or 3).
 
 use std::path::PathBuf;
 
@@ -28,8 +29,16 @@ fn prompt(len: usize, seed: u32, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Prefills `tokens` in chunks of `chunk` tokens (one call per chunk), returning every
-/// position's logits.
+/// Thread counts the checks cycle through (1 is the reference every other count must match).
+const THREADS: [usize; 3] = [1, 2, 3];
+
+fn scratch_on(model: &Model, threads: usize) -> Scratch {
+    Scratch::with_threads(model.config(), threads).unwrap()
+}
+
+/// Prefills `tokens` in chunks of `chunk` tokens (one call per chunk) on `threads` threads,
+/// returning every position's logits.
+#[allow(clippy::too_many_arguments)] // a test helper; a struct would only rename the arguments
 fn prefill_chunked(
     model: &Model,
     kv: &mut KvPool,
@@ -38,8 +47,9 @@ fn prefill_chunked(
     chunk: usize,
     table: &[u32],
     slot: usize,
+    threads: usize,
 ) -> Vec<f32> {
-    let mut scratch = Scratch::new(model.config());
+    let mut scratch = scratch_on(model, threads);
     let mut all = Vec::new();
     let mut logits = Vec::new();
     for (i, piece) in tokens.chunks(chunk).enumerate() {
@@ -62,10 +72,19 @@ fn check_chunk_invariance(model: &Model, len: usize, chunks: &[usize]) {
     let tokens = prompt(len, 5, config.vocab_size);
     let num_blocks = len.div_ceil(BLOCK_SIZE);
     let table: Vec<u32> = (0..num_blocks as u32).collect();
-    let run = |chunk: usize| {
+    let run = |chunk: usize, threads: usize| {
         let mut kv = KvPool::new(config, num_blocks, BLOCK_SIZE).unwrap();
         let mut states = MambaStates::new(config, 1).unwrap();
-        let logits = prefill_chunked(model, &mut kv, &mut states, &tokens, chunk, &table, 0);
+        let logits = prefill_chunked(
+            model,
+            &mut kv,
+            &mut states,
+            &tokens,
+            chunk,
+            &table,
+            0,
+            threads,
+        );
         let mut kv_floats = Vec::new();
         for &b in &table {
             kv.export_block(b, &mut kv_floats).unwrap();
@@ -76,22 +95,34 @@ fn check_chunk_invariance(model: &Model, len: usize, chunks: &[usize]) {
             bits(&kv_floats),
         )
     };
-    let whole = run(len);
+    let whole = run(len, 1);
     assert_eq!(whole.0.len(), len * config.vocab_size);
-    for &chunk in chunks {
-        let chunked = run(chunk);
-        assert!(whole.0 == chunked.0, "logits differ with chunks of {chunk}");
+    // Each chunking on the next thread count in turn, and the whole prompt on the other counts.
+    let cases = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, &chunk)| (chunk, THREADS[(i + 1) % THREADS.len()]))
+        .chain(THREADS[1..].iter().map(|&threads| (len, threads)));
+    for (chunk, threads) in cases {
+        let chunked = run(chunk, threads);
+        assert!(
+            whole.0 == chunked.0,
+            "logits differ with chunks of {chunk} on {threads} threads"
+        );
         assert!(
             whole.1 == chunked.1,
-            "Mamba state differs with chunks of {chunk}"
+            "Mamba state differs with chunks of {chunk} on {threads} threads"
         );
-        assert!(whole.2 == chunked.2, "KV differs with chunks of {chunk}");
+        assert!(
+            whole.2 == chunked.2,
+            "KV differs with chunks of {chunk} on {threads} threads"
+        );
     }
 
-    // Token-by-token decode computes the very same bits as prefill.
+    // Token-by-token decode (on 3 threads) computes the very same bits as prefill.
     let mut kv = KvPool::new(config, num_blocks, BLOCK_SIZE).unwrap();
     let mut states = MambaStates::new(config, 1).unwrap();
-    let mut scratch = Scratch::new(config);
+    let mut scratch = scratch_on(model, 3);
     let mut decoded = Vec::new();
     let mut logits = Vec::new();
     for (pos, &token) in tokens.iter().enumerate() {
@@ -121,7 +152,8 @@ fn long_prefill_split_internally_does_not_change_bits() {
     check_chunk_invariance(&fixture_model(), 150, &[16, 128, 149]);
 }
 
-/// Seven sequences with different histories; row `probe` decoded alone and inside the batch.
+/// Seven sequences with different histories; row `probe` decoded alone on one thread and inside
+/// the batch on 2 or 3 threads.
 fn check_batch_invariance(model: &Model) {
     let config = model.config();
     let lengths = [3usize, 17, 1, 40, 9, 25, 16];
@@ -149,7 +181,9 @@ fn check_batch_invariance(model: &Model) {
         next.push(model::parity::argmax(&logits));
     }
     let vocab = config.vocab_size;
-    for probe in [0usize, 3, 6] {
+    let mut alone_scratch = scratch_on(model, 1);
+    for (probe, threads) in [(0usize, 2), (3, 3), (6, 2)] {
+        let mut scratch = scratch_on(model, threads);
         let (mut kv_alone, mut states_alone) = (kv.clone(), states.clone());
         let (mut kv_batch, mut states_batch) = (kv.clone(), states.clone());
         let mut tokens = next.clone();
@@ -164,7 +198,7 @@ fn check_batch_invariance(model: &Model) {
             let mut alone = Vec::new();
             model
                 .decode(
-                    &mut scratch,
+                    &mut alone_scratch,
                     &mut kv_alone,
                     &mut states_alone,
                     &[row(probe, token_alone)],
@@ -189,7 +223,7 @@ fn check_batch_invariance(model: &Model) {
             let at = order.iter().position(|&s| s == probe).unwrap();
             assert!(
                 bits(&alone) == bits(&batch[at * vocab..(at + 1) * vocab]),
-                "row {probe} step {step}: logits differ alone vs in a batch of 7"
+                "row {probe} step {step}: logits differ alone vs in a batch of 7 on {threads} threads"
             );
             assert!(
                 bits(states_alone.slot(probe).unwrap()) == bits(states_batch.slot(probe).unwrap())

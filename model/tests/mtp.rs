@@ -422,76 +422,124 @@ fn runs_match_decode_steps_bit_for_bit_with_snapshots() {
                 expected_states[row.slot].push(state);
             }
         }
-        // One call over three runs, with snapshots into slots 3.. (main stack's Mamba layers).
-        let mut kv = KvPool::new(config, 6, 16).unwrap();
-        let mut states = MambaStates::new(config, 12).unwrap();
-        prefill(&mut kv, &mut states, &mut scratch);
-        let snapshots: [Vec<usize>; 3] = [vec![3, 4, 5, 6], vec![7, 8], vec![9]];
-        let runs: Vec<RunRow<'_>> = (0..3)
-            .map(|seq| RunRow {
-                tokens: feeds[seq],
-                start_pos: prompts[seq].len(),
-                blocks: &tables[seq],
-                slot: seq,
-                snapshots: &snapshots[seq],
-            })
-            .collect();
-        let mut logits = Vec::new();
-        let mut hidden = Vec::new();
-        model
-            .forward_runs(
-                &mut scratch,
-                &mut kv,
-                &mut states,
-                &runs,
-                RunOutputs::All,
-                &mut logits,
-                Some(&mut hidden),
-            )
-            .unwrap();
-        assert_eq!(hidden.len(), 7 * config.hidden_size);
-        let main_mamba = config.count(LayerKind::Mamba);
-        let per_layer = states.layout().layer_floats();
-        let mut row = 0;
-        for seq in 0..3 {
-            let n = feeds[seq].len();
-            assert_eq!(
-                logits[row * vocab..(row + n) * vocab],
-                expected[seq][..],
-                "{fixture}: sequence {seq}'s logits"
-            );
-            for (j, &snapshot) in snapshots[seq].iter().enumerate() {
-                let main_floats = main_mamba * per_layer;
+        // One call over three runs, with snapshots into slots 3.. (main stack's Mamba layers), on
+        // 1, 2 and 3 threads; then the MTP head over the same runs, whose bits (logits, outputs,
+        // every state slot) must not depend on the thread count either.
+        let mut mtp_bits: Option<Vec<Vec<u32>>> = None;
+        for threads in [1, 2, 3] {
+            let mut scratch = Scratch::with_threads(config, threads).unwrap();
+            let mut kv = KvPool::new(config, 6, 16).unwrap();
+            let mut states = MambaStates::new(config, 12).unwrap();
+            prefill(&mut kv, &mut states, &mut scratch);
+            let snapshots: [Vec<usize>; 3] = [vec![3, 4, 5, 6], vec![7, 8], vec![9]];
+            let runs: Vec<RunRow<'_>> = (0..3)
+                .map(|seq| RunRow {
+                    tokens: feeds[seq],
+                    start_pos: prompts[seq].len(),
+                    blocks: &tables[seq],
+                    slot: seq,
+                    snapshots: &snapshots[seq],
+                })
+                .collect();
+            let mut logits = Vec::new();
+            let mut hidden = Vec::new();
+            model
+                .forward_runs(
+                    &mut scratch,
+                    &mut kv,
+                    &mut states,
+                    &runs,
+                    RunOutputs::All,
+                    &mut logits,
+                    Some(&mut hidden),
+                )
+                .unwrap();
+            assert_eq!(hidden.len(), 7 * config.hidden_size);
+            let main_mamba = config.count(LayerKind::Mamba);
+            let per_layer = states.layout().layer_floats();
+            let mut row = 0;
+            for seq in 0..3 {
+                let n = feeds[seq].len();
                 assert_eq!(
-                    states.slot(snapshot).unwrap()[..main_floats],
-                    expected_states[seq][j][..main_floats],
-                    "{fixture}: sequence {seq}'s snapshot after token {j}"
+                    logits[row * vocab..(row + n) * vocab],
+                    expected[seq][..],
+                    "{fixture}: sequence {seq}'s logits"
+                );
+                for (j, &snapshot) in snapshots[seq].iter().enumerate() {
+                    let main_floats = main_mamba * per_layer;
+                    assert_eq!(
+                        states.slot(snapshot).unwrap()[..main_floats],
+                        expected_states[seq][j][..main_floats],
+                        "{fixture}: sequence {seq}'s snapshot after token {j}"
+                    );
+                }
+                row += n;
+            }
+            // Last-position outputs are the last rows of the runs.
+            let mut kv = KvPool::new(config, 6, 16).unwrap();
+            let mut states = MambaStates::new(config, 12).unwrap();
+            prefill(&mut kv, &mut states, &mut scratch);
+            let mut last = Vec::new();
+            model
+                .forward_runs(
+                    &mut scratch,
+                    &mut kv,
+                    &mut states,
+                    &runs,
+                    RunOutputs::Last,
+                    &mut last,
+                    None,
+                )
+                .unwrap();
+            for seq in 0..3 {
+                let n = feeds[seq].len();
+                assert_eq!(
+                    last[seq * vocab..(seq + 1) * vocab],
+                    expected[seq][(n - 1) * vocab..n * vocab]
                 );
             }
-            row += n;
-        }
-        // Last-position outputs are the last rows of the runs.
-        let mut kv = KvPool::new(config, 6, 16).unwrap();
-        let mut states = MambaStates::new(config, 12).unwrap();
-        prefill(&mut kv, &mut states, &mut scratch);
-        let mut last = Vec::new();
-        model
-            .forward_runs(
-                &mut scratch,
-                &mut kv,
-                &mut states,
-                &runs,
-                RunOutputs::Last,
-                &mut last,
-                None,
-            )
-            .unwrap();
-        for seq in 0..3 {
-            let n = feeds[seq].len();
-            assert_eq!(
-                last[seq * vocab..(seq + 1) * vocab],
-                expected[seq][(n - 1) * vocab..n * vocab]
-            );
+            // The MTP head over the runs (each position's next token: the run's tokens shifted,
+            // then a fixed id), from the main stack's hidden rows of the first call above.
+            let next: [Vec<u32>; 3] = [vec![1, 4, 1, 5], vec![7, 1], vec![8]];
+            let mtp_runs: Vec<RunRow<'_>> = (0..3)
+                .map(|seq| RunRow {
+                    tokens: &next[seq],
+                    start_pos: prompts[seq].len(),
+                    blocks: &tables[seq],
+                    slot: seq,
+                    snapshots: &snapshots[seq],
+                })
+                .collect();
+            let (mut mtp_logits, mut mtp_out) = (Vec::new(), Vec::new());
+            model
+                .mtp(
+                    &mut scratch,
+                    &mut kv,
+                    &mut states,
+                    &mtp_runs,
+                    &hidden,
+                    RunOutputs::All,
+                    &mut mtp_logits,
+                    &mut mtp_out,
+                )
+                .unwrap();
+            // What the MTP call produced, as bits: logits, outputs, then every state slot.
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            let mut seen = vec![bits(&mtp_logits), bits(&mtp_out)];
+            seen.extend((0..12).map(|slot| bits(states.slot(slot).unwrap())));
+            match &mtp_bits {
+                None => mtp_bits = Some(seen),
+                Some(first) => {
+                    for (k, (a, b)) in seen.iter().zip(first).enumerate() {
+                        let what = match k {
+                            0 => "logits".to_string(),
+                            1 => "outputs".to_string(),
+                            _ => format!("state slot {}", k - 2),
+                        };
+                        assert!(a == b, "{fixture}: MTP {what} on {threads} threads");
+                    }
+                }
+            }
         }
     }
 }

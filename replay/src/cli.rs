@@ -92,6 +92,11 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceName::Cpu)]
     pub device: DeviceName,
 
+    /// Threads of the model's forward pass (outputs are the same bits for every count)
+    /// [default: every core the machine has]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub threads: Option<u64>,
+
     /// Hold each turn until its trace arrival time divided by SPEEDUP (1 is real time)
     /// [default: as fast as possible; a session's next turn always waits for its last]
     #[arg(long, value_name = "SPEEDUP", value_parser = positive_speedup, allow_negative_numbers = true)]

@@ -312,6 +312,9 @@ fn run_pass(
         prefix_cache,
         marconi: !args.no_marconi,
         max_depth: depth,
+        threads: args
+            .threads
+            .map_or_else(backend::default_threads, |n| n as usize),
         ..BackendOptions::new(plan.kv_blocks, max_seqs)
     };
     let preemption = match args.preempt {

@@ -44,6 +44,8 @@ pub struct Setup {
     pub state_slot_bytes: u64,
     /// Pipelining depth: steps in flight (1: each step is read before the next is launched).
     pub depth: usize,
+    /// Threads of the model's forward pass.
+    pub threads: usize,
     /// How preempted turns come back (`recompute`, or `spill (to a fresh directory under DIR)`).
     pub preemption: String,
     /// Token ids at or above the vocabulary were folded into it (`--fold-token-ids`).
@@ -120,6 +122,7 @@ impl Setup {
             },
             state_slot_bytes: backend::state_slot_bytes(model),
             depth: options.max_depth,
+            threads: options.threads,
             preemption,
             fold_token_ids: args.fold_token_ids,
         }
@@ -144,6 +147,7 @@ impl Setup {
             "in flight           at most {} turns; pipelining depth {}; preemption by {}",
             self.max_in_flight, self.depth, self.preemption
         );
+        println!("compute threads     {}", self.threads);
         println!(
             "prefix cache        {}; SSM checkpoint eviction: {}; {} checkpoint slots of {}",
             if self.prefix_cache { "on" } else { "off" },

@@ -62,7 +62,7 @@ mod cpu {
 
     /// The host router crate, for what the names below do not cover.
     pub use device_cpu;
-    pub use device_cpu::CpuRouter;
+    pub use device_cpu::{default_threads, CpuRouter};
     #[cfg(feature = "trace")]
     pub use device_trace::{TraceSink, TracingDeviceIo};
     /// The model crate, for what the names below do not cover.
@@ -104,6 +104,8 @@ mod cpu {
         /// Pipeline depth: 1 (synchronous) or 2 (the router computes on a worker thread and the
         /// engine keeps one decode step in flight while it reads the previous one).
         pub max_depth: usize,
+        /// Threads of the model's forward pass (the machine's available parallelism by default).
+        pub threads: usize,
         /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
         #[cfg(feature = "trace")]
         pub trace: Option<device_trace::TraceSink>,
@@ -125,6 +127,7 @@ mod cpu {
                 prefix_cache: true,
                 marconi: true,
                 max_depth: 1,
+                threads: device_cpu::default_threads(),
                 #[cfg(feature = "trace")]
                 trace: None,
             }
@@ -174,6 +177,7 @@ mod cpu {
             marconi: options.marconi && MARCONI_COMPILED,
             max_context: options.max_context,
             max_depth: options.max_depth,
+            threads: options.threads,
         };
         let router =
             CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;

@@ -35,6 +35,7 @@ fn scenario(depth: usize, c_stop: Option<u32>) -> Scenario {
         marconi: true,
         max_context: Some(64),
         max_depth: depth,
+        threads: device_cpu::default_threads(),
     };
     let (sink, trace) = TraceSink::memory();
     let router = TracingDeviceIo::new(CpuRouter::new(model, router_config).unwrap(), sink);

@@ -55,6 +55,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         marconi: setup.caches,
         max_context: Some(max_context),
         max_depth: setup.depth,
+        threads: device_cpu::default_threads(),
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let initial = router.facts();

@@ -1,0 +1,219 @@
+//! Host forward throughput on one checkpoint: prefill of one prompt of N tokens, and greedy decode
+//! of B sequences at once (each after a 128-token prompt), in tokens per second. The reference
+//! side of `benches/vs_transformers.py`, which runs Hugging Face transformers on the same
+//! checkpoint in the same run; it can also write the embedded model as a checkpoint for it.
+//!
+//! ```text
+//! cargo run --release -p model --example throughput -- [options]
+//!   --model DIR        a NemotronH checkpoint (default: the embedded `Config::small_512()` model,
+//!                      seed 0, the replay's default)
+//!   --save DIR         write the model as a checkpoint (config.json + model.safetensors) and exit
+//!   --threads N        threads of the forward pass (default 1)
+//!   --work LIST        comma-separated `prefill:N` and `decode:B` items
+//!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32)
+//!   --steps S          decode steps per measurement (default 32)
+//!   --repeat R         measurements per item; the best is reported (default 3)
+//!   --logits FILE      also write the last prefill's final-position logits (f32 little-endian),
+//!                      for a parity check against another implementation
+//! ```
+//!
+//! Output: one line per item, `prefill 2048 tok/s 1234.5` or `decode 32 tok/s 567.8`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
+
+const BLOCK_SIZE: usize = 16;
+const DECODE_CONTEXT: usize = 128;
+
+#[derive(Debug, Clone, Copy)]
+enum Item {
+    Prefill(usize),
+    Decode(usize),
+}
+
+#[derive(Debug)]
+struct Args {
+    model: Option<PathBuf>,
+    save: Option<PathBuf>,
+    threads: usize,
+    work: Vec<Item>,
+    steps: usize,
+    repeat: usize,
+    logits: Option<PathBuf>,
+}
+
+fn parse_work(text: &str) -> Result<Vec<Item>, String> {
+    text.split(',')
+        .map(|item| {
+            let (kind, n) = item.split_once(':').ok_or(format!(
+                "--work item {item:?}: expected prefill:N or decode:B"
+            ))?;
+            let n: usize = n
+                .parse()
+                .map_err(|e| format!("--work item {item:?}: {e}"))?;
+            if n == 0 {
+                return Err(format!("--work item {item:?}: must be at least 1"));
+            }
+            match kind {
+                "prefill" => Ok(Item::Prefill(n)),
+                "decode" => Ok(Item::Decode(n)),
+                _ => Err(format!(
+                    "--work item {item:?}: expected prefill:N or decode:B"
+                )),
+            }
+        })
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        model: None,
+        save: None,
+        threads: 1,
+        work: parse_work("prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32")?,
+        steps: 32,
+        repeat: 3,
+        logits: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        let count = |text: String| -> Result<usize, String> {
+            match text.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                Ok(_) => Err(format!("{text:?}: must be at least 1")),
+                Err(e) => Err(format!("{text:?}: {e}")),
+            }
+        };
+        match flag.as_str() {
+            "--model" => args.model = Some(PathBuf::from(value()?)),
+            "--save" => args.save = Some(PathBuf::from(value()?)),
+            "--threads" => args.threads = count(value()?)?,
+            "--work" => args.work = parse_work(&value()?)?,
+            "--steps" => args.steps = count(value()?)?,
+            "--repeat" => args.repeat = count(value()?)?,
+            "--logits" => args.logits = Some(PathBuf::from(value()?)),
+            other => return Err(format!("unknown option {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+/// A prompt of `len` tokens (deterministic; the same formula as `vs_transformers.py`).
+fn prompt(len: usize, seed: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|t| ((t * 31 + seed * 7 + 3) % vocab) as u32)
+        .collect()
+}
+
+fn prefill_rate(model: &Model, scratch: &mut Scratch, n: usize, logits: &mut Vec<f32>) -> f64 {
+    let config = model.config();
+    let blocks = n.div_ceil(BLOCK_SIZE);
+    let mut kv = KvPool::new(config, blocks, BLOCK_SIZE).expect("pool");
+    let mut states = MambaStates::new(config, 1).expect("states");
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let tokens = prompt(n, 0, config.vocab_size);
+    let row = PrefillRow {
+        tokens: &tokens,
+        start_pos: 0,
+        blocks: &table,
+        slot: 0,
+    };
+    let started = Instant::now();
+    model
+        .prefill(scratch, &mut kv, &mut states, row, false, logits)
+        .expect("prefill");
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+fn decode_rate(model: &Model, scratch: &mut Scratch, batch: usize, steps: usize) -> f64 {
+    let config = model.config();
+    let per_seq = (DECODE_CONTEXT + steps).div_ceil(BLOCK_SIZE);
+    let mut kv = KvPool::new(config, batch * per_seq, BLOCK_SIZE).expect("pool");
+    let mut states = MambaStates::new(config, batch).expect("states");
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+        .collect();
+    let mut logits = Vec::new();
+    let mut next = Vec::with_capacity(batch);
+    for (slot, table) in tables.iter().enumerate() {
+        let tokens = prompt(DECODE_CONTEXT, slot + 1, config.vocab_size);
+        let row = PrefillRow {
+            tokens: &tokens,
+            start_pos: 0,
+            blocks: table,
+            slot,
+        };
+        model
+            .prefill(scratch, &mut kv, &mut states, row, false, &mut logits)
+            .expect("prefill");
+        next.push(model::parity::argmax(&logits));
+    }
+    let vocab = config.vocab_size;
+    let started = Instant::now();
+    for step in 0..steps {
+        let rows: Vec<DecodeRow<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(slot, table)| DecodeRow {
+                token: next[slot],
+                pos: DECODE_CONTEXT + step,
+                blocks: table,
+                slot,
+            })
+            .collect();
+        model
+            .decode(scratch, &mut kv, &mut states, &rows, &mut logits)
+            .expect("decode");
+        for (slot, token) in next.iter_mut().enumerate() {
+            *token = model::parity::argmax(&logits[slot * vocab..(slot + 1) * vocab]);
+        }
+    }
+    (batch * steps) as f64 / started.elapsed().as_secs_f64()
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let model = match &args.model {
+        Some(dir) => Model::load(dir).map_err(|e| e.to_string())?,
+        None => Model::random(Config::small_512(), 0).map_err(|e| e.to_string())?,
+    };
+    if let Some(dir) = &args.save {
+        model.save(dir).map_err(|e| e.to_string())?;
+        println!("saved {}", dir.display());
+        return Ok(());
+    }
+    let mut scratch =
+        Scratch::with_threads(model.config(), args.threads).map_err(|e| e.to_string())?;
+    let mut logits = Vec::new();
+    for item in &args.work {
+        let best = (0..args.repeat)
+            .map(|_| match *item {
+                Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
+                Item::Decode(b) => decode_rate(&model, &mut scratch, b, args.steps),
+            })
+            .fold(0.0f64, f64::max);
+        match item {
+            Item::Prefill(n) => println!("prefill {n} tok/s {best:.1}"),
+            Item::Decode(b) => println!("decode {b} tok/s {best:.1}"),
+        }
+    }
+    if let Some(path) = &args.logits {
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
