@@ -54,6 +54,10 @@ pub struct CpuRouterConfig {
     /// split by output columns, rows and heads; outputs are the same bits for every count).
     /// [`default_threads`] by default.
     pub threads: usize,
+    /// Expert parallelism: the routed experts of MoE layers sharded across this many worker
+    /// threads (`model::ExpertPool`; outputs are the same bits for every count). 0 (the default)
+    /// runs them on the forward pass's threads.
+    pub expert_workers: usize,
 }
 
 /// The machine's available parallelism (1 when it cannot be told).
@@ -83,6 +87,7 @@ impl CpuRouterConfig {
             max_context: None,
             max_depth: 1,
             threads: default_threads(),
+            expert_workers: 0,
         }
     }
 
@@ -148,6 +153,7 @@ impl CpuRouterConfig {
             max_context: Some(max_context),
             max_depth: 1,
             threads: default_threads(),
+            expert_workers: 0,
         })
     }
 

@@ -330,6 +330,15 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
     let mut extra = Extra::default();
     match compute(model, device, &job, &mut logits, &mut extra) {
         Ok(()) => {}
+        Err(err @ model::ModelError::ExpertWorkerLost { .. }) => {
+            // A lost expert worker leaves the step's layers half run: the router is lost.
+            device.logits[index].data = logits;
+            let message = err.to_string();
+            tracing::error!(%message, "expert worker lost; every later step fails");
+            device.fault = Some(message.clone());
+            fail(device, &mut completed, DeviceError::DeviceLost(message));
+            return completed;
+        }
         Err(err) => {
             device.logits[index].data = logits;
             fail(device, &mut completed, forward_failed(err.to_string()));

@@ -16,8 +16,10 @@
 //! `SaveHiddenCatchup` keeps a hidden state of the latest settled step in the sequence's MTP
 //! catch-up ring (on a model with an MTP head; a no-op otherwise). `SyncSecondary` answers `Unit`:
 //! the host runs the catch-up inside the next `Draft`, which is ordered after every step before
-//! it, so the head's state is the same as if it had run at the effect. `EpShutdown` and `Quiesce`
-//! are no-ops: one host "stream", always drained, and no expert-parallel workers.
+//! it, so the head's state is the same as if it had run at the effect. `Quiesce` is a no-op: one
+//! host "stream", always drained. `EpShutdown` stops the expert-parallel workers (the router
+//! handles it before this module, since the workers belong to the router, not to a sequence);
+//! `ReleaseSeq` needs no message to them because they keep no per-sequence state.
 
 use std::io::Read;
 
@@ -91,8 +93,8 @@ pub(crate) fn apply(
             truncate_kv(shape, inner, seq, len)
         }
         Effect::SaveHiddenCatchup { row, pos } => save_hidden(shape, inner, row, pos),
-        // The catch-up runs inside the next `Draft` (see the module docs); one stream, no
-        // expert workers.
+        // The catch-up runs inside the next `Draft`, one stream; `EpShutdown` never gets here
+        // (see the module docs).
         Effect::SyncSecondary | Effect::EpShutdown | Effect::Quiesce { .. } => {
             Ok(EffectOutcome::Unit)
         }

@@ -128,7 +128,7 @@ use device_io::{
     CacheEvent, CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome,
     LoraCommand, Readback, Result, StepPlan, StepResult, Ticket,
 };
-use model::{KvPool, MambaStates, Model, Scratch};
+use model::{ExpertPool, KvPool, MambaStates, Model, Scratch};
 
 use crate::device::{Device, Done, Executor, Work};
 
@@ -450,6 +450,8 @@ pub struct CpuRouter {
     shape: Shape,
     inner: Mutex<Inner>,
     device: Arc<Mutex<Device>>,
+    /// The expert-parallel workers (also in the device's scratch), stopped by `EpShutdown`.
+    experts: Option<Arc<ExpertPool>>,
 }
 
 impl std::fmt::Debug for CpuRouter {
@@ -526,7 +528,13 @@ impl CpuRouter {
         if config.threads == 0 {
             return Err(bad_config("threads", 0, "must be at least 1"));
         }
-        let scratch = Scratch::with_threads(mc, config.threads)?;
+        let mut scratch = Scratch::with_threads(mc, config.threads)?;
+        let experts = if config.expert_workers > 0 && mc.has(model::LayerKind::Moe) {
+            Some(Arc::new(ExpertPool::start(&model, config.expert_workers)?))
+        } else {
+            None
+        };
+        scratch.set_expert_pool(experts.clone());
         let kv = KvPool::new(mc, config.num_blocks, config.block_size)?;
         let state_floats = MambaStates::new(mc, 0)?.floats_per_slot();
         let hybrid = state_floats > 0;
@@ -604,6 +612,7 @@ impl CpuRouter {
             shape,
             inner: Mutex::new(inner),
             device,
+            experts,
         })
     }
 
@@ -616,6 +625,11 @@ impl CpuRouter {
     /// Whether the model has Mamba layers (and so uses the Marconi store for prefix reuse).
     pub fn is_hybrid(&self) -> bool {
         self.shape.hybrid
+    }
+
+    /// The expert-parallel workers (`CpuRouterConfig::expert_workers` > 0 on a MoE model).
+    pub fn expert_pool(&self) -> Option<&Arc<ExpertPool>> {
+        self.experts.as_ref()
     }
 
     /// Prefix-cache counters, for reports.
@@ -831,6 +845,14 @@ impl DeviceIo for CpuRouter {
 
     fn apply(&self, effect: Effect<'_, CpuSeq, LogitsHandle>) -> Result<EffectOutcome> {
         let mut inner = self.lock()?;
+        if let Effect::EpShutdown = effect {
+            // Steps already launched finish on the workers first.
+            inner.fence(&self.model, &self.device)?;
+            if let Some(experts) = &self.experts {
+                experts.shutdown();
+            }
+            return Ok(EffectOutcome::Unit);
+        }
         effects::apply(&self.model, &self.shape, &mut inner, &self.device, effect)
     }
 
@@ -860,12 +882,16 @@ impl DeviceIo for CpuRouter {
     }
 
     fn teardown(self: Box<Self>) -> Result<()> {
-        let CpuRouter { inner, .. } = *self;
+        let CpuRouter { inner, experts, .. } = *self;
         let mut inner = inner
             .into_inner()
             .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_string()))?;
-        // Every step submitted runs to its end before the worker stops.
+        // Every step submitted runs to its end before the worker stops; then the expert workers
+        // stop, as `EpShutdown` does.
         let stopped = inner.executor.shutdown();
+        if let Some(experts) = experts {
+            experts.shutdown();
+        }
         let holders: Vec<String> = inner
             .tenures
             .values()

@@ -8,6 +8,15 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ModelError {
+    /// An expert-parallel worker stopped answering (its thread ended) during a MoE layer.
+    #[error("expert-parallel worker {worker} is lost (its thread ended); the step's state is unspecified")]
+    ExpertWorkerLost {
+        /// The worker's index.
+        worker: usize,
+    },
+    /// The expert-parallel workers were shut down (`EpShutdown`) and a MoE layer needed them.
+    #[error("the expert-parallel workers were shut down; no MoE layer can run")]
+    ExpertWorkersStopped,
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

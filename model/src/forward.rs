@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use crate::config::DtClamp;
+use crate::experts::{ExpertBatch, ExpertPool};
 use crate::math::{
     dot_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
 };
@@ -41,6 +42,8 @@ pub(crate) const MAX_ROWS: usize = 128;
 pub struct Scratch {
     /// The pool the forward pass runs on; `None` runs it on the caller's thread.
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// Expert-parallel workers for the MoE layers; `None` runs the experts here.
+    experts: Option<Arc<ExpertPool>>,
     mm: Matmul,
     hidden: Vec<f32>,
     normed: Vec<f32>,
@@ -137,6 +140,17 @@ impl Scratch {
     /// Threads a forward pass uses.
     pub fn threads(&self) -> usize {
         self.mm.kernels.threads
+    }
+
+    /// Runs the routed experts of MoE layers on `experts` (`None`: here, on the forward pass's
+    /// threads). Outputs are the same bits either way.
+    pub fn set_expert_pool(&mut self, experts: Option<Arc<ExpertPool>>) {
+        self.experts = experts;
+    }
+
+    /// The expert-parallel workers, if any.
+    pub fn expert_pool(&self) -> Option<&Arc<ExpertPool>> {
+        self.experts.as_ref()
     }
 }
 
@@ -253,7 +267,7 @@ pub(crate) fn forward(
     rows: &Rows<'_, '_>,
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
-) {
+) -> Result<(), ModelError> {
     let run = |scratch: &mut Scratch| {
         forward_here(
             config, weights, scratch, kv, states, rows, logit_rows, hidden_out,
@@ -275,7 +289,7 @@ fn forward_here(
     rows: &Rows<'_, '_>,
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
-) {
+) -> Result<(), ModelError> {
     let m = rows.len();
     let d = config.hidden_size;
     let hidden = take(&mut scratch.hidden, m * d);
@@ -283,7 +297,15 @@ fn forward_here(
         let t = rows.token(i) as usize;
         hidden[i * d..(i + 1) * d].copy_from_slice(&weights.embeddings[t * d..(t + 1) * d]);
     }
-    stack(config, &weights.layers, scratch, kv, states, rows, (0, 0));
+    stack(
+        config,
+        &weights.layers,
+        scratch,
+        kv,
+        states,
+        rows,
+        (0, 0, 0),
+    )?;
     head(
         config,
         &weights.norm_f,
@@ -293,6 +315,7 @@ fn forward_here(
         logit_rows,
         hidden_out,
     );
+    Ok(())
 }
 
 /// The MTP head over `rows` (whose tokens are each position's *next* token): the input
@@ -312,7 +335,7 @@ pub(crate) fn forward_mtp(
     hidden_in: &[f32],
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
-) {
+) -> Result<(), ModelError> {
     let run = |scratch: &mut Scratch| {
         forward_mtp_here(
             config, weights, mtp, scratch, kv, states, rows, hidden_in, logit_rows, hidden_out,
@@ -336,7 +359,7 @@ fn forward_mtp_here(
     hidden_in: &[f32],
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
-) {
+) -> Result<(), ModelError> {
     let m = rows.len();
     let d = config.hidden_size;
     let eps = config.layer_norm_epsilon as f32;
@@ -359,8 +382,9 @@ fn forward_mtp_here(
     let base = (
         config.count(LayerKind::Attention),
         config.count(LayerKind::Mamba),
+        weights.layers.len(),
     );
-    stack(config, &mtp.layers, scratch, kv, states, rows, base);
+    stack(config, &mtp.layers, scratch, kv, states, rows, base)?;
     head(
         config,
         &mtp.final_norm,
@@ -370,10 +394,12 @@ fn forward_mtp_here(
         logit_rows,
         hidden_out,
     );
+    Ok(())
 }
 
 /// The pre-norm blocks `layers` over `scratch.hidden`; `base` is the (attention, Mamba) index of
-/// the first of them in the KV pool and the state slots.
+/// the first of them in the KV pool and the state slots, and its layer index among the main
+/// stack's layers followed by the MTP head's (the expert-parallel workers' numbering).
 fn stack(
     config: &Config,
     layers: &[Layer],
@@ -381,13 +407,13 @@ fn stack(
     kv: &mut KvPool,
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
-    base: (usize, usize),
-) {
+    base: (usize, usize, usize),
+) -> Result<(), ModelError> {
     let m = rows.len();
     let d = config.hidden_size;
     let eps = config.layer_norm_epsilon as f32;
-    let (mut attention_index, mut mamba_index) = base;
-    for layer in layers {
+    let (mut attention_index, mut mamba_index, first_layer) = base;
+    for (i, layer) in layers.iter().enumerate() {
         let normed = take(&mut scratch.normed, m * d);
         let hidden = &scratch.hidden[..m * d];
         for (h, n) in hidden.chunks_exact(d).zip(normed.chunks_exact_mut(d)) {
@@ -413,13 +439,14 @@ fn stack(
                     &mut scratch.out,
                 );
             }
-            Mixer::Moe(w) => moe(config, w, scratch, m),
+            Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i)?,
         }
         let out = &scratch.out[..m * d];
         for (h, o) in scratch.hidden[..m * d].iter_mut().zip(out) {
             *h += o;
         }
     }
+    Ok(())
 }
 
 /// The final norm `norm` and `lm_head` over `scratch.hidden`: the wanted rows' logits, and every
@@ -488,7 +515,7 @@ fn head(
 }
 
 /// Dense MLP: `out = down(relu(up x)²)`.
-fn mlp(
+pub(crate) fn mlp(
     mm: &mut Matmul,
     w: &MlpWeights,
     x: &[f32],
@@ -961,8 +988,15 @@ fn route(
 }
 
 /// Mixture of experts (ARCH.md §6): routed experts (ascending expert order per token) plus the
-/// shared expert.
-fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
+/// shared expert. With expert-parallel workers the routed experts run there (`layer` names this
+/// layer to them); the combination below is the same either way.
+fn moe(
+    config: &Config,
+    w: &MoeWeights,
+    scratch: &mut Scratch,
+    m: usize,
+    layer: usize,
+) -> Result<(), ModelError> {
     let d = config.hidden_size;
     let e = config.n_routed_experts;
     let k = config.num_experts_per_tok;
@@ -988,38 +1022,62 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
     };
     let routed = take(&mut scratch.routed, m * expert_dim);
     routed.fill(0.0);
-    for (expert, ew) in w.experts.iter().enumerate() {
-        scratch.expert_rows.clear();
-        for (t, choices) in scratch.choices.chunks_exact(k).enumerate() {
+    // Rows routed to `expert`: (token, weight) in token order.
+    let rows_of = |expert: usize, choices: &[(usize, f32)], out: &mut Vec<(usize, f32)>| {
+        out.clear();
+        for (t, choices) in choices.chunks_exact(k).enumerate() {
             if let Some(&(_, weight)) = choices.iter().find(|c| c.0 == expert) {
-                scratch.expert_rows.push((t, weight));
+                out.push((t, weight));
             }
         }
-        let count = scratch.expert_rows.len();
-        if count == 0 {
-            continue;
-        }
-        let input = take(&mut scratch.expert_in, count * expert_dim);
-        for (r, &(t, _)) in scratch.expert_rows.iter().enumerate() {
-            input[r * expert_dim..(r + 1) * expert_dim]
-                .copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
-        }
-        mlp(
-            &mut scratch.mm,
-            ew,
-            &scratch.expert_in[..count * expert_dim],
-            count,
-            &mut scratch.expert_act,
-            &mut scratch.expert_out,
-        );
-        for (r, &(t, weight)) in scratch.expert_rows.iter().enumerate() {
-            let src = &scratch.expert_out[r * expert_dim..(r + 1) * expert_dim];
-            for (acc, &v) in routed[t * expert_dim..(t + 1) * expert_dim]
-                .iter_mut()
-                .zip(src)
-            {
-                *acc += v * weight;
+    };
+    if let Some(pool) = scratch.experts.clone() {
+        let mut batches = Vec::new();
+        for expert in 0..e {
+            rows_of(expert, &scratch.choices, &mut scratch.expert_rows);
+            if scratch.expert_rows.is_empty() {
+                continue;
             }
+            let mut data = Vec::with_capacity(scratch.expert_rows.len() * expert_dim);
+            for &(t, _) in &scratch.expert_rows {
+                data.extend_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
+            }
+            batches.push(ExpertBatch {
+                expert,
+                rows: scratch.expert_rows.len(),
+                data,
+            });
+        }
+        for batch in pool.run(layer, batches)? {
+            rows_of(batch.expert, &scratch.choices, &mut scratch.expert_rows);
+            combine(&scratch.expert_rows, &batch.data, expert_dim, routed);
+        }
+    } else {
+        for (expert, ew) in w.experts.iter().enumerate() {
+            rows_of(expert, &scratch.choices, &mut scratch.expert_rows);
+            let count = scratch.expert_rows.len();
+            if count == 0 {
+                continue;
+            }
+            let input = take(&mut scratch.expert_in, count * expert_dim);
+            for (r, &(t, _)) in scratch.expert_rows.iter().enumerate() {
+                input[r * expert_dim..(r + 1) * expert_dim]
+                    .copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
+            }
+            mlp(
+                &mut scratch.mm,
+                ew,
+                &scratch.expert_in[..count * expert_dim],
+                count,
+                &mut scratch.expert_act,
+                &mut scratch.expert_out,
+            );
+            combine(
+                &scratch.expert_rows,
+                &scratch.expert_out[..count * expert_dim],
+                expert_dim,
+                routed,
+            );
         }
     }
     // `out` receives the routed sum (projected back from the latent space if any), then the
@@ -1048,6 +1106,17 @@ fn moe(config: &Config, w: &MoeWeights, scratch: &mut Scratch, m: usize) {
     let shared = &scratch.mixed[..m * d];
     for (o, &s) in scratch.out[..m * d].iter_mut().zip(shared) {
         *o += s;
+    }
+    Ok(())
+}
+
+/// `routed[t] += weight * output` for each (token, weight) row of one expert's outputs.
+fn combine(rows: &[(usize, f32)], outputs: &[f32], dim: usize, routed: &mut [f32]) {
+    for (r, &(t, weight)) in rows.iter().enumerate() {
+        let src = &outputs[r * dim..(r + 1) * dim];
+        for (acc, &v) in routed[t * dim..(t + 1) * dim].iter_mut().zip(src) {
+            *acc += v * weight;
+        }
     }
 }
 

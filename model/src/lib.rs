@@ -23,6 +23,9 @@
 //! - Positions index the sequence's block table: position `p` lives in `blocks[p / block_size]` at
 //!   offset `p % block_size`. Writing position `p` overwrites that K/V entry, so forked sequences
 //!   need copy-on-write ([`KvPool::copy_block`]) before diverging inside a shared block.
+//! - The one exception: with expert-parallel workers ([`ExpertPool`]), a worker lost mid-step
+//!   fails the call after some layers ran ([`ModelError::ExpertWorkerLost`]); the state of the
+//!   call's sequences is then unspecified (a router treats this as a lost device).
 //! - **Invariance:** a row's logits are the same bits whatever other rows share its decode batch,
 //!   however its prompt was cut into prefill chunks, and whether a token was prefilled or decoded:
 //!   both entry points run the same per-token recurrence and the same fixed-order reductions, and
@@ -60,6 +63,7 @@
 
 mod config;
 mod error;
+mod experts;
 mod forward;
 mod gemm;
 mod math;
@@ -71,6 +75,7 @@ use std::path::Path;
 
 pub use config::{Config, DtClamp, LayerKind};
 pub use error::ModelError;
+pub use experts::ExpertPool;
 pub use forward::Scratch;
 pub use state::{KvPool, MambaLayout, MambaStates};
 
@@ -374,7 +379,7 @@ impl Model {
                 &rows,
                 wanted,
                 None,
-            );
+            )?;
             first += len;
         }
         Ok(())
@@ -454,7 +459,7 @@ impl Model {
                 &Rows::Decode(chunk),
                 forward::LogitRows::All(out),
                 None,
-            );
+            )?;
         }
         Ok(())
     }
@@ -589,10 +594,9 @@ impl Model {
                     &Rows::Runs { runs: batch, table },
                     wanted,
                     hidden_out,
-                );
+                )
             },
-        );
-        Ok(())
+        )
     }
 
     /// Runs the MTP head over several sequences' runs in one batch. Position `q` of a run takes
@@ -652,17 +656,17 @@ impl Model {
                     &hidden_in[first_row * d..(first_row + m) * d],
                     wanted,
                     out,
-                );
+                )?;
                 first_row += m;
+                Ok(())
             },
-        );
-        Ok(())
+        )
     }
 
     /// Cuts `runs` into forward batches of at most `MAX_ROWS` positions (a run may be split;
     /// that changes no bits) and calls `step` with each batch's runs, its row table, the logit
     /// rows it writes and, when `hidden` is given, where its rows' hidden states go. Sizes
-    /// `logits` and `hidden` first.
+    /// `logits` and `hidden` first. Stops at the first batch that fails (a lost expert worker).
     fn each_batch<'r, 'a>(
         &self,
         runs: &'r [RunRow<'a>],
@@ -675,8 +679,8 @@ impl Model {
             &[(usize, usize)],
             forward::LogitRows<'_>,
             Option<&mut [f32]>,
-        ),
-    ) {
+        ) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let vocab = self.config.vocab_size;
         let d = self.config.hidden_size;
         let (logit_count, hidden_count) = match outputs {
@@ -718,7 +722,7 @@ impl Model {
                     let out = hidden
                         .as_deref_mut()
                         .map(|h| &mut h[out_row * d..(out_row + m) * d]);
-                    step(batch, &table, wanted, out);
+                    step(batch, &table, wanted, out)?;
                     out_row += m;
                 }
                 RunOutputs::Last => {
@@ -741,18 +745,19 @@ impl Model {
                         Some(h) => {
                             batch_hidden.clear();
                             batch_hidden.resize(m * d, 0.0);
-                            step(batch, &table, wanted, Some(&mut batch_hidden[..]));
+                            step(batch, &table, wanted, Some(&mut batch_hidden[..]))?;
                             for (k, &i) in ends.iter().enumerate() {
                                 h[(out_row + k) * d..(out_row + k + 1) * d]
                                     .copy_from_slice(&batch_hidden[i * d..(i + 1) * d]);
                             }
                         }
-                        None => step(batch, &table, wanted, None),
+                        None => step(batch, &table, wanted, None)?,
                     }
                     out_row += n;
                 }
             }
         }
+        Ok(())
     }
 }
 

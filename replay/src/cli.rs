@@ -97,6 +97,11 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub threads: Option<u64>,
 
+    /// Expert-parallel worker threads for the MoE layers (outputs are the same bits for every
+    /// count) [default: 0, the experts run on the forward pass's threads]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=64))]
+    pub expert_workers: u64,
+
     /// Hold each turn until its trace arrival time divided by SPEEDUP (1 is real time)
     /// [default: as fast as possible; a session's next turn always waits for its last]
     #[arg(long, value_name = "SPEEDUP", value_parser = positive_speedup, allow_negative_numbers = true)]

@@ -315,6 +315,7 @@ fn run_pass(
         threads: args
             .threads
             .map_or_else(backend::default_threads, |n| n as usize),
+        expert_workers: args.expert_workers as usize,
         ..BackendOptions::new(plan.kv_blocks, max_seqs)
     };
     let preemption = match args.preempt {

@@ -106,6 +106,8 @@ mod cpu {
         pub max_depth: usize,
         /// Threads of the model's forward pass (the machine's available parallelism by default).
         pub threads: usize,
+        /// Expert-parallel worker threads for MoE layers (0, the default: none).
+        pub expert_workers: usize,
         /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
         #[cfg(feature = "trace")]
         pub trace: Option<device_trace::TraceSink>,
@@ -128,6 +130,7 @@ mod cpu {
                 marconi: true,
                 max_depth: 1,
                 threads: device_cpu::default_threads(),
+                expert_workers: 0,
                 #[cfg(feature = "trace")]
                 trace: None,
             }
@@ -178,6 +181,7 @@ mod cpu {
             max_context: options.max_context,
             max_depth: options.max_depth,
             threads: options.threads,
+            expert_workers: options.expert_workers,
         };
         let router =
             CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;

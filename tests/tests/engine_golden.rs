@@ -36,6 +36,7 @@ fn scenario(depth: usize, c_stop: Option<u32>) -> Scenario {
         max_context: Some(64),
         max_depth: depth,
         threads: device_cpu::default_threads(),
+        expert_workers: 0,
     };
     let (sink, trace) = TraceSink::memory();
     let router = TracingDeviceIo::new(CpuRouter::new(model, router_config).unwrap(), sink);

@@ -83,6 +83,8 @@ fn converse(scenario: &Scenario) -> (Outcome, scheduler::Metrics) {
         marconi: true,
         max_context: Some(112),
         max_depth: scenario.depth,
+        threads: device_cpu::default_threads(),
+        expert_workers: 0,
     };
     let router = CpuRouter::new(scenario.model.clone(), config).unwrap();
     let initial = router.facts();

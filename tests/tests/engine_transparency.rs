@@ -56,6 +56,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         max_context: Some(max_context),
         max_depth: setup.depth,
         threads: device_cpu::default_threads(),
+        expert_workers: 0,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let initial = router.facts();
