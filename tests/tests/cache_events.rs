@@ -195,6 +195,8 @@ fn converse(model: &Model, depth: usize, extras: Extras) -> Run {
         marconi: true,
         max_context: Some(96),
         max_depth: depth,
+        threads: device_cpu::default_threads(),
+        expert_workers: 0,
     };
     let router = CpuRouter::new(model.clone(), config).unwrap();
     let engine_config = EngineConfig {
