@@ -256,6 +256,32 @@ pub enum ModelError {
         /// What went wrong.
         reason: String,
     },
+    /// A LoRA adapter is unusable: the file at fault and what is wrong with it.
+    #[error("LoRA adapter file {path}: {problem}")]
+    Adapter {
+        /// The file (`adapter_config.json` or `adapter_model.safetensors`).
+        path: PathBuf,
+        /// What is wrong.
+        problem: crate::AdapterProblem,
+    },
+    /// A LoRA adapter was checked against another base model than the one asked to run it.
+    #[error("LoRA adapter {adapter} was loaded for the model with fingerprint {adapter_base:#018x}, not this one ({model:#018x})")]
+    AdapterMismatch {
+        /// The adapter's folder (or `<random adapter>`).
+        adapter: String,
+        /// The base fingerprint it was checked against.
+        adapter_base: u64,
+        /// The model's fingerprint.
+        model: u64,
+    },
+    /// The per-row adapters handed to a forward call do not match its rows.
+    #[error("{adapters} adapters given for {rows} rows")]
+    AdapterRows {
+        /// Adapters given.
+        adapters: usize,
+        /// Rows in the call.
+        rows: usize,
+    },
     /// A reference-fixture folder is malformed (parity checking only).
     #[error("fixture {path}: {reason}")]
     Fixture {

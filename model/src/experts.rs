@@ -78,7 +78,15 @@ fn run_worker(shard: Shard, jobs: Receiver<ToWorker>, results: Sender<Vec<Expert
                         // step as a lost worker would.
                         return;
                     };
-                    crate::forward::mlp(&mut mm, w, &batch.data, batch.rows, &mut act, &mut out);
+                    crate::forward::mlp(
+                        &mut mm,
+                        w,
+                        &batch.data,
+                        batch.rows,
+                        &mut act,
+                        &mut out,
+                        None,
+                    );
                     let len = batch.rows * w.down.out_dim;
                     batch.data.clear();
                     batch.data.extend_from_slice(&out[..len]);

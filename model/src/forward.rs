@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use crate::config::DtClamp;
 use crate::experts::{ExpertBatch, ExpertPool};
+use crate::lora::{LoraAdapter, Target};
 use crate::math::{
     dot_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
 };
@@ -64,6 +65,13 @@ pub struct Scratch {
     routed: Vec<f32>,
     latent_in: Vec<f32>,
     shared_act: Vec<f32>,
+    // LoRA: the rows of each adapter group (flat, group after group), the groups as
+    // (a row of the group, start, end) into it, and the gathered input, `x·Aᵀ` and `(x·Aᵀ)·Bᵀ`.
+    lora_order: Vec<usize>,
+    lora_groups: Vec<(usize, usize, usize)>,
+    lora_in: Vec<f32>,
+    lora_mid: Vec<f32>,
+    lora_out: Vec<f32>,
     // Validation.
     pub(crate) pairs: Vec<(usize, usize)>,
 }
@@ -241,6 +249,151 @@ impl Rows<'_, '_> {
     }
 }
 
+/// The LoRA adapter of each row of a forward call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LoraRows<'r, 'a> {
+    /// No row has an adapter.
+    None,
+    /// Every row has this one (a prefill chunk).
+    All(&'a LoraAdapter),
+    /// Row `i` has `adapters[i]`.
+    PerRow(&'r [Option<&'a LoraAdapter>]),
+}
+
+impl<'a> LoraRows<'_, 'a> {
+    fn of(&self, row: usize) -> Option<&'a LoraAdapter> {
+        match *self {
+            LoraRows::None => None,
+            LoraRows::All(adapter) => Some(adapter),
+            LoraRows::PerRow(adapters) => adapters.get(row).copied().flatten(),
+        }
+    }
+
+    /// Groups the `m` rows by adapter (the same adapter object), in order of first appearance,
+    /// into `order` (rows, group after group, ascending within a group) and `groups`.
+    fn group(&self, m: usize, order: &mut Vec<usize>, groups: &mut Vec<(usize, usize, usize)>) {
+        order.clear();
+        groups.clear();
+        match *self {
+            LoraRows::None => {}
+            LoraRows::All(_) => {
+                order.extend(0..m);
+                groups.push((0, 0, m));
+            }
+            LoraRows::PerRow(_) => {
+                for i in 0..m {
+                    let Some(adapter) = self.of(i) else {
+                        continue;
+                    };
+                    let seen = groups.iter().any(|&(rep, _, _)| {
+                        self.of(rep)
+                            .is_some_and(|other| std::ptr::eq(other, adapter))
+                    });
+                    if seen {
+                        continue;
+                    }
+                    let start = order.len();
+                    for j in i..m {
+                        if self.of(j).is_some_and(|other| std::ptr::eq(other, adapter)) {
+                            order.push(j);
+                        }
+                    }
+                    groups.push((i, start, order.len()));
+                }
+            }
+        }
+    }
+}
+
+/// Where a LoRA term goes: the current layer's module `target`, whose base output for row `i`
+/// is `out[i * stride + offset..][..out_dim]`.
+#[derive(Debug, Clone, Copy)]
+struct LoraSite {
+    target: Target,
+    stride: usize,
+    offset: usize,
+}
+
+/// The LoRA buffers and row groups of one forward call (taken out of `Scratch` for the call).
+pub(crate) struct LoraWork<'r, 'a> {
+    rows: LoraRows<'r, 'a>,
+    /// The layer being computed.
+    layer: usize,
+    order: Vec<usize>,
+    groups: Vec<(usize, usize, usize)>,
+    input: Vec<f32>,
+    mid: Vec<f32>,
+    out: Vec<f32>,
+}
+
+impl LoraWork<'_, '_> {
+    /// Adds `scale · ((x·Aᵀ)·Bᵀ)` of each row's adapter to its base output at `site`, one batched
+    /// pair of products per adapter over that adapter's rows (gathered), never merging weights.
+    /// `x` holds the layer input, `in_dim` floats per row. The products are the packed GEMM's
+    /// (`mm`, on the forward pass's threads), so the terms are the same bits for every thread
+    /// count and whatever other rows share the batch.
+    fn apply(
+        &mut self,
+        mm: &mut Matmul,
+        x: &[f32],
+        in_dim: usize,
+        site: LoraSite,
+        out: &mut [f32],
+    ) {
+        for g in 0..self.groups.len() {
+            let (rep, start, end) = self.groups[g];
+            let Some(adapter) = self.rows.of(rep) else {
+                continue;
+            };
+            let Some(pair) = adapter.layers[self.layer].get(site.target) else {
+                continue;
+            };
+            let rows = &self.order[start..end];
+            let count = rows.len();
+            let input = take(&mut self.input, count * in_dim);
+            for (r, &i) in rows.iter().enumerate() {
+                input[r * in_dim..(r + 1) * in_dim]
+                    .copy_from_slice(&x[i * in_dim..(i + 1) * in_dim]);
+            }
+            let rank = pair.a.out_dim;
+            let mid = take(&mut self.mid, count * rank);
+            matmul(mm, &self.input[..count * in_dim], count, &pair.a, mid);
+            let n = pair.b.out_dim;
+            let delta = take(&mut self.out, count * n);
+            matmul(mm, &self.mid[..count * rank], count, &pair.b, delta);
+            let scale = adapter.scale();
+            for (r, &i) in rows.iter().enumerate() {
+                let base = i * site.stride + site.offset;
+                for (o, &v) in out[base..base + n]
+                    .iter_mut()
+                    .zip(&delta[r * n..(r + 1) * n])
+                {
+                    *o += scale * v;
+                }
+            }
+        }
+    }
+
+    fn active(&self) -> bool {
+        !self.groups.is_empty()
+    }
+}
+
+impl LoraWork<'_, '_> {
+    /// No row has an adapter (the MTP head's layers are never adapted).
+    fn none() -> Self {
+        LoraWork {
+            rows: LoraRows::None,
+            layer: 0,
+            order: Vec::new(),
+            groups: Vec::new(),
+            input: Vec::new(),
+            mid: Vec::new(),
+            out: Vec::new(),
+        }
+    }
+}
+
 /// Which rows of a forward call get logits, and where they go (`count * vocab` floats).
 #[derive(Debug)]
 pub(crate) enum LogitRows<'o> {
@@ -254,10 +407,10 @@ pub(crate) enum LogitRows<'o> {
     Skip,
 }
 
-/// Runs `rows` through the model and writes the logits `logit_rows` asks for, and, when
-/// `hidden_out` is given, every row's hidden state after the final norm (`m * hidden_size`); on
-/// the scratch's thread pool when it has one.
-#[allow(clippy::too_many_arguments)] // the model's state, the rows, and the two outputs
+/// Runs `rows` (each with its LoRA adapter, if any) through the model and writes the logits
+/// `logit_rows` asks for, and, when `hidden_out` is given, every row's hidden state after the
+/// final norm (`m * hidden_size`); on the scratch's thread pool when it has one.
+#[allow(clippy::too_many_arguments)] // the model's state, the rows and their adapters, the two outputs
 pub(crate) fn forward(
     config: &Config,
     weights: &Weights,
@@ -265,12 +418,13 @@ pub(crate) fn forward(
     kv: &mut KvPool,
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
+    lora_rows: LoraRows<'_, '_>,
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
 ) -> Result<(), ModelError> {
     let run = |scratch: &mut Scratch| {
         forward_here(
-            config, weights, scratch, kv, states, rows, logit_rows, hidden_out,
+            config, weights, scratch, kv, states, rows, lora_rows, logit_rows, hidden_out,
         )
     };
     match scratch.pool.clone() {
@@ -287,6 +441,7 @@ fn forward_here(
     kv: &mut KvPool,
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
+    lora_rows: LoraRows<'_, '_>,
     logit_rows: LogitRows<'_>,
     hidden_out: Option<&mut [f32]>,
 ) -> Result<(), ModelError> {
@@ -297,7 +452,17 @@ fn forward_here(
         let t = rows.token(i) as usize;
         hidden[i * d..(i + 1) * d].copy_from_slice(&weights.embeddings[t * d..(t + 1) * d]);
     }
-    stack(
+    let mut lora = LoraWork {
+        rows: lora_rows,
+        layer: 0,
+        order: std::mem::take(&mut scratch.lora_order),
+        groups: std::mem::take(&mut scratch.lora_groups),
+        input: std::mem::take(&mut scratch.lora_in),
+        mid: std::mem::take(&mut scratch.lora_mid),
+        out: std::mem::take(&mut scratch.lora_out),
+    };
+    lora_rows.group(m, &mut lora.order, &mut lora.groups);
+    let stacked = stack(
         config,
         &weights.layers,
         scratch,
@@ -305,7 +470,14 @@ fn forward_here(
         states,
         rows,
         (0, 0, 0),
-    )?;
+        &mut lora,
+    );
+    scratch.lora_order = lora.order;
+    scratch.lora_groups = lora.groups;
+    scratch.lora_in = lora.input;
+    scratch.lora_mid = lora.mid;
+    scratch.lora_out = lora.out;
+    stacked?;
     head(
         config,
         &weights.norm_f,
@@ -384,7 +556,17 @@ fn forward_mtp_here(
         config.count(LayerKind::Mamba),
         weights.layers.len(),
     );
-    stack(config, &mtp.layers, scratch, kv, states, rows, base)?;
+    let mut no_lora = LoraWork::none();
+    stack(
+        config,
+        &mtp.layers,
+        scratch,
+        kv,
+        states,
+        rows,
+        base,
+        &mut no_lora,
+    )?;
     head(
         config,
         &mtp.final_norm,
@@ -399,7 +581,9 @@ fn forward_mtp_here(
 
 /// The pre-norm blocks `layers` over `scratch.hidden`; `base` is the (attention, Mamba) index of
 /// the first of them in the KV pool and the state slots, and its layer index among the main
-/// stack's layers followed by the MTP head's (the expert-parallel workers' numbering).
+/// stack's layers followed by the MTP head's (the expert-parallel workers' numbering). `lora`
+/// adds each row's adapter terms (layer `i` of `layers` is the adapter's layer `i`).
+#[allow(clippy::too_many_arguments)] // the model's state, the rows, where they start, their adapters
 fn stack(
     config: &Config,
     layers: &[Layer],
@@ -408,12 +592,14 @@ fn stack(
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
     base: (usize, usize, usize),
+    lora: &mut LoraWork<'_, '_>,
 ) -> Result<(), ModelError> {
     let m = rows.len();
     let d = config.hidden_size;
     let eps = config.layer_norm_epsilon as f32;
     let (mut attention_index, mut mamba_index, first_layer) = base;
     for (i, layer) in layers.iter().enumerate() {
+        lora.layer = i;
         let normed = take(&mut scratch.normed, m * d);
         let hidden = &scratch.hidden[..m * d];
         for (h, n) in hidden.chunks_exact(d).zip(normed.chunks_exact_mut(d)) {
@@ -421,11 +607,11 @@ fn stack(
         }
         match &layer.mixer {
             Mixer::Mamba(w) => {
-                mamba(config, w, scratch, states, rows, mamba_index);
+                mamba(config, w, scratch, states, rows, mamba_index, lora);
                 mamba_index += 1;
             }
             Mixer::Attention(w) => {
-                attention(config, w, scratch, kv, rows, attention_index);
+                attention(config, w, scratch, kv, rows, attention_index, lora);
                 attention_index += 1;
             }
             Mixer::Mlp(w) => {
@@ -437,9 +623,10 @@ fn stack(
                     m,
                     &mut scratch.mixed,
                     &mut scratch.out,
+                    Some(lora),
                 );
             }
-            Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i)?,
+            Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i, lora)?,
         }
         let out = &scratch.out[..m * d];
         for (h, o) in scratch.hidden[..m * d].iter_mut().zip(out) {
@@ -514,7 +701,8 @@ fn head(
     }
 }
 
-/// Dense MLP: `out = down(relu(up x)²)`.
+/// Dense MLP: `out = down(relu(up x)²)`, with each row's LoRA terms on `up` and `down` when
+/// `lora` names the layer (the dense MLP and the MoE shared expert; never a routed expert).
 pub(crate) fn mlp(
     mm: &mut Matmul,
     w: &MlpWeights,
@@ -522,12 +710,29 @@ pub(crate) fn mlp(
     m: usize,
     act: &mut Vec<f32>,
     out: &mut Vec<f32>,
+    mut lora: Option<&mut LoraWork<'_, '_>>,
 ) {
     let act = take(act, m * w.up.out_dim);
     matmul(mm, x, m, &w.up, act);
+    if let Some(lora) = lora.as_mut().filter(|l| l.active()) {
+        let site = LoraSite {
+            target: Target::Up,
+            stride: w.up.out_dim,
+            offset: 0,
+        };
+        lora.apply(mm, x, w.up.in_dim, site, act);
+    }
     relu2(act);
     let out = take(out, m * w.down.out_dim);
     matmul(mm, act, m, &w.down, out);
+    if let Some(lora) = lora.as_mut().filter(|l| l.active()) {
+        let site = LoraSite {
+            target: Target::Down,
+            stride: w.down.out_dim,
+            offset: 0,
+        };
+        lora.apply(mm, act, w.down.in_dim, site, out);
+    }
 }
 
 /// Mamba2 mixer (ARCH.md §3).
@@ -548,6 +753,7 @@ fn mamba(
     states: &mut MambaStates,
     rows: &Rows<'_, '_>,
     layer: usize,
+    lora: &mut LoraWork<'_, '_>,
 ) {
     let m = rows.len();
     let (h, p, n, g, k) = (
@@ -573,6 +779,20 @@ fn mamba(
         &w.in_proj,
         proj,
     );
+    if lora.active() {
+        let site = LoraSite {
+            target: Target::InProj,
+            stride: proj_dim,
+            offset: 0,
+        };
+        lora.apply(
+            &mut scratch.mm,
+            &scratch.normed,
+            config.hidden_size,
+            site,
+            proj,
+        );
+    }
     let proj = &scratch.proj[..m * proj_dim];
     let conv_out = take(&mut scratch.conv_out, m * conv_dim);
     for (i, out) in conv_out.chunks_exact_mut(conv_dim).enumerate() {
@@ -708,6 +928,14 @@ fn mamba(
         &w.out_proj,
         out,
     );
+    if lora.active() {
+        let site = LoraSite {
+            target: Target::OutProj,
+            stride: config.hidden_size,
+            offset: 0,
+        };
+        lora.apply(&mut scratch.mm, &scratch.mixed, inner, site, out);
+    }
 }
 
 /// One (run, head) task of the Mamba scan (see [`mamba`]).
@@ -767,6 +995,7 @@ fn attention(
     kv: &mut KvPool,
     rows: &Rows<'_, '_>,
     layer: usize,
+    lora: &mut LoraWork<'_, '_>,
 ) {
     let m = rows.len();
     let (nh, nkv, hd) = (
@@ -783,6 +1012,26 @@ fn attention(
         &w.qkv,
         proj,
     );
+    if lora.active() {
+        for (target, offset) in [
+            (Target::Q, 0),
+            (Target::K, nh * hd),
+            (Target::V, (nh + nkv) * hd),
+        ] {
+            let site = LoraSite {
+                target,
+                stride: qkv_dim,
+                offset,
+            };
+            lora.apply(
+                &mut scratch.mm,
+                &scratch.normed,
+                config.hidden_size,
+                site,
+                proj,
+            );
+        }
+    }
     let block_size = kv.block_size();
     let value_offset = kv.value_offset();
     // Write every row's K/V first: rows of one prefill chunk attend to earlier rows of the chunk.
@@ -824,6 +1073,14 @@ fn attention(
         &w.o_proj,
         out,
     );
+    if lora.active() {
+        let site = LoraSite {
+            target: Target::O,
+            stride: config.hidden_size,
+            offset: 0,
+        };
+        lora.apply(&mut scratch.mm, &scratch.mixed, nh * hd, site, out);
+    }
 }
 
 /// One row's query heads of one KV group, as a [`pulp::WithSimd`] operation so the loops are
@@ -989,13 +1246,15 @@ fn route(
 
 /// Mixture of experts (ARCH.md §6): routed experts (ascending expert order per token) plus the
 /// shared expert. With expert-parallel workers the routed experts run there (`layer` names this
-/// layer to them); the combination below is the same either way.
+/// layer to them); the combination below is the same either way. Each row's LoRA terms apply to
+/// the shared expert (routed experts are never adapted).
 fn moe(
     config: &Config,
     w: &MoeWeights,
     scratch: &mut Scratch,
     m: usize,
     layer: usize,
+    lora: &mut LoraWork<'_, '_>,
 ) -> Result<(), ModelError> {
     let d = config.hidden_size;
     let e = config.n_routed_experts;
@@ -1071,6 +1330,7 @@ fn moe(
                 count,
                 &mut scratch.expert_act,
                 &mut scratch.expert_out,
+                None,
             );
             combine(
                 &scratch.expert_rows,
@@ -1102,6 +1362,7 @@ fn moe(
         m,
         &mut scratch.shared_act,
         &mut scratch.mixed,
+        Some(lora),
     );
     let shared = &scratch.mixed[..m * d];
     for (o, &s) in scratch.out[..m * d].iter_mut().zip(shared) {

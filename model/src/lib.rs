@@ -1,7 +1,9 @@
 //! The NemotronH model family on the host: `config.json` and safetensors loading, seeded random
 //! weights, and the reference forward math (prefill chunk, batched decode, batched runs of several
 //! sequences for speculative verification, the MTP head) over paged KV and per-sequence Mamba2
-//! state that the caller owns.
+//! state that the caller owns; LoRA adapters in PEFT's format ([`LoraAdapter`]), applied per row
+//! (`y = x·Wᵀ + scale·((x·Aᵀ)·Bᵀ)`, batched per adapter, never merged into the weights) by
+//! [`Model::prefill_with_adapter`] and [`Model::decode_with_adapters`].
 //!
 //! # MTP
 //! A checkpoint with `mtp.*` tensors carries NemotronH's multi-token-prediction head (vLLM's
@@ -66,6 +68,7 @@ mod error;
 mod experts;
 mod forward;
 mod gemm;
+mod lora;
 mod math;
 pub mod parity;
 mod state;
@@ -77,9 +80,10 @@ pub use config::{Config, DtClamp, LayerKind};
 pub use error::ModelError;
 pub use experts::ExpertPool;
 pub use forward::Scratch;
+pub use lora::{AdapterProblem, LoraAdapter, LoraSpec, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 pub use state::{KvPool, MambaLayout, MambaStates};
 
-use forward::{Rows, MAX_ROWS};
+use forward::{LoraRows, Rows, MAX_ROWS};
 use weights::{RandomSource, SafetensorsSource, Weights};
 
 /// A chunk of one sequence's prompt: `tokens` at positions `start_pos..start_pos + tokens.len()`.
@@ -322,6 +326,22 @@ impl Model {
         }
     }
 
+    /// Checks that `adapter` was loaded for this model.
+    fn check_adapter(&self, adapter: &LoraAdapter) -> Result<(), ModelError> {
+        if adapter.base_fingerprint() == self.fingerprint {
+            Ok(())
+        } else {
+            Err(ModelError::AdapterMismatch {
+                adapter: adapter.path().map_or_else(
+                    || "<random adapter>".to_string(),
+                    |p| p.display().to_string(),
+                ),
+                adapter_base: adapter.base_fingerprint(),
+                model: self.fingerprint,
+            })
+        }
+    }
+
     /// Prefills `row.tokens` of one sequence at positions `row.start_pos..`, reading and writing
     /// its K/V through `row.blocks` and its Mamba state in `row.slot`. `logits` is cleared and
     /// receives every position's logits (`n * vocab`) when `all_logits`, else the last
@@ -335,7 +355,26 @@ impl Model {
         all_logits: bool,
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        self.prefill_with_adapter(scratch, kv, states, row, None, all_logits, logits)
+    }
+
+    /// [`Model::prefill`] with LoRA adapter `adapter` (loaded for this model) applied to every
+    /// token of the chunk: each adapted layer computes `y = x·Wᵀ + scale·((x·Aᵀ)·Bᵀ)`.
+    #[allow(clippy::too_many_arguments)] // The caller-owned state of `prefill`, plus the adapter.
+    pub fn prefill_with_adapter(
+        &self,
+        scratch: &mut Scratch,
+        kv: &mut KvPool,
+        states: &mut MambaStates,
+        row: PrefillRow<'_>,
+        adapter: Option<&LoraAdapter>,
+        all_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         logits.clear();
+        if let Some(adapter) = adapter {
+            self.check_adapter(adapter)?;
+        }
         if row.tokens.is_empty() {
             return Err(ModelError::EmptyInput("prefill with no tokens"));
         }
@@ -370,6 +409,10 @@ impl Model {
                 // Earlier sub-chunks only advance the state; their logits are not wanted.
                 forward::LogitRows::Skip
             };
+            let lora = match adapter {
+                Some(adapter) => LoraRows::All(adapter),
+                None => LoraRows::None,
+            };
             forward::forward(
                 &self.config,
                 &self.weights,
@@ -377,6 +420,7 @@ impl Model {
                 kv,
                 states,
                 &rows,
+                lora,
                 wanted,
                 None,
             )?;
@@ -395,9 +439,34 @@ impl Model {
         rows: &[DecodeRow<'_>],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        self.decode_with_adapters(scratch, kv, states, rows, &[], logits)
+    }
+
+    /// [`Model::decode`] where row `i` runs with LoRA adapter `adapters[i]` (`None`: the base
+    /// model). `adapters` is empty (no adapters) or one entry per row. Rows of one adapter are
+    /// batched together per adapted layer; a row's logits are the same bits whatever adapters
+    /// the other rows of the batch have.
+    pub fn decode_with_adapters(
+        &self,
+        scratch: &mut Scratch,
+        kv: &mut KvPool,
+        states: &mut MambaStates,
+        rows: &[DecodeRow<'_>],
+        adapters: &[Option<&LoraAdapter>],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         logits.clear();
         if rows.is_empty() {
             return Err(ModelError::EmptyInput("decode with no rows"));
+        }
+        if !adapters.is_empty() && adapters.len() != rows.len() {
+            return Err(ModelError::AdapterRows {
+                adapters: adapters.len(),
+                rows: rows.len(),
+            });
+        }
+        for adapter in adapters.iter().flatten() {
+            self.check_adapter(adapter)?;
         }
         kv.check_layout(&self.config)?;
         states.check_layout(&self.config)?;
@@ -450,6 +519,12 @@ impl Model {
         for (chunk_index, chunk) in rows.chunks(MAX_ROWS).enumerate() {
             let start = chunk_index * MAX_ROWS * vocab;
             let out = &mut logits[start..start + chunk.len() * vocab];
+            let lora = if adapters.iter().any(Option::is_some) {
+                let first = chunk_index * MAX_ROWS;
+                LoraRows::PerRow(&adapters[first..first + chunk.len()])
+            } else {
+                LoraRows::None
+            };
             forward::forward(
                 &self.config,
                 &self.weights,
@@ -457,6 +532,7 @@ impl Model {
                 kv,
                 states,
                 &Rows::Decode(chunk),
+                lora,
                 forward::LogitRows::All(out),
                 None,
             )?;
@@ -592,6 +668,7 @@ impl Model {
                     kv,
                     states,
                     &Rows::Runs { runs: batch, table },
+                    LoraRows::None,
                     wanted,
                     hidden_out,
                 )

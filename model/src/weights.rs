@@ -532,6 +532,13 @@ impl<'a> SafetensorsSource<'a> {
         self.index.keys().any(|name| name.starts_with(prefix))
     }
 
+    /// Every tensor name in the files, sorted.
+    pub(crate) fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.index.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
     /// Fails on the first tensor (in name order) that the build did not consume, except `mtp.*`
     /// when the MTP head was not built (transformers drops MTP weights too, ARCH.md §8).
     pub(crate) fn check_all_used(&self, mtp_built: bool) -> Result<(), ModelError> {
