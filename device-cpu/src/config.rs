@@ -58,12 +58,19 @@ pub struct CpuRouterConfig {
     /// threads (`model::ExpertPool`; outputs are the same bits for every count). 0 (the default)
     /// runs them on the forward pass's threads.
     pub expert_workers: usize,
+    /// LoRA adapter slots: the most adapters loaded at once (vLLM's `max_loras`). Adapters are
+    /// loaded and unloaded with `DeviceIo::lora`; a decode or prefill step may mix rows of
+    /// different adapters and rows of none. 0 refuses every load.
+    pub lora_slots: usize,
 }
 
 /// The machine's available parallelism (1 when it cannot be told).
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
 }
+
+/// The default number of LoRA adapter slots.
+pub const DEFAULT_LORA_SLOTS: usize = 4;
 
 /// The default block size, as in vLLM.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -74,7 +81,7 @@ impl CpuRouterConfig {
     /// A config with `num_blocks` blocks of [`DEFAULT_BLOCK_SIZE`] tokens and `max_seqs` live slots;
     /// four checkpoint slots per live slot, [`DEFAULT_SNAPSHOT_SLOTS`] ring slots, prefix cache and
     /// Marconi on, `max_context` the model's (or the pool's, when smaller), depth 1, and
-    /// [`default_threads`] threads.
+    /// [`default_threads`] threads, no expert workers, and [`DEFAULT_LORA_SLOTS`] adapter slots.
     pub fn new(num_blocks: usize, max_seqs: usize) -> Self {
         CpuRouterConfig {
             block_size: DEFAULT_BLOCK_SIZE,
@@ -88,6 +95,7 @@ impl CpuRouterConfig {
             max_depth: 1,
             threads: default_threads(),
             expert_workers: 0,
+            lora_slots: DEFAULT_LORA_SLOTS,
         }
     }
 
@@ -154,6 +162,7 @@ impl CpuRouterConfig {
             max_depth: 1,
             threads: default_threads(),
             expert_workers: 0,
+            lora_slots: DEFAULT_LORA_SLOTS,
         })
     }
 

@@ -27,7 +27,9 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 use device_io::{DeviceError, PrefillReport, Result, RowOutput, StepResult, Ticket, TokenRun};
-use model::{DecodeRow, KvPool, MambaStates, Model, PrefillRow, RunOutputs, RunRow, Scratch};
+use model::{
+    DecodeRow, KvPool, LoraAdapter, MambaStates, Model, PrefillRow, RunOutputs, RunRow, Scratch,
+};
 
 use crate::{LogitsHandle, StepHidden};
 
@@ -106,6 +108,8 @@ pub(crate) enum Op {
         emit: bool,
         /// On a model with an MTP head: the head's part of the chunk.
         mtp: Option<MtpChunk>,
+        /// The row's LoRA adapter.
+        lora: Option<Arc<LoraAdapter>>,
     },
 }
 
@@ -127,6 +131,8 @@ pub(crate) struct RunJobRow {
     pub blocks: Range<usize>,
     pub slot: usize,
     pub snapshots: Vec<usize>,
+    /// The row's LoRA adapter.
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 /// One row of a draft: the catch-up over the ring (none: the row drafts nothing), then the
@@ -172,6 +178,8 @@ pub(crate) struct DecodeJobRow {
     pub pos: usize,
     pub blocks: Range<usize>,
     pub slot: usize,
+    /// The row's LoRA adapter.
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 /// A step's device work and what its result needs.
@@ -500,6 +508,7 @@ fn compute(
                 slot,
                 emit,
                 mtp: None,
+                lora,
             } => {
                 let row = PrefillRow {
                     tokens: &job.tokens[tokens.clone()],
@@ -507,7 +516,8 @@ fn compute(
                     blocks: &job.blocks[blocks.clone()],
                     slot: *slot,
                 };
-                model.prefill(scratch, kv, states, row, false, row_logits)?;
+                let adapter = lora.as_deref();
+                model.prefill_with_adapter(scratch, kv, states, row, adapter, false, row_logits)?;
                 if *emit {
                     logits.extend_from_slice(row_logits);
                 }
@@ -519,6 +529,7 @@ fn compute(
                 slot,
                 emit,
                 mtp: Some(chunk),
+                lora,
             } => {
                 // The main stack with every position's hidden state, then the MTP head over the
                 // positions whose next token is known.
@@ -531,11 +542,12 @@ fn compute(
                     snapshots: &[],
                 };
                 let mut hidden = Vec::new();
-                model.forward_runs(
+                model.forward_runs_with_adapters(
                     scratch,
                     kv,
                     states,
                     &[run],
+                    &[lora.as_deref()],
                     RunOutputs::All,
                     row_logits,
                     Some(&mut hidden),
@@ -586,7 +598,18 @@ fn compute(
             })
             .collect();
         let hidden = job.keep_hidden.then_some(&mut extra.hidden);
-        model.forward_runs(scratch, kv, states, &runs, RunOutputs::All, logits, hidden)?;
+        let adapters: Vec<Option<&LoraAdapter>> =
+            job.runs.iter().map(|run| run.lora.as_deref()).collect();
+        model.forward_runs_with_adapters(
+            scratch,
+            kv,
+            states,
+            &runs,
+            &adapters,
+            RunOutputs::All,
+            logits,
+            hidden,
+        )?;
         return Ok(());
     }
     if !job.decode.is_empty() && job.keep_hidden {
@@ -611,11 +634,14 @@ fn compute(
                 snapshots: &[],
             })
             .collect();
-        model.forward_runs(
+        let adapters: Vec<Option<&LoraAdapter>> =
+            job.decode.iter().map(|row| row.lora.as_deref()).collect();
+        model.forward_runs_with_adapters(
             scratch,
             kv,
             states,
             &runs,
+            &adapters,
             RunOutputs::All,
             logits,
             Some(&mut extra.hidden),
@@ -636,7 +662,12 @@ fn compute(
                 slot: row.slot,
             })
             .collect();
-        model.decode(scratch, kv, states, &batch, logits)?;
+        let adapters: Vec<Option<&LoraAdapter>> = if job.decode.iter().any(|r| r.lora.is_some()) {
+            job.decode.iter().map(|row| row.lora.as_deref()).collect()
+        } else {
+            Vec::new()
+        };
+        model.decode_with_adapters(scratch, kv, states, &batch, &adapters, logits)?;
     }
     Ok(())
 }

@@ -164,7 +164,7 @@ fn release(
         let full = full_blocks * shape.block_size;
         let looked_up = &seq.tokens[..seq.prompt_len.saturating_sub(1)];
         inner.cache.insert_finished(
-            seq.namespace,
+            seq.cache_namespace(),
             seq.pin.take(),
             looked_up,
             &seq.tokens[..full],
@@ -194,6 +194,7 @@ fn release(
     }
     inner.tenures.remove(&tenure);
     inner.forget(tenure);
+    seq.lora = None;
     seq.computed_len = 0;
     seq.tokens.truncate(seq.prompt_len);
     seq.branch_point = None;
@@ -389,6 +390,12 @@ fn restore(
             header.seq_id, seq.id
         )));
     }
+    let lora = inner.lora.bind(header.adapter).map_err(|reason| {
+        invalid(
+            "RestoreSequenceState",
+            format!("sequence {}: {reason}", seq.id),
+        )
+    })?;
     let Some(slot) = inner.slots.iter().position(Option::is_none) else {
         return Err(DeviceError::SlotsExhausted {
             total: shape.max_seqs,
@@ -437,7 +444,14 @@ fn restore(
         return Err(effect_failed(err));
     }
     let tenure = crate::new_tenure();
-    inner.tenures.insert(tenure, Tenure { seq_id: seq.id });
+    inner.tenures.insert(
+        tenure,
+        Tenure {
+            seq_id: seq.id,
+            adapter: header.adapter,
+        },
+    );
+    seq.lora = lora;
     inner.slots[slot] = Some(SlotOwner { tenure });
     seq.tenure = Some(tenure);
     seq.slot = Some(slot);

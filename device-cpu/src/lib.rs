@@ -117,6 +117,7 @@ mod device;
 mod effects;
 mod events;
 pub mod image;
+mod lora;
 mod plans;
 mod seq;
 mod spec;
@@ -125,8 +126,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use device_io::{
-    CacheEvent, CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome,
-    LoraCommand, Readback, Result, StepPlan, StepResult, Ticket,
+    CacheEvent, CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck,
+    LoraCommand, LoraError, Readback, Result, StepPlan, StepResult, Ticket,
 };
 use model::{ExpertPool, KvPool, MambaStates, Model, Scratch};
 
@@ -134,7 +135,8 @@ use crate::device::{Device, Done, Executor, Work};
 
 pub use cache::CacheStats;
 pub use config::{
-    default_threads, CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_SNAPSHOT_SLOTS,
+    default_threads, CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_LORA_SLOTS,
+    DEFAULT_SNAPSHOT_SLOTS,
 };
 pub use seq::{CpuSeq, LogitsHandle, Namespace};
 
@@ -192,6 +194,8 @@ pub(crate) fn new_tenure() -> u64 {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Tenure {
     pub seq_id: u64,
+    /// The LoRA adapter the sequence is bound to (its id).
+    pub adapter: Option<u32>,
 }
 
 /// What a snapshot ring slot holds.
@@ -284,6 +288,8 @@ pub(crate) struct Inner {
     pub step_hidden: VecDeque<StepHidden>,
     /// The latest ticket `await_result` handed over.
     pub settled: Option<u64>,
+    /// The LoRA adapter slots.
+    pub lora: lora::LoraTable,
 }
 
 impl Inner {
@@ -605,6 +611,7 @@ impl CpuRouter {
             mtp: BTreeMap::new(),
             step_hidden: VecDeque::new(),
             settled: None,
+            lora: lora::LoraTable::new(config.lora_slots),
         };
         tracing::debug!(?shape, "host router ready");
         Ok(CpuRouter {
@@ -678,7 +685,7 @@ impl DeviceIo for CpuRouter {
     type Ptr = LogitsHandle;
     type Model = Model;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &Model {
         &self.model
@@ -875,10 +882,14 @@ impl DeviceIo for CpuRouter {
         Ok(())
     }
 
-    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {
-        Err(format!(
-            "LoRA is not supported yet by the host router (command {cmd:?})"
-        ))
+    /// Loads an adapter into a free slot, unloads one (refused while a live sequence uses it),
+    /// or lists them; refused with [`LoraError::Busy`] while a launched step is not awaited.
+    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<LoraAck, LoraError> {
+        let CpuRouter { model, inner, .. } = self;
+        let inner = inner
+            .get_mut()
+            .map_err(|_| LoraError::DeviceLost("router state poisoned by a panic".to_string()))?;
+        lora::command(model, inner, cmd)
     }
 
     fn teardown(self: Box<Self>) -> Result<()> {

@@ -14,6 +14,8 @@
 //! [`FED_PLACEHOLDER`] at that position, and the router records where the token will come from
 //! ([`crate::PendingFeed`]) until the step finishes.
 
+use std::sync::Arc;
+
 use device_io::{DeviceError, Feed, PrefillReport, Readback, Result};
 
 use crate::cache::Attach;
@@ -99,10 +101,12 @@ pub(crate) fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<()> {
     Ok(())
 }
 
-/// The first chunk of a new row: where it starts (after the cached prefix) and what it attached.
+/// The first chunk of a new row: where it starts (after the cached prefix), what it attached,
+/// and the adapter it binds.
 struct NewRow {
     slot: usize,
     attach: Attach,
+    lora: Option<crate::lora::Binding>,
 }
 
 /// A validated plan's job, and where its host logits go (when asked for).
@@ -167,6 +171,14 @@ pub(crate) fn prefill<'a>(
             ));
         }
         if seq.tenure.is_none() {
+            if let Err(reason) = inner.lora.bind(seq.namespace.adapter) {
+                return Err(invalid(
+                    "Prefill",
+                    format!(
+                        "row {i} (sequence {id}) names an adapter that cannot be used: {reason}"
+                    ),
+                ));
+            }
             if let Some(&bad) = seq.tokens.iter().find(|&&t| t as usize >= shape.vocab_size) {
                 return Err(invalid(
                     "Prefill",
@@ -198,12 +210,20 @@ pub(crate) fn prefill<'a>(
             // The last prompt token must be computed (its logits are needed, and Mamba state cannot
             // step back), so only the prompt without it is looked up.
             let lookup = &seq.tokens[..seq.prompt_len - 1];
-            let attach = inner.cache.lookup(seq.namespace, lookup);
+            let lora = inner
+                .lora
+                .bind(seq.namespace.adapter)
+                .map_err(|reason| invalid("Prefill", reason))?;
+            let namespace = crate::Namespace {
+                adapter: lora.as_ref().map(|binding| binding.serial),
+                cache_salt: seq.namespace.cache_salt,
+            };
+            let attach = inner.cache.lookup(namespace, lookup);
             let slot = next_free.next().expect("counted above");
             (
                 attach.len,
                 attach.blocks.len(),
-                Some(NewRow { slot, attach }),
+                Some(NewRow { slot, attach, lora }),
             )
         } else {
             (seq.computed_len, seq.blocks.len(), None)
@@ -254,9 +274,16 @@ fn commit_prefill(
     for (i, new_row) in new_rows.into_iter().enumerate() {
         let seq = &mut *rows[i];
         let mut report = PrefillReport::default();
-        if let Some(NewRow { slot, attach }) = new_row {
+        if let Some(NewRow { slot, attach, lora }) = new_row {
             let tenure = crate::new_tenure();
-            inner.tenures.insert(tenure, Tenure { seq_id: seq.id });
+            inner.tenures.insert(
+                tenure,
+                Tenure {
+                    seq_id: seq.id,
+                    adapter: seq.namespace.adapter,
+                },
+            );
+            seq.lora = lora;
             inner.slots[slot] = Some(SlotOwner { tenure });
             seq.tenure = Some(tenure);
             seq.slot = Some(slot);
@@ -319,6 +346,10 @@ fn commit_prefill(
                 slot,
                 emit: stop == seq.prompt_len,
                 mtp,
+                lora: seq
+                    .lora
+                    .as_ref()
+                    .map(|binding| Arc::clone(&binding.weights)),
             });
             pos = stop;
             seq.computed_len = pos;
@@ -544,6 +575,10 @@ pub(crate) fn decode<'a>(
             pos,
             blocks,
             slot: seq.slot.expect("validated"),
+            lora: seq
+                .lora
+                .as_ref()
+                .map(|binding| Arc::clone(&binding.weights)),
         });
         let tenure = seq.tenure.expect("validated");
         match input {

@@ -73,6 +73,9 @@ pub struct CpuSeq {
     pub(crate) reservation: Option<Reservation>,
     /// A rollback dropped a computed position: the live state is past `computed_len`.
     pub(crate) state_ahead: bool,
+    /// The loaded adapter the sequence computes with (bound when it takes router resources,
+    /// dropped at release), when its namespace names one.
+    pub(crate) lora: Option<crate::lora::Binding>,
 }
 
 /// A reservation ledger entry (one per sequence: a new reservation commits the one before), opened
@@ -123,6 +126,16 @@ impl CpuSeq {
     pub fn holds_resources(&self) -> bool {
         self.tenure.is_some()
     }
+
+    /// The namespace the prefix cache keys this sequence by: its salt, and instead of the
+    /// adapter's id the serial of the adapter's load it is bound to (see the `lora` module), so
+    /// entries computed with one loaded adapter are never served to another.
+    pub(crate) fn cache_namespace(&self) -> Namespace {
+        Namespace {
+            adapter: self.lora.as_ref().map(|binding| binding.serial),
+            cache_salt: self.namespace.cache_salt,
+        }
+    }
 }
 
 impl Sequence for CpuSeq {
@@ -147,6 +160,7 @@ impl Sequence for CpuSeq {
             failed: false,
             reservation: None,
             state_ahead: false,
+            lora: None,
         }
     }
 

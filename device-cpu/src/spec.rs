@@ -230,6 +230,10 @@ pub(crate) fn verify<'a>(
             blocks,
             slot,
             snapshots: rows_snapshots,
+            lora: seq
+                .lora
+                .as_ref()
+                .map(|binding| std::sync::Arc::clone(&binding.weights)),
         });
         seq.tokens.extend_from_slice(input);
         seq.computed_len += n;

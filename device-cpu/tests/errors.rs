@@ -605,12 +605,12 @@ fn bad_images_are_refused_and_change_nothing() {
 }
 
 #[test]
-fn lora_is_refused_and_teardown_names_holders() {
+fn unloading_an_unknown_adapter_is_refused_and_teardown_names_holders() {
     let mut r = small(16, 2);
     let err = r
         .lora(device_io::LoraCommand::Unload { adapter: 1 })
         .unwrap_err();
-    assert!(err.starts_with("LoRA is not supported yet"), "{err}");
+    assert_eq!(err, device_io::LoraError::NotLoaded { adapter: 1 });
     let mut a = seq(17, &tokens(1, 5));
     let mut b = seq(18, &tokens(2, 5));
     prefill(&r, &mut a, 5);

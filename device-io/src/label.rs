@@ -102,20 +102,26 @@ impl Label for DeviceError {
 }
 
 /// The LoRA command the workspace's routers understand.
+///
+/// A router holds a fixed number of adapter *slots*; requests name an adapter by its id
+/// ([`crate::SeqSpec::adapter`]). Commands run only at quiescence (no step in flight).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoraCommand {
-    /// Load adapter `adapter` from `path`.
+    /// Load the adapter in folder `path` (PEFT's `adapter_config.json` and
+    /// `adapter_model.safetensors`) into a free slot, under id `adapter`.
     Load {
         /// The adapter's id, as requests name it.
         adapter: u32,
         /// Where its weights are.
         path: std::path::PathBuf,
     },
-    /// Unload adapter `adapter`.
+    /// Unload adapter `adapter`, freeing its slot; refused while a live sequence uses it.
     Unload {
         /// The adapter's id.
         adapter: u32,
     },
+    /// List the loaded adapters.
+    List,
 }
 
 impl Label for LoraCommand {
@@ -123,6 +129,155 @@ impl Label for LoraCommand {
         match self {
             LoraCommand::Load { adapter, .. } => format!("Load{{adapter={adapter}}}"),
             LoraCommand::Unload { adapter } => format!("Unload{{adapter={adapter}}}"),
+            LoraCommand::List => "List".to_string(),
+        }
+    }
+}
+
+/// One loaded adapter, as [`LoraAck::Loaded`] and [`LoraAck::Listed`] report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterInfo {
+    /// The adapter's id.
+    pub adapter: u32,
+    /// The slot it occupies.
+    pub slot: usize,
+    /// The folder it was loaded from.
+    pub path: std::path::PathBuf,
+    /// Its rank `r`.
+    pub rank: usize,
+    /// How many linear layers it adapts.
+    pub modules: usize,
+    /// Live sequences using it now.
+    pub sequences: usize,
+}
+
+/// What a [`LoraCommand`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoraAck {
+    /// The adapter was loaded into a slot.
+    Loaded(AdapterInfo),
+    /// The adapter was unloaded and its slot freed.
+    Unloaded {
+        /// The adapter's id.
+        adapter: u32,
+        /// The slot freed.
+        slot: usize,
+    },
+    /// The loaded adapters, by slot.
+    Listed {
+        /// The router's number of adapter slots.
+        slots: usize,
+        /// The loaded adapters, in slot order.
+        adapters: Vec<AdapterInfo>,
+    },
+}
+
+impl Label for LoraAck {
+    fn label(&self) -> String {
+        match self {
+            LoraAck::Loaded(info) => format!(
+                "Loaded{{adapter={}, slot={}, rank={}, modules={}}}",
+                info.adapter, info.slot, info.rank, info.modules
+            ),
+            LoraAck::Unloaded { adapter, slot } => {
+                format!("Unloaded{{adapter={adapter}, slot={slot}}}")
+            }
+            LoraAck::Listed { slots, adapters } => {
+                let ids: Vec<String> = adapters.iter().map(|a| a.adapter.to_string()).collect();
+                format!("Listed{{slots={slots}, adapters=[{}]}}", ids.join(", "))
+            }
+        }
+    }
+}
+
+/// The ack of a router whose commands answer nothing.
+impl Label for () {
+    fn label(&self) -> String {
+        "ok".to_string()
+    }
+}
+
+/// Why a [`LoraCommand`] was refused. A refused command changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoraError {
+    /// The router serves no adapters (or not this command).
+    #[error("{what} is not supported by this router")]
+    Unsupported {
+        /// The command.
+        what: &'static str,
+    },
+    /// A step is in flight: commands run only at quiescence.
+    #[error("{in_flight} launched step(s) are not awaited yet; LoRA commands run only when no step is in flight")]
+    Busy {
+        /// Steps launched and not awaited.
+        in_flight: usize,
+    },
+    /// The id is already loaded.
+    #[error("adapter {adapter} is already loaded (slot {slot}); unload it first")]
+    AlreadyLoaded {
+        /// The adapter's id.
+        adapter: u32,
+        /// Its slot.
+        slot: usize,
+    },
+    /// Every slot holds an adapter.
+    #[error("all {slots} adapter slots are in use; unload one first")]
+    NoFreeSlot {
+        /// The router's number of slots.
+        slots: usize,
+    },
+    /// The id is not loaded.
+    #[error("adapter {adapter} is not loaded")]
+    NotLoaded {
+        /// The adapter's id.
+        adapter: u32,
+    },
+    /// Live sequences (or, said by an engine, unfinished requests) use the adapter.
+    #[error("adapter {adapter} is in use by {} sequence(s) ({}); it can be unloaded once they end", .sequences.len(), list(.sequences))]
+    InUse {
+        /// The adapter's id.
+        adapter: u32,
+        /// The ids of the sequences (or requests) using it.
+        sequences: Vec<u64>,
+    },
+    /// The adapter's files are missing, malformed, or do not fit the model.
+    #[error("cannot load adapter {adapter}: {reason}")]
+    BadAdapter {
+        /// The adapter's id.
+        adapter: u32,
+        /// The router's explanation, naming the file and the problem.
+        reason: String,
+    },
+    /// The device is gone.
+    #[error("device lost: {0}")]
+    DeviceLost(String),
+}
+
+fn list(ids: &[u64]) -> String {
+    let shown: Vec<String> = ids.iter().take(8).map(u64::to_string).collect();
+    if ids.len() > shown.len() {
+        format!("{}, ...", shown.join(", "))
+    } else {
+        shown.join(", ")
+    }
+}
+
+impl Label for LoraError {
+    fn label(&self) -> String {
+        match self {
+            LoraError::Unsupported { what } => format!("Unsupported{{{what}}}"),
+            LoraError::Busy { in_flight } => format!("Busy{{in_flight={in_flight}}}"),
+            LoraError::AlreadyLoaded { adapter, slot } => {
+                format!("AlreadyLoaded{{adapter={adapter}, slot={slot}}}")
+            }
+            LoraError::NoFreeSlot { slots } => format!("NoFreeSlot{{slots={slots}}}"),
+            LoraError::NotLoaded { adapter } => format!("NotLoaded{{adapter={adapter}}}"),
+            LoraError::InUse { adapter, sequences } => {
+                format!("InUse{{adapter={adapter}, sequences={}}}", sequences.len())
+            }
+            // The reason names paths, which vary.
+            LoraError::BadAdapter { adapter, .. } => format!("BadAdapter{{adapter={adapter}}}"),
+            LoraError::DeviceLost(_) => "DeviceLost".to_string(),
         }
     }
 }
@@ -287,6 +442,23 @@ mod tests {
                 LoraCommand::Unload { adapter: 5 }.label(),
                 "Unload{adapter=5}",
             ),
+            (LoraCommand::List.label(), "List"),
+            (
+                LoraAck::Unloaded {
+                    adapter: 5,
+                    slot: 1,
+                }
+                .label(),
+                "Unloaded{adapter=5, slot=1}",
+            ),
+            (
+                LoraError::InUse {
+                    adapter: 5,
+                    sequences: vec![3, 4],
+                }
+                .label(),
+                "InUse{adapter=5, sequences=2}",
+            ),
         ];
         for (got, want) in cases {
             assert_eq!(got, want);
@@ -295,6 +467,18 @@ mod tests {
 
     #[test]
     fn error_messages_name_the_values() {
+        assert_eq!(
+            LoraError::InUse {
+                adapter: 2,
+                sequences: vec![7, 9]
+            }
+            .to_string(),
+            "adapter 2 is in use by 2 sequence(s) (7, 9); it can be unloaded once they end"
+        );
+        assert_eq!(
+            LoraError::NoFreeSlot { slots: 4 }.to_string(),
+            "all 4 adapter slots are in use; unload one first"
+        );
         assert_eq!(
             DeviceError::KvExhausted { needed: 3, free: 1 }.to_string(),
             "KV cache exhausted: needed 3 blocks, 1 free"

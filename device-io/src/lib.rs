@@ -74,7 +74,12 @@
 //!
 //! # LoRA and teardown
 //!
-//! [`DeviceIo::lora`] takes `&mut self`: the core calls it only at quiescence (no step in flight).
+//! [`DeviceIo::lora`] takes `&mut self`: the core calls it only at quiescence (no step in flight;
+//! at depth 2 it drains first), and a router refuses it with [`LoraError::Busy`] otherwise. The
+//! workspace's command is [`LoraCommand`] (load an adapter into a free slot, unload one, list
+//! them), answered by a [`LoraAck`] or a typed [`LoraError`]; unloading an adapter that a live
+//! sequence uses is [`LoraError::InUse`]. A sequence names its adapter in [`SeqSpec::adapter`],
+//! which is also part of the prefix cache's key.
 //! Teardown order: drain every in-flight ticket, apply [`Effect::EpShutdown`], apply
 //! [`Effect::Quiesce`] for each stream, then [`DeviceIo::teardown`], which releases device memory
 //! and reports sequences that still held resources.
@@ -138,7 +143,7 @@ pub use effect::{Effect, EffectOutcome};
 pub use error::{DeviceError, Phase, Result};
 pub use events::{BlockKey, CacheEvent, CacheEventBus, CacheEventSink};
 pub use facts::DeviceFacts;
-pub use label::{Label, LoraCommand};
+pub use label::{AdapterInfo, Label, LoraAck, LoraCommand, LoraError};
 pub use plan::{Feed, PrefillReport, Readback, RowOutput, StepPlan, StepResult, Ticket, TokenRun};
 pub use sequence::{SeqSpec, Sequence};
 
@@ -197,8 +202,10 @@ pub trait DeviceIo: Send {
         })
     }
 
-    /// Applies a LoRA command; called only at quiescence.
-    fn lora(&mut self, cmd: Self::LoraCmd) -> std::result::Result<Self::LoraAck, String>;
+    /// Applies a LoRA command; called only at quiescence (a router answers
+    /// [`LoraError::Busy`] while a launched step is not awaited). A refused command changed
+    /// nothing.
+    fn lora(&mut self, cmd: Self::LoraCmd) -> std::result::Result<Self::LoraAck, LoraError>;
 
     /// Releases device memory and consumes the router; reports sequences still holding resources.
     fn teardown(self: Box<Self>) -> Result<()>;

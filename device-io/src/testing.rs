@@ -44,8 +44,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, Label, LoraCommand, Phase,
-    PrefillReport, Readback, Result, RowOutput, SeqSpec, Sequence, StepPlan, StepResult, Ticket,
+    AdapterInfo, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, Label, LoraAck,
+    LoraCommand, LoraError, Phase, PrefillReport, Readback, Result, RowOutput, SeqSpec, Sequence,
+    StepPlan, StepResult, Ticket,
 };
 
 /// A reservation ledger entry: the position reserved and the blocks the reservation added.
@@ -68,6 +69,8 @@ pub struct ScriptedSeq {
     reservation: Option<Reservation>,
     /// A rollback dropped a position: the (modelled) live state is past `computed`.
     state_ahead: bool,
+    /// The LoRA adapter the sequence names.
+    adapter: Option<u32>,
 }
 
 impl ScriptedSeq {
@@ -88,6 +91,7 @@ impl Sequence for ScriptedSeq {
             blocks: 0,
             reservation: None,
             state_ahead: false,
+            adapter: spec.adapter,
         }
     }
     fn id(&self) -> u64 {
@@ -188,11 +192,20 @@ struct State {
     ring: [Option<(u64, usize)>; SNAPSHOT_SLOTS],
     /// The steps whose logits are held (the latest `max_depth`), with their token-position rows.
     logits: VecDeque<(u64, usize)>,
+    /// The adapter slots: the id and folder of the adapter each holds.
+    adapters: Vec<Option<(u32, std::path::PathBuf)>>,
+    /// The adapter of each live sequence that names one, by sequence id.
+    adapter_users: BTreeMap<u64, u32>,
+    /// Every LoRA command, with the number of unsettled steps when it arrived.
+    lora_log: Vec<(String, usize)>,
 }
 
 /// Slots of the snapshot ring (`SsmSnapshotSave` / `SsmSnapshotRestore`), as many as the host
 /// router has by default.
 pub const SNAPSHOT_SLOTS: usize = 4;
+
+/// Adapter slots of a new scripted router (see [`ScriptedRouter::with_lora_slots`]).
+pub const LORA_SLOTS: usize = 4;
 
 /// A router that answers from a script; see the module docs.
 #[derive(Debug)]
@@ -224,6 +237,9 @@ impl ScriptedRouter {
             effects: Vec::new(),
             inputs: BTreeMap::new(),
             rollbacks: Vec::new(),
+            adapters: vec![None; LORA_SLOTS],
+            adapter_users: BTreeMap::new(),
+            lora_log: Vec::new(),
         };
         ScriptedRouter {
             config,
@@ -236,6 +252,20 @@ impl ScriptedRouter {
     pub fn with_step_time(mut self, step_time: Duration) -> Self {
         self.step_time = step_time;
         self
+    }
+
+    /// Gives the router `slots` adapter slots (it has [`LORA_SLOTS`] by default; 0 refuses every
+    /// LoRA command as unsupported). It keeps the bookkeeping of a real router (which id is in
+    /// which slot, which live sequence uses which adapter) and computes nothing with them.
+    pub fn with_lora_slots(self, slots: usize) -> Self {
+        self.lock().adapters = vec![None; slots];
+        self
+    }
+
+    /// Every LoRA command received, as its label with the number of launched, unsettled steps
+    /// at that moment (0 when the command arrived at quiescence).
+    pub fn lora_log(&self) -> Vec<(String, usize)> {
+        self.lock().lora_log.clone()
     }
 
     /// Queues tokens to answer, in order, before the deterministic fallback.
@@ -686,7 +716,7 @@ impl DeviceIo for ScriptedRouter {
     type Ptr = u64;
     type Model = ScriptedConfig;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &ScriptedConfig {
         &self.config
@@ -771,6 +801,22 @@ impl DeviceIo for ScriptedRouter {
             _ => &[],
         };
         let inputs = self.inputs_of(&state, &plan, rows)?;
+        for (i, seq) in rows.iter().enumerate() {
+            if let (None, Some(adapter)) = (seq.slot, seq.adapter) {
+                if !state
+                    .adapters
+                    .iter()
+                    .flatten()
+                    .any(|(id, _)| *id == adapter)
+                {
+                    let detail = format!(
+                        "row {i} (sequence {}) names adapter {adapter}, which is not loaded",
+                        seq.id
+                    );
+                    return Err(invalid("launch", detail));
+                }
+            }
+        }
         // Work out every row's new length and the blocks and slots it needs before changing
         // anything, so that a dry pool leaves the router as it was.
         let advance: Vec<usize> = match &plan {
@@ -814,6 +860,9 @@ impl DeviceIo for ScriptedRouter {
                 state.slots[slot] = true;
                 seq.slot = Some(slot);
                 state.inputs.remove(&seq.id);
+                if let Some(adapter) = seq.adapter {
+                    state.adapter_users.insert(seq.id, adapter);
+                }
             }
             if let Some(token) = input {
                 state
@@ -933,6 +982,7 @@ impl DeviceIo for ScriptedRouter {
                 if let Some(slot) = seq.slot.take() {
                     state.slots[slot] = false;
                 }
+                state.adapter_users.remove(&seq.id);
                 for entry in state.ring.iter_mut() {
                     if entry.is_some_and(|(id, _)| id == seq.id) {
                         *entry = None;
@@ -1073,6 +1123,23 @@ impl DeviceIo for ScriptedRouter {
                         free: self.config.num_blocks - state.blocks_used,
                     });
                 }
+                if let Some(adapter) = seq.adapter {
+                    if !state
+                        .adapters
+                        .iter()
+                        .flatten()
+                        .any(|(id, _)| *id == adapter)
+                    {
+                        return Err(invalid(
+                            "RestoreSequenceState",
+                            format!(
+                                "sequence {} names adapter {adapter}, which is not loaded",
+                                seq.id
+                            ),
+                        ));
+                    }
+                    state.adapter_users.insert(seq.id, adapter);
+                }
                 state.slots[slot] = true;
                 state.blocks_used += blocks;
                 *seq = ScriptedSeq {
@@ -1084,6 +1151,7 @@ impl DeviceIo for ScriptedRouter {
                     blocks,
                     reservation: None,
                     state_ahead: false,
+                    adapter: seq.adapter,
                 };
                 Ok(EffectOutcome::Unit)
             }
@@ -1155,11 +1223,77 @@ impl DeviceIo for ScriptedRouter {
         }
     }
 
-    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {
-        Err(format!(
-            "{} refused: the scripted router has no adapters",
-            cmd.label()
-        ))
+    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<LoraAck, LoraError> {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let in_flight = state.unsettled.len();
+        state.lora_log.push((cmd.label(), in_flight));
+        if state.adapters.is_empty() {
+            return Err(LoraError::Unsupported {
+                what: "LoRA (the scripted router has no adapter slots)",
+            });
+        }
+        if in_flight > 0 {
+            return Err(LoraError::Busy { in_flight });
+        }
+        let users = |state: &State, adapter: u32| -> Vec<u64> {
+            state
+                .adapter_users
+                .iter()
+                .filter(|(_, &a)| a == adapter)
+                .map(|(&id, _)| id)
+                .collect()
+        };
+        let info = |state: &State, slot: usize, adapter: u32, path: &std::path::Path| AdapterInfo {
+            adapter,
+            slot,
+            path: path.to_owned(),
+            rank: 0,
+            modules: 0,
+            sequences: users(state, adapter).len(),
+        };
+        let slot_of = |state: &State, adapter: u32| {
+            state
+                .adapters
+                .iter()
+                .position(|entry| entry.as_ref().is_some_and(|(id, _)| *id == adapter))
+        };
+        match cmd {
+            LoraCommand::Load { adapter, path } => {
+                if let Some(slot) = slot_of(state, adapter) {
+                    return Err(LoraError::AlreadyLoaded { adapter, slot });
+                }
+                let Some(slot) = state.adapters.iter().position(Option::is_none) else {
+                    return Err(LoraError::NoFreeSlot {
+                        slots: state.adapters.len(),
+                    });
+                };
+                let ack = LoraAck::Loaded(info(state, slot, adapter, &path));
+                state.adapters[slot] = Some((adapter, path));
+                Ok(ack)
+            }
+            LoraCommand::Unload { adapter } => {
+                let slot = slot_of(state, adapter).ok_or(LoraError::NotLoaded { adapter })?;
+                let sequences = users(state, adapter);
+                if !sequences.is_empty() {
+                    return Err(LoraError::InUse { adapter, sequences });
+                }
+                state.adapters[slot] = None;
+                Ok(LoraAck::Unloaded { adapter, slot })
+            }
+            LoraCommand::List => Ok(LoraAck::Listed {
+                slots: state.adapters.len(),
+                adapters: state
+                    .adapters
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(slot, entry)| {
+                        entry
+                            .as_ref()
+                            .map(|(adapter, path)| info(state, slot, *adapter, path))
+                    })
+                    .collect(),
+            }),
+        }
     }
 
     fn teardown(self: Box<Self>) -> Result<()> {

@@ -4,9 +4,11 @@
 //! written against `D` runs unchanged against `TracingDeviceIo<D>`. Before forwarding `launch`,
 //! `await_result`, `apply`, `clear_prefix_cache`, `lora` and `teardown` it writes one line (`fx launch Decode{n=4,
 //! readback=Argmax}`, `fx apply ReserveKv`); after the call, one line with what came back
-//! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`). `model`,
+//! (`-> ticket 3`, `-> Reserved{blocks=1}`, `-> err KvExhausted{needed=2, free=0}`,
+//! `fx lora Unload{adapter=3}` then `-> err InUse{adapter=3, sequences=1}`). `model`,
 //! `facts`, `max_depth` and `subscribe_cache_events` pass through silently (a subscription
-//! changes nothing on the device, and a monitor that subscribes must not change a golden trace). Errors pass through unchanged. A sink that
+//! changes nothing on the device, and a monitor that subscribes must not change a golden trace).
+//! Errors pass through unchanged. A sink that
 //! panics loses the line (counted in [`TracingDeviceIo::dropped_lines`]), never the call.
 //!
 //! Lines are deterministic (labels only, no timings, no addresses), so a recorded scenario is a
@@ -52,8 +54,8 @@ mod sink;
 pub use sink::{TraceBuffer, TraceSink};
 
 use device_io::{
-    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, StepPlan,
-    StepResult, Ticket,
+    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Label, LoraError,
+    StepPlan, StepResult, Ticket,
 };
 
 /// A router that records every call to a [`TraceSink`] and forwards it unchanged.
@@ -96,6 +98,7 @@ impl<D> DeviceIo for TracingDeviceIo<D>
 where
     D: DeviceIo,
     D::LoraCmd: Label,
+    D::LoraAck: Label,
 {
     type Seq = D::Seq;
     type Ptr = D::Ptr;
@@ -160,13 +163,13 @@ where
         self.inner.subscribe_cache_events(sink)
     }
 
-    fn lora(&mut self, cmd: Self::LoraCmd) -> Result<Self::LoraAck, String> {
+    fn lora(&mut self, cmd: Self::LoraCmd) -> Result<Self::LoraAck, LoraError> {
         let _span = tracing::debug_span!(target: "device_trace", "lora").entered();
         self.sink.record(&format!("fx lora {}", cmd.label()));
         let result = self.inner.lora(cmd);
         match &result {
-            Ok(_) => self.sink.record("-> ok"),
-            Err(message) => self.sink.record(&format!("-> err {message}")),
+            Ok(ack) => self.sink.record(&format!("-> {}", ack.label())),
+            Err(err) => self.sink.record(&format!("-> err {}", err.label())),
         }
         result
     }

@@ -96,7 +96,7 @@ fx apply ReserveKv
 fx apply Rollback
 -> err Unsupported{Rollback}
 fx lora Unload{adapter=3}
--> err Unload{adapter=3} refused: the scripted router has no adapters
+-> err NotLoaded{adapter=3}
 fx apply ReleaseSeq{cache=true, finish}
 -> Unit
 fx teardown

@@ -651,16 +651,54 @@ impl Model {
         logits: &mut Vec<f32>,
         hidden: Option<&mut Vec<f32>>,
     ) -> Result<(), ModelError> {
+        self.forward_runs_with_adapters(scratch, kv, states, runs, &[], outputs, logits, hidden)
+    }
+
+    /// [`Model::forward_runs`] where every position of run `i` runs with LoRA adapter
+    /// `adapters[i]` (`None`: the base model). `adapters` is empty (no adapters) or one entry per
+    /// run. A position's logits are the same bits a decode step of that token with that adapter
+    /// would give ([`Model::decode_with_adapters`]). The MTP head ([`Model::mtp`]) is never
+    /// adapted: its drafts are proposals the adapted main stack verifies.
+    #[allow(clippy::too_many_arguments)] // the outputs are separate buffers the caller reuses
+    pub fn forward_runs_with_adapters(
+        &self,
+        scratch: &mut Scratch,
+        kv: &mut KvPool,
+        states: &mut MambaStates,
+        runs: &[RunRow<'_>],
+        adapters: &[Option<&LoraAdapter>],
+        outputs: RunOutputs,
+        logits: &mut Vec<f32>,
+        hidden: Option<&mut Vec<f32>>,
+    ) -> Result<(), ModelError> {
         logits.clear();
+        if !adapters.is_empty() && adapters.len() != runs.len() {
+            return Err(ModelError::AdapterRows {
+                adapters: adapters.len(),
+                rows: runs.len(),
+            });
+        }
+        for adapter in adapters.iter().flatten() {
+            self.check_adapter(adapter)?;
+        }
         let attention = self.config.has(LayerKind::Attention);
         let total = self.check_runs(scratch, kv, states, runs, attention)?;
+        let adapted = adapters.iter().any(Option::is_some);
+        let mut row_adapters: Vec<Option<&LoraAdapter>> = Vec::new();
         self.each_batch(
             runs,
             total,
             outputs,
             logits,
             hidden,
-            |batch, table, wanted, hidden_out| {
+            |first_run, batch, table, wanted, hidden_out| {
+                let lora = if adapted {
+                    row_adapters.clear();
+                    row_adapters.extend(table.iter().map(|&(run, _)| adapters[first_run + run]));
+                    LoraRows::PerRow(&row_adapters)
+                } else {
+                    LoraRows::None
+                };
                 forward::forward(
                     &self.config,
                     &self.weights,
@@ -668,7 +706,7 @@ impl Model {
                     kv,
                     states,
                     &Rows::Runs { runs: batch, table },
-                    LoraRows::None,
+                    lora,
                     wanted,
                     hidden_out,
                 )
@@ -720,7 +758,7 @@ impl Model {
             outputs,
             logits,
             Some(hidden_out),
-            |batch, table, wanted, out| {
+            |_, batch, table, wanted, out| {
                 let m = table.len();
                 forward::forward_mtp(
                     &self.config,
@@ -752,6 +790,7 @@ impl Model {
         logits: &mut Vec<f32>,
         hidden: Option<&mut Vec<f32>>,
         mut step: impl FnMut(
+            usize,
             &'r [RunRow<'a>],
             &[(usize, usize)],
             forward::LogitRows<'_>,
@@ -799,7 +838,7 @@ impl Model {
                     let out = hidden
                         .as_deref_mut()
                         .map(|h| &mut h[out_row * d..(out_row + m) * d]);
-                    step(batch, &table, wanted, out)?;
+                    step(first_run, batch, &table, wanted, out)?;
                     out_row += m;
                 }
                 RunOutputs::Last => {
@@ -822,13 +861,19 @@ impl Model {
                         Some(h) => {
                             batch_hidden.clear();
                             batch_hidden.resize(m * d, 0.0);
-                            step(batch, &table, wanted, Some(&mut batch_hidden[..]))?;
+                            step(
+                                first_run,
+                                batch,
+                                &table,
+                                wanted,
+                                Some(&mut batch_hidden[..]),
+                            )?;
                             for (k, &i) in ends.iter().enumerate() {
                                 h[(out_row + k) * d..(out_row + k + 1) * d]
                                     .copy_from_slice(&batch_hidden[i * d..(i + 1) * d]);
                             }
                         }
-                        None => step(batch, &table, wanted, None)?,
+                        None => step(first_run, batch, &table, wanted, None)?,
                     }
                     out_row += n;
                 }

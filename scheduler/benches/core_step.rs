@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, PrefillReport,
-    RowOutput, SeqSpec, Sequence, StepPlan, StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
+    PrefillReport, RowOutput, SeqSpec, Sequence, StepPlan, StepResult, Ticket,
 };
 use scheduler::{Engine, EngineConfig, Event, Request, RequestHandle};
 
@@ -86,7 +86,7 @@ impl DeviceIo for NullRouter {
     type Ptr = u64;
     type Model = ();
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &() {
         &()
@@ -192,8 +192,10 @@ impl DeviceIo for NullRouter {
         Ok(EffectOutcome::Unit)
     }
 
-    fn lora(&mut self, _cmd: LoraCommand) -> Result<(), String> {
-        Err("no adapters".to_string())
+    fn lora(&mut self, _cmd: LoraCommand) -> Result<LoraAck, LoraError> {
+        Err(LoraError::Unsupported {
+            what: "LoRA (the benchmark's router has no adapters)",
+        })
     }
 
     fn teardown(self: Box<Self>) -> Result<(), DeviceError> {

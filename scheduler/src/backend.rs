@@ -108,6 +108,9 @@ mod cpu {
         pub threads: usize,
         /// Expert-parallel worker threads for MoE layers (0, the default: none).
         pub expert_workers: usize,
+        /// LoRA adapter slots: the most adapters loaded at once (load them with
+        /// [`crate::EngineClient::lora`] or [`crate::Engine::lora`]).
+        pub lora_slots: usize,
         /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
         #[cfg(feature = "trace")]
         pub trace: Option<device_trace::TraceSink>,
@@ -116,7 +119,7 @@ mod cpu {
     impl BackendOptions {
         /// A pool of `kv_blocks` blocks of 16 tokens, `max_seqs` slots, four checkpoint slots
         /// per slot, the model's context (or the pool's, when smaller), both caches on (where
-        /// compiled), depth 1.
+        /// compiled), depth 1, [`device_cpu::DEFAULT_LORA_SLOTS`] adapter slots.
         pub fn new(kv_blocks: usize, max_seqs: usize) -> Self {
             let block_size = device_cpu::DEFAULT_BLOCK_SIZE;
             BackendOptions {
@@ -131,6 +134,7 @@ mod cpu {
                 max_depth: 1,
                 threads: device_cpu::default_threads(),
                 expert_workers: 0,
+                lora_slots: device_cpu::DEFAULT_LORA_SLOTS,
                 #[cfg(feature = "trace")]
                 trace: None,
             }
@@ -182,6 +186,7 @@ mod cpu {
             max_depth: options.max_depth,
             threads: options.threads,
             expert_workers: options.expert_workers,
+            lora_slots: options.lora_slots,
         };
         let router =
             CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;

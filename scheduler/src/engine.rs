@@ -62,8 +62,8 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use device_io::{
-    CacheEvent, DeviceError, DeviceIo, Effect, Readback, RowOutput, SeqSpec, Sequence, StepPlan,
-    StepResult,
+    CacheEvent, DeviceError, DeviceIo, Effect, LoraAck, LoraCommand, LoraError, Readback,
+    RowOutput, SeqSpec, Sequence, StepPlan, StepResult,
 };
 use xxhash_rust::xxh3::Xxh3;
 
@@ -74,7 +74,9 @@ pub use pipeline::PipelineFault;
 use crate::cache_events::{self, ChannelSink};
 use crate::event::{Event, FinishReason, ServeError, Usage};
 use crate::guard::Guarded;
-use crate::handle::{Command, EngineClient, EngineStats, Intake, RequestHandle, ShutdownMode};
+use crate::handle::{
+    Command, ControlError, EngineClient, EngineStats, Intake, RequestHandle, ShutdownMode,
+};
 use crate::metrics::{Metrics, StepReport};
 use crate::request::{Limits, Request, RequestError};
 use crate::sampling::Sampler;
@@ -111,8 +113,6 @@ pub struct EngineConfig {
     pub protect_steps: u64,
     /// The router streams to `Quiesce` at shutdown.
     pub streams: Vec<u64>,
-    /// The LoRA adapters requests may name.
-    pub adapters: Vec<u32>,
 }
 
 impl Default for EngineConfig {
@@ -124,7 +124,6 @@ impl Default for EngineConfig {
             preemption: Preemption::Recompute,
             protect_steps: 4,
             streams: vec![0],
-            adapters: Vec::new(),
         }
     }
 }
@@ -405,7 +404,17 @@ pub struct Engine<D: DeviceIo> {
     pipeline_fault: Option<PipelineFault>,
     /// Cache-event subscriptions that fell behind (the subscriptions' sinks count them).
     cache_event_lags: Arc<AtomicU64>,
+    /// LoRA commands from clients, applied at the next quiescent point.
+    lora_commands: VecDeque<LoraQueued>,
+    /// How a LoRA command reaches the router (fixed by [`Engine::new`]).
+    lora_path: LoraPath<D>,
 }
+
+/// A LoRA command's way to the router, with the router's command and ack types converted.
+type LoraPath<D> = fn(&mut Guarded<D>, LoraCommand) -> Result<LoraAck, LoraError>;
+
+/// A client's LoRA command and where its answer goes.
+type LoraQueued = (LoraCommand, Sender<Result<LoraAck, ControlError>>);
 
 impl<D: DeviceIo> std::fmt::Debug for Engine<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -424,8 +433,16 @@ impl<D> Engine<D>
 where
     D: DeviceIo,
     D::Seq: Sequence,
+    D::LoraCmd: From<LoraCommand>,
+    D::LoraAck: Into<LoraAck>,
 {
-    /// An engine over `router` (idle, nothing queued).
+    /// An engine over `router` (idle, nothing queued). Requests may name the LoRA adapters
+    /// loaded through the engine ([`Engine::lora`], [`EngineClient::lora`]); a router handed in
+    /// with adapters already loaded makes them nameable after one `LoraCommand::List`.
+    ///
+    /// The router's LoRA command and ack types must convert from and to the workspace's
+    /// ([`LoraCommand`], [`LoraAck`]); that conversion is fixed here, once, so nothing else about
+    /// the engine depends on it.
     pub fn new(router: D, config: EngineConfig) -> Result<Self, EngineError> {
         let check = |ok: bool, field: &'static str, value: usize, rule: &'static str| {
             if ok {
@@ -459,7 +476,8 @@ where
             }
         };
         let router = Guarded::new(router);
-        let limits = Arc::new(Limits::new(&router.facts(), config.adapters.clone()));
+        let lora_path: LoraPath<D> = Guarded::lora;
+        let limits = Arc::new(Limits::new(&router.facts(), Vec::new()));
         let (command_tx, commands) = crossbeam_channel::unbounded();
         let scratch = Scratch {
             rows: Vec::with_capacity(config.max_running),
@@ -492,9 +510,17 @@ where
             flight: None,
             pipeline_fault: None,
             cache_event_lags: Arc::new(AtomicU64::new(0)),
+            lora_commands: VecDeque::new(),
+            lora_path,
         })
     }
+}
 
+impl<D> Engine<D>
+where
+    D: DeviceIo,
+    D::Seq: Sequence,
+{
     /// The router (for facts and inspection; the engine owns every sequence).
     pub fn router(&self) -> &D {
         self.router.inner()
@@ -621,6 +647,7 @@ where
     /// Runs steps until nothing is waiting or running.
     pub fn run_until_idle(&mut self) {
         self.drain_commands();
+        self.apply_lora_commands();
         while !self.is_idle() {
             self.step();
         }
@@ -652,6 +679,7 @@ where
                 if let Some(command) = command {
                     self.handle_command(command);
                 }
+                self.apply_lora_commands();
                 continue;
             }
             self.step();
@@ -661,6 +689,7 @@ where
     /// One step (see the module docs).
     pub fn step(&mut self) -> StepReport {
         self.drain_commands();
+        self.apply_lora_commands();
         self.step_ended = 0;
         self.step_no += 1;
         self.metrics.steps += 1;
@@ -799,6 +828,7 @@ where
         }
         // Nothing may be released while a step computes on it.
         self.drain_flight();
+        self.apply_lora_commands();
         if self.abandon_if_lost() {
             // Nothing but the teardown reaches a lost router; what it reports is moot.
             let Engine { router, .. } = self;
@@ -865,6 +895,13 @@ where
                     // It arrived after the engine stopped taking requests.
                     self.metrics.failed += 1;
                     req.send_final(End::Fail(ServeError::EngineStopped));
+                } else if let Some(adapter) =
+                    req.adapter.filter(|&a| !self.limits.adapters.contains(a))
+                {
+                    // The client checked it against the adapters loaded then; an unload was
+                    // applied before the engine took it in.
+                    self.metrics.failed += 1;
+                    req.send_final(End::Fail(ServeError::AdapterNotLoaded { adapter }));
                 } else {
                     self.waiting.push_back(Waiting { req, spilled: None });
                 }
@@ -888,6 +925,63 @@ where
                 };
                 let _ = answer.send(subscribed);
             }
+            Command::Lora(cmd, answer) => self.lora_commands.push_back((cmd, answer)),
+        }
+    }
+
+    /// Applies a LoRA command now: at depth 2 the step in flight is drained first (awaited and
+    /// its outputs taken), so the router is quiescent. An unload is refused with
+    /// [`LoraError::InUse`] while an unfinished request (waiting, preempted or running) names
+    /// the adapter; otherwise the router's ack or error is the answer. Requests may name an
+    /// adapter once its load is acknowledged, and no longer once its unload is.
+    pub fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, ControlError> {
+        if let Some(lost) = self.router.lost() {
+            return Err(ControlError::Lora(LoraError::DeviceLost(lost.to_string())));
+        }
+        if self.flight.is_some() {
+            self.metrics.lora_drains += 1;
+            self.drain_flight();
+        }
+        if let LoraCommand::Unload { adapter } = cmd {
+            let mut users: Vec<u64> = self
+                .waiting
+                .iter()
+                .map(|w| &w.req)
+                .chain(self.running.iter().map(|a| &a.req))
+                .filter(|req| req.adapter == Some(adapter))
+                .map(|req| req.id)
+                .collect();
+            if !users.is_empty() {
+                users.sort_unstable();
+                return Err(ControlError::Lora(LoraError::InUse {
+                    adapter,
+                    sequences: users,
+                }));
+            }
+        }
+        let result = (self.lora_path)(&mut self.router, cmd);
+        self.abandon_if_lost();
+        let ack = result?;
+        let adapters = &self.limits.adapters;
+        match &ack {
+            LoraAck::Loaded(info) => adapters.insert(info.adapter),
+            LoraAck::Unloaded { adapter, .. } => adapters.remove(*adapter),
+            LoraAck::Listed {
+                adapters: listed, ..
+            } => {
+                adapters.replace(listed.iter().map(|a| a.adapter));
+            }
+        }
+        self.metrics.lora_commands += 1;
+        Ok(ack)
+    }
+
+    /// Applies the LoRA commands clients queued, in order, and answers each.
+    fn apply_lora_commands(&mut self) {
+        while let Some((cmd, answer)) = self.lora_commands.pop_front() {
+            let result = self.lora(cmd);
+            // The asker may have given up waiting; that is fine.
+            let _ = answer.send(result);
         }
     }
 

@@ -93,4 +93,11 @@ pub enum ServeError {
     /// it, or the engine is gone and the stream was cut.
     #[error("the engine stopped before serving the request")]
     EngineStopped,
+    /// The request's LoRA adapter was unloaded between the client's check and the engine taking
+    /// the request in.
+    #[error("LoRA adapter {adapter} was unloaded before the engine took the request in")]
+    AdapterNotLoaded {
+        /// The adapter's id.
+        adapter: u32,
+    },
 }

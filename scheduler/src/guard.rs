@@ -11,7 +11,7 @@ use std::cell::OnceCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, StepPlan, StepResult};
-use device_io::{Result, Ticket};
+use device_io::{LoraAck, LoraCommand, LoraError, Result, Ticket};
 
 /// See the module docs.
 pub(crate) struct Guarded<D> {
@@ -103,6 +103,32 @@ impl<D: DeviceIo> Guarded<D> {
         self.call("subscribe_cache_events", |router| {
             router.subscribe_cache_events(sink)
         })
+    }
+
+    /// A LoRA command (the caller made sure no step is in flight). A router that panics or
+    /// answers `DeviceLost` loses the device, as in any other call.
+    pub(crate) fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<LoraAck, LoraError>
+    where
+        D::LoraCmd: From<LoraCommand>,
+        D::LoraAck: Into<LoraAck>,
+    {
+        if let Some(err) = self.lost.get() {
+            return Err(LoraError::DeviceLost(err.to_string()));
+        }
+        let router = &mut self.router;
+        let result = match catch_unwind(AssertUnwindSafe(|| router.lora(cmd.into()))) {
+            Ok(result) => result.map(Into::into),
+            Err(payload) => Err(LoraError::DeviceLost(format!(
+                "the router panicked during lora: {}",
+                panic_message(payload.as_ref())
+            ))),
+        };
+        if let Err(LoraError::DeviceLost(message)) = &result {
+            let err = DeviceError::DeviceLost(message.clone());
+            tracing::error!(during = "lora", %err, "the device is lost; failing every request");
+            let _ = self.lost.set(err);
+        }
+        result
     }
 
     /// Tears the router down; a panic there is an error like any other.

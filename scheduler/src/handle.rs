@@ -10,7 +10,9 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::{CacheEvent, DeviceError, DeviceFacts, DeviceIo, Sequence};
+use device_io::{
+    CacheEvent, DeviceError, DeviceFacts, DeviceIo, LoraAck, LoraCommand, LoraError, Sequence,
+};
 
 use crate::engine::{Engine, EngineError, Tracked};
 use crate::event::{Event, FinishReason, ServeError, Usage};
@@ -32,6 +34,8 @@ pub(crate) enum Command {
         backlog: Option<NonZeroUsize>,
         answer: Sender<Result<Receiver<CacheEvent>, DeviceError>>,
     },
+    /// Apply a LoRA command at the next quiescent point and answer its ack or error.
+    Lora(LoraCommand, Sender<Result<LoraAck, ControlError>>),
 }
 
 /// A snapshot of an engine and its router, for monitoring and leak checks
@@ -57,7 +61,8 @@ pub struct EngineStats {
 }
 
 /// Why a control call of a client ([`EngineClient::stats`],
-/// [`EngineClient::clear_prefix_cache`], [`EngineClient::subscribe_cache_events`]) failed.
+/// [`EngineClient::clear_prefix_cache`], [`EngineClient::subscribe_cache_events`],
+/// [`EngineClient::lora`]) failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ControlError {
     /// The engine has stopped (its thread ended) and answers nothing.
@@ -66,6 +71,10 @@ pub enum ControlError {
     /// The router refused the operation.
     #[error("the router refused: {0}")]
     Router(#[from] DeviceError),
+    /// A LoRA command was refused (by the engine, e.g. an unload while a request uses the
+    /// adapter, or by the router); nothing changed.
+    #[error("LoRA command refused: {0}")]
+    Lora(#[from] LoraError),
 }
 
 /// How the engine treats requests still in flight at shutdown.
@@ -277,6 +286,20 @@ impl EngineClient {
             .send(Command::SubscribeCacheEvents { backlog, answer })
             .map_err(|_| ControlError::EngineStopped)?;
         Ok(answered.recv().map_err(|_| ControlError::EngineStopped)??)
+    }
+
+    /// Loads, unloads or lists LoRA adapters. The engine applies the command at its next
+    /// quiescent point (between steps with no step in flight; at depth 2 it drains first) and
+    /// answers once it is applied: the router's ack, or the typed reason it was refused (an
+    /// unload while an unfinished request names the adapter is [`LoraError::InUse`]). A loaded
+    /// adapter may be named by requests submitted after the answer. With an engine driven step
+    /// by step on this thread, call [`Engine::lora`] instead: this waits for the next step.
+    pub fn lora(&self, cmd: LoraCommand) -> Result<LoraAck, ControlError> {
+        let (answer, answered) = crossbeam_channel::bounded(1);
+        self.commands
+            .send(Command::Lora(cmd, answer))
+            .map_err(|_| ControlError::EngineStopped)?;
+        answered.recv().map_err(|_| ControlError::EngineStopped)?
     }
 }
 

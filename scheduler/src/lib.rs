@@ -70,6 +70,8 @@ pub mod sampling;
 pub mod spill;
 pub mod workload;
 
+/// The LoRA command types of the contract, for [`EngineClient::lora`] and [`Engine::lora`].
+pub use device_io::{AdapterInfo, LoraAck, LoraCommand, LoraError};
 /// The prefix cache's events and their keys ([`cache_events`]).
 pub use device_io::{BlockKey, CacheEvent};
 #[doc(hidden)]
@@ -80,7 +82,7 @@ pub use handle::{
     Completion, ControlError, EngineClient, EngineStats, EngineThread, RequestHandle, ShutdownMode,
 };
 pub use metrics::{Metrics, StepReport};
-pub use request::{Limits, RandomSampling, Request, RequestError, Sampling};
+pub use request::{AdapterSet, Limits, RandomSampling, Request, RequestError, Sampling};
 pub use spill::{SpillError, SpillTarget};
 /// The trace format's reader, shared with the simulator ([`workload::Workload::load`] uses it).
 pub use workload_trace;

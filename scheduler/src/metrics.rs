@@ -72,6 +72,10 @@ pub struct Metrics {
     /// Cache-event subscriptions ended because their subscriber fell a whole backlog behind (see
     /// [`crate::cache_events`]); counted as of the latest step or control call.
     pub cache_event_lags: u64,
+    /// LoRA commands applied (acknowledged by the router).
+    pub lora_commands: u64,
+    /// Steps in flight drained because a LoRA command arrived (depth 2).
+    pub lora_drains: u64,
 }
 
 impl Metrics {
@@ -108,6 +112,8 @@ impl Metrics {
             rollback_failures: self.rollback_failures - earlier.rollback_failures,
             pipeline_drains: self.pipeline_drains - earlier.pipeline_drains,
             cache_event_lags: self.cache_event_lags - earlier.cache_event_lags,
+            lora_commands: self.lora_commands - earlier.lora_commands,
+            lora_drains: self.lora_drains - earlier.lora_drains,
         }
     }
 }

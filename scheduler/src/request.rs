@@ -5,6 +5,9 @@
 //! the bad value and the limit it broke; a rejected request never reaches the router and changes
 //! nothing in the engine.
 
+use std::collections::BTreeSet;
+use std::sync::{Arc, PoisonError, RwLock};
+
 use device_io::DeviceFacts;
 
 /// How the next token is chosen from a token position's logits.
@@ -58,7 +61,8 @@ pub struct Request {
     pub max_tokens: usize,
     /// Stop after generating any of these (the stop token is part of the output).
     pub stop_tokens: Vec<u32>,
-    /// The LoRA adapter to serve it with; must be one the engine was configured with.
+    /// The LoRA adapter to serve it with (its id); must be loaded when the request is
+    /// submitted (see [`crate::EngineClient::lora`]).
     pub adapter: Option<u32>,
     /// The tenant's cache salt: requests share cached prefixes only under the same salt.
     pub cache_salt: Option<u64>,
@@ -189,12 +193,12 @@ pub enum RequestError {
         /// Requested generation length.
         max_tokens: usize,
     },
-    /// The adapter is not one the engine serves.
-    #[error("unknown LoRA adapter {adapter}; the engine serves {known:?}")]
+    /// The adapter is not loaded (never was, or was unloaded).
+    #[error("unknown LoRA adapter {adapter}; the loaded adapters are {known:?}")]
     UnknownAdapter {
         /// The adapter asked for.
         adapter: u32,
-        /// The adapters the engine was configured with.
+        /// The adapters loaded when the request was checked.
         known: Vec<u32>,
     },
     /// The engine has stopped (or is shutting down) and takes no new requests.
@@ -202,7 +206,69 @@ pub enum RequestError {
     EngineStopped,
 }
 
-/// What a request is checked against: the router's facts plus the engine's adapters.
+/// The LoRA adapters an engine serves now, by id: shared by the engine, which changes it as
+/// adapters are loaded and unloaded (at quiescence, see [`crate::Engine::lora`]), and its
+/// clients, which check submissions against it. Clones share one set.
+#[derive(Debug, Clone, Default)]
+pub struct AdapterSet {
+    ids: Arc<RwLock<BTreeSet<u32>>>,
+}
+
+impl AdapterSet {
+    /// A set holding `ids`.
+    pub fn new(ids: impl IntoIterator<Item = u32>) -> Self {
+        AdapterSet {
+            ids: Arc::new(RwLock::new(ids.into_iter().collect())),
+        }
+    }
+
+    /// Whether adapter `id` is loaded.
+    pub fn contains(&self, id: u32) -> bool {
+        self.ids
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&id)
+    }
+
+    /// The loaded ids, ascending.
+    pub fn ids(&self) -> Vec<u32> {
+        self.ids
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect()
+    }
+
+    pub(crate) fn insert(&self, id: u32) {
+        self.ids
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id);
+    }
+
+    pub(crate) fn remove(&self, id: u32) {
+        self.ids
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
+    }
+
+    pub(crate) fn replace(&self, ids: impl IntoIterator<Item = u32>) {
+        *self.ids.write().unwrap_or_else(PoisonError::into_inner) = ids.into_iter().collect();
+    }
+}
+
+/// Two sets are equal when they hold the same ids now.
+impl PartialEq for AdapterSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.ids() == other.ids()
+    }
+}
+
+impl Eq for AdapterSet {}
+
+/// What a request is checked against: the router's facts plus the adapters loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Vocabulary size of the model served.
@@ -213,19 +279,19 @@ pub struct Limits {
     pub block_size: usize,
     /// KV blocks in the whole pool.
     pub kv_blocks_total: usize,
-    /// The LoRA adapters the engine serves.
-    pub adapters: Vec<u32>,
+    /// The LoRA adapters loaded now.
+    pub adapters: AdapterSet,
 }
 
 impl Limits {
-    /// The limits of a router with `facts`, serving `adapters`.
+    /// The limits of a router with `facts`, with `adapters` loaded.
     pub fn new(facts: &DeviceFacts, adapters: Vec<u32>) -> Self {
         Limits {
             vocab_size: facts.vocab_size,
             max_context: facts.max_context,
             block_size: facts.block_size.max(1),
             kv_blocks_total: facts.kv_blocks_total,
-            adapters,
+            adapters: AdapterSet::new(adapters),
         }
     }
 
@@ -253,10 +319,10 @@ impl Limits {
             }
         }
         if let Some(adapter) = request.adapter {
-            if !self.adapters.contains(&adapter) {
+            if !self.adapters.contains(adapter) {
                 return Err(RequestError::UnknownAdapter {
                     adapter,
-                    known: self.adapters.clone(),
+                    known: self.adapters.ids(),
                 });
             }
         }
@@ -336,7 +402,7 @@ mod tests {
             max_context: 64,
             block_size: 4,
             kv_blocks_total: 8,
-            adapters: vec![3],
+            adapters: AdapterSet::new([3]),
         }
     }
 

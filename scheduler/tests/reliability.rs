@@ -9,8 +9,8 @@ use std::sync::Arc;
 use crossbeam_channel::{Receiver, Sender};
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Phase, StepPlan,
-    StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
+    Phase, StepPlan, StepResult, Ticket,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
@@ -117,7 +117,7 @@ impl DeviceIo for Gated {
     type Ptr = u64;
     type Model = ScriptedConfig;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &ScriptedConfig {
         self.inner.model()
@@ -145,7 +145,7 @@ impl DeviceIo for Gated {
         }
         self.inner.apply(effect)
     }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
         self.inner.lora(cmd)
     }
     fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
@@ -222,7 +222,7 @@ impl DeviceIo for Probe {
     type Ptr = u64;
     type Model = ScriptedConfig;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &ScriptedConfig {
         self.inner.model()
@@ -250,7 +250,7 @@ impl DeviceIo for Probe {
     fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
         self.inner.apply(effect)
     }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
         self.inner.lora(cmd)
     }
     fn teardown(self: Box<Self>) -> Result<(), DeviceError> {

@@ -5,8 +5,8 @@
 
 use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraCommand, Phase, StepPlan,
-    StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
+    Phase, StepPlan, StepResult, Ticket,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
@@ -551,7 +551,7 @@ impl DeviceIo for Gated {
     type Ptr = u64;
     type Model = ScriptedConfig;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &ScriptedConfig {
         self.inner.model()
@@ -577,7 +577,7 @@ impl DeviceIo for Gated {
     fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
         self.inner.apply(effect)
     }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<(), String> {
+    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
         self.inner.lora(cmd)
     }
     fn teardown(self: Box<Self>) -> Result<(), DeviceError> {

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Phase, Sequence, StepPlan,
-    StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraError, Phase, Sequence,
+    StepPlan, StepResult, Ticket,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -516,7 +516,7 @@ where
     ) -> Result<(), DeviceError> {
         self.inner.subscribe_cache_events(sink)
     }
-    fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, String> {
+    fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, LoraError> {
         self.inner.lora(cmd)
     }
     fn teardown(self: Box<Self>) -> Result<(), DeviceError> {

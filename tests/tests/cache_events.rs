@@ -197,6 +197,7 @@ fn converse(model: &Model, depth: usize, extras: Extras) -> Run {
         max_depth: depth,
         threads: device_cpu::default_threads(),
         expert_workers: 0,
+        lora_slots: 0,
     };
     let router = CpuRouter::new(model.clone(), config).unwrap();
     let engine_config = EngineConfig {

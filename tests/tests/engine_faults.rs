@@ -10,8 +10,8 @@ use std::sync::Mutex;
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Phase, Sequence, StepPlan,
-    StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraError, Phase, Sequence,
+    StepPlan, StepResult, Ticket,
 };
 use model::{Config, Model};
 use scheduler::{
@@ -186,7 +186,7 @@ where
         self.inner.apply(effect)
     }
 
-    fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, String> {
+    fn lora(&mut self, cmd: D::LoraCmd) -> Result<D::LoraAck, LoraError> {
         self.inner.lora(cmd)
     }
 

@@ -37,6 +37,7 @@ fn scenario(depth: usize, c_stop: Option<u32>) -> Scenario {
         max_depth: depth,
         threads: device_cpu::default_threads(),
         expert_workers: 0,
+        lora_slots: 0,
     };
     let (sink, trace) = TraceSink::memory();
     let router = TracingDeviceIo::new(CpuRouter::new(model, router_config).unwrap(), sink);

@@ -85,6 +85,7 @@ fn converse(scenario: &Scenario) -> (Outcome, scheduler::Metrics) {
         max_depth: scenario.depth,
         threads: device_cpu::default_threads(),
         expert_workers: 0,
+        lora_slots: 0,
     };
     let router = CpuRouter::new(scenario.model.clone(), config).unwrap();
     let initial = router.facts();

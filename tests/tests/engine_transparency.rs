@@ -57,6 +57,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         max_depth: setup.depth,
         threads: device_cpu::default_threads(),
         expert_workers: 0,
+        lora_slots: 0,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let initial = router.facts();
