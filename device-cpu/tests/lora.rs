@@ -357,9 +357,12 @@ fn cache_isolation(model: Model) {
     ] {
         let (cached, logits) = serve(&router, id, &prompt, adapter);
         assert_eq!(cached, 48, "adapter {adapter:?}");
-        assert_eq!(bits(&[logits]), bits(&[first.clone()]));
+        assert_eq!(bits(&[logits]), bits(std::slice::from_ref(first)));
     }
-    assert_ne!(bits(&[with_1.clone()]), bits(&[with_2.clone()]));
+    assert_ne!(
+        bits(std::slice::from_ref(&with_1)),
+        bits(std::slice::from_ref(&with_2))
+    );
     // Id 1 unloaded and another adapter loaded under it: the old entries are not served.
     router.lora(LoraCommand::Unload { adapter: 1 }).unwrap();
     load(&mut router, 1, &paths[2]).unwrap();
