@@ -115,6 +115,13 @@ pub struct Args {
     /// How to show progress: a bar on a terminal, otherwise a line on stderr every 10 s
     #[arg(long, value_enum, value_name = "WHEN", default_value_t = ProgressMode::Auto)]
     pub progress: ProgressMode,
+
+    /// Serve with the PEFT LoRA adapter in DIR (adapter_config.json and
+    /// adapter_model.safetensors, made for the model); repeat for several. Sessions take the
+    /// adapters round-robin in order of their first turn, and the report gives each adapter's
+    /// prefix-cache hit rate
+    #[arg(long = "adapter", value_name = "DIR", value_parser = adapter_dir)]
+    pub adapters: Vec<PathBuf>,
 }
 
 /// The most turns in flight `--max-in-flight` accepts: one live slot each, and the engine and
@@ -199,6 +206,19 @@ fn workload_spec(text: &str) -> Result<WorkloadSpec, String> {
     }
 }
 
+fn adapter_dir(text: &str) -> Result<PathBuf, String> {
+    let dir = PathBuf::from(text);
+    let config = dir.join("adapter_config.json");
+    match std::fs::metadata(&config) {
+        Ok(meta) if meta.is_file() => Ok(dir),
+        Ok(_) => Err(format!("{} is not a file", config.display())),
+        Err(err) => Err(format!(
+            "no PEFT adapter there ({}: {err})",
+            config.display()
+        )),
+    }
+}
+
 fn positive_speedup(text: &str) -> Result<f64, String> {
     let speed: f64 = text.parse().map_err(|err| format!("{err}"))?;
     if speed.is_finite() && speed > 0.0 {
@@ -260,6 +280,11 @@ mod tests {
         assert_eq!(
             error(&["--depth", "3"]),
             "error: invalid value '3' for '--depth <N>': 3 is not in 1..=2"
+        );
+        assert_eq!(
+            error(&["--adapter", "/no/such/adapter"]),
+            "error: invalid value '/no/such/adapter' for '--adapter <DIR>': no PEFT adapter there \
+             (/no/such/adapter/adapter_config.json: No such file or directory (os error 2))"
         );
     }
 

@@ -26,7 +26,7 @@ use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
 use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
-use scheduler::{EngineConfig, Preemption, ShutdownMode, SpillTarget};
+use scheduler::{EngineConfig, LoraCommand, Preemption, ShutdownMode, SpillTarget};
 use serde::Serialize;
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
@@ -316,6 +316,10 @@ fn run_pass(
             .threads
             .map_or_else(backend::default_threads, |n| n as usize),
         expert_workers: args.expert_workers as usize,
+        lora_slots: args
+            .adapters
+            .len()
+            .max(backend::device_cpu::DEFAULT_LORA_SLOTS),
         ..BackendOptions::new(plan.kv_blocks, max_seqs)
     };
     let preemption = match args.preempt {
@@ -332,11 +336,24 @@ fn run_pass(
     let setup = Setup::new(plan, model.config(), &options, &config);
     let mut engine = backend::build_engine(model.clone(), options, config)
         .map_err(|err| Failure(allocation_hint(plan, err.to_string())))?;
+    let mut adapters = Vec::with_capacity(args.adapters.len());
+    for dir in &args.adapters {
+        let adapter = adapter_id(plan, dir);
+        let load = LoraCommand::Load {
+            adapter,
+            path: dir.clone(),
+        };
+        engine
+            .lora(load)
+            .map_err(|err| Failure(format!("--adapter {}: {err}", dir.display())))?;
+        adapters.push(adapter);
+    }
     let progress = Progress::start(label, plan.workload.turns.len() as u64, args.progress);
     let replay_options = ReplayOptions {
         max_in_flight: max_seqs,
         digests,
         pace: args.pace,
+        adapters,
     };
     let mut series = PassSeries {
         label: label.to_string(),
@@ -374,6 +391,17 @@ fn run_pass(
         setup,
         series,
     })
+}
+
+/// The id `--adapter DIR` is loaded under: its place on the command line, from 1.
+fn adapter_id(plan: &Plan, dir: &Path) -> u32 {
+    let index = plan
+        .args
+        .adapters
+        .iter()
+        .position(|d| d == dir)
+        .unwrap_or_default();
+    u32::try_from(index + 1).unwrap_or(u32::MAX)
 }
 
 fn ms(duration: std::time::Duration) -> f64 {
@@ -525,6 +553,19 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         config.vocab_size,
         started.elapsed().as_secs_f64()
     );
+    // Every adapter is checked against the model before any pass starts.
+    for dir in &plan.args.adapters {
+        let adapter = backend::model::LoraAdapter::load(dir, &model)
+            .map_err(|err| Failure(format!("--adapter {}: {err}", dir.display())))?;
+        println!(
+            "adapter {}: {} (rank {}, scale {}, {} linear layers)",
+            adapter_id(plan, dir),
+            dir.display(),
+            adapter.rank(),
+            adapter.scale(),
+            adapter.module_count()
+        );
+    }
     let workload = &plan.workload;
     println!(
         "workload: {} ({} turns, {} input and {} output tokens)",
@@ -556,7 +597,7 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
     let setup = &passes[0].setup;
     setup.print();
     for pass in &passes {
-        report::print(&pass.series.label, &pass.replay.report);
+        report::print(&pass.series.label, &pass.replay.report, &plan.args.adapters);
     }
     let verdicts: Vec<Verdict> = match passes.as_slice() {
         [on, off, other_on] => vec![

@@ -50,6 +50,9 @@ pub struct Setup {
     pub preemption: String,
     /// Token ids at or above the vocabulary were folded into it (`--fold-token-ids`).
     pub fold_token_ids: bool,
+    /// The LoRA adapters (`--adapter`), loaded under ids 1, 2, ... in this order; sessions take
+    /// them round-robin.
+    pub adapters: Vec<String>,
 }
 
 impl Setup {
@@ -125,6 +128,11 @@ impl Setup {
             threads: options.threads,
             preemption,
             fold_token_ids: args.fold_token_ids,
+            adapters: args
+                .adapters
+                .iter()
+                .map(|dir| dir.display().to_string())
+                .collect(),
         }
     }
 
@@ -155,6 +163,12 @@ impl Setup {
             self.checkpoint_slots,
             bytes(self.state_slot_bytes)
         );
+        if !self.adapters.is_empty() {
+            println!(
+                "LoRA adapters       {} (sessions take them round-robin)",
+                self.adapters.len()
+            );
+        }
     }
 }
 
@@ -173,8 +187,8 @@ pub fn bytes(count: u64) -> String {
     format!("{value:.1} {}", UNITS[unit])
 }
 
-/// Prints one pass's report.
-pub fn print(title: &str, report: &ReplayReport) {
+/// Prints one pass's report; `adapters` are the `--adapter` folders (id `i + 1` is `adapters[i]`).
+pub fn print(title: &str, report: &ReplayReport, adapters: &[std::path::PathBuf]) {
     println!("== {title}: workload {} ==", report.workload);
     let skipped = if report.skipped > 0 {
         " (no recorded output to force)"
@@ -242,6 +256,21 @@ pub fn print(title: &str, report: &ReplayReport) {
         println!(
             "pipelining          {} steps launched ahead, {} drains, {} over-runs rolled back",
             report.fed_steps, report.pipeline_drains, report.rollbacks
+        );
+    }
+    for hits in &report.adapters {
+        let dir = usize::try_from(hits.adapter)
+            .ok()
+            .and_then(|id| adapters.get(id.wrapping_sub(1)))
+            .map_or_else(String::new, |dir| format!(" {}", dir.display()));
+        println!(
+            "adapter {}{dir}   {} sessions, {} turns, {} of {} prompt tokens from cache (token hit rate {:.1}%)",
+            hits.adapter,
+            hits.sessions,
+            hits.completed,
+            hits.cached_tokens,
+            hits.prompt_tokens,
+            100.0 * hits.token_hit_rate
         );
     }
 }

@@ -8,6 +8,10 @@
 //! Arrival times order the turns; with [`ReplayOptions::pace`] they also hold each turn back
 //! until its (scaled) arrival time, otherwise the replay is as fast as the engine goes.
 //! Driving [`Engine::step`] on the caller's thread keeps a replay deterministic.
+//!
+//! With [`ReplayOptions::adapters`], sessions take those LoRA adapters (loaded in the engine)
+//! round-robin in order of their first turn, and the report gives each adapter's prefix-cache
+//! hit rate ([`AdapterHits`]).
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -23,7 +27,7 @@ use crate::request::Request;
 use crate::workload::{Turn, Workload};
 
 /// How a replay runs.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplayOptions {
     /// The most turns in flight at once (each from a different session); at least 1.
     pub max_in_flight: usize,
@@ -32,6 +36,9 @@ pub struct ReplayOptions {
     /// Pace arrivals: submit no turn before its `ts` (relative to the first turn's), divided by
     /// this speed-up (1.0 is real time). `None` replays as fast as the engine goes.
     pub pace: Option<f64>,
+    /// LoRA adapters (ids loaded in the engine) the sessions take round-robin, in order of
+    /// their first turn; empty: every turn runs on the base model.
+    pub adapters: Vec<u32>,
 }
 
 impl Default for ReplayOptions {
@@ -40,8 +47,26 @@ impl Default for ReplayOptions {
             max_in_flight: 16,
             digests: false,
             pace: None,
+            adapters: Vec::new(),
         }
     }
+}
+
+/// One LoRA adapter's share of a replay.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AdapterHits {
+    /// The adapter's id.
+    pub adapter: u32,
+    /// Sessions that took it.
+    pub sessions: usize,
+    /// Their turns that completed.
+    pub completed: usize,
+    /// Prompt tokens of those turns.
+    pub prompt_tokens: usize,
+    /// Of those, tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// `cached_tokens / prompt_tokens` (0 without prompt tokens).
+    pub token_hit_rate: f64,
 }
 
 /// What happened to one turn.
@@ -153,6 +178,8 @@ pub struct ReplayReport {
     pub pipeline_drains: u64,
     /// Over-runs rolled back (rows that stopped or were cancelled while their next step ran).
     pub rollbacks: u64,
+    /// Each LoRA adapter's sessions and prefix-cache hit rate (empty without adapters).
+    pub adapters: Vec<AdapterHits>,
 }
 
 /// A finished replay: the report and every turn's outcome (in workload order).
@@ -207,6 +234,7 @@ where
         .values_mut()
         .filter_map(VecDeque::pop_front)
         .collect();
+    let session_adapters = assign_adapters(workload, &options.adapters);
     let mut outcomes: Vec<Option<TurnOutcome>> = vec![None; turns.len()];
     let mut in_flight: Vec<InFlight> = Vec::new();
     let max_in_flight = options.max_in_flight.max(1);
@@ -227,8 +255,9 @@ where
             let outcome = if turn.output.is_empty() {
                 TurnOutcome::Skipped
             } else {
-                let request = Request::forced(turn.input.clone(), turn.output.clone())
+                let mut request = Request::forced(turn.input.clone(), turn.output.clone())
                     .with_logits_digest(options.digests);
+                request.adapter = session_adapters.get(&turn.session).copied();
                 match engine.submit(request) {
                     Ok(handle) => {
                         in_flight.push(InFlight {
@@ -288,8 +317,59 @@ where
         .into_iter()
         .map(|outcome| outcome.unwrap_or(TurnOutcome::Skipped))
         .collect();
-    let report = summarize(workload, &outcomes, &engine.metrics().since(&before), wall);
+    let mut report = summarize(workload, &outcomes, &engine.metrics().since(&before), wall);
+    report.adapters = adapter_hits(workload, &outcomes, &options.adapters, &session_adapters);
     Replay { report, outcomes }
+}
+
+/// Each session's adapter: `adapters` round-robin over the sessions in order of their first
+/// turn (none when `adapters` is empty).
+fn assign_adapters(workload: &Workload, adapters: &[u32]) -> HashMap<u64, u32> {
+    let mut assigned = HashMap::new();
+    if adapters.is_empty() {
+        return assigned;
+    }
+    for turn in &workload.turns {
+        let next = adapters[assigned.len() % adapters.len()];
+        assigned.entry(turn.session).or_insert(next);
+    }
+    assigned
+}
+
+/// Each adapter's sessions, completed turns and prefix-cache hits, in the order of `adapters`.
+fn adapter_hits(
+    workload: &Workload,
+    outcomes: &[TurnOutcome],
+    adapters: &[u32],
+    session_adapters: &HashMap<u64, u32>,
+) -> Vec<AdapterHits> {
+    adapters
+        .iter()
+        .map(|&adapter| {
+            let mut hits = AdapterHits {
+                adapter,
+                sessions: session_adapters.values().filter(|&&a| a == adapter).count(),
+                completed: 0,
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                token_hit_rate: 0.0,
+            };
+            for (turn, outcome) in workload.turns.iter().zip(outcomes) {
+                if session_adapters.get(&turn.session) != Some(&adapter) {
+                    continue;
+                }
+                if let TurnOutcome::Done { usage, .. } = outcome {
+                    hits.completed += 1;
+                    hits.prompt_tokens += usage.prompt_tokens;
+                    hits.cached_tokens += usage.cached_tokens;
+                }
+            }
+            if hits.prompt_tokens > 0 {
+                hits.token_hit_rate = hits.cached_tokens as f64 / hits.prompt_tokens as f64;
+            }
+            hits
+        })
+        .collect()
 }
 
 /// How long until `turn` is due under `pace` (`None` when it is due now or pacing is off).
@@ -372,6 +452,7 @@ fn summarize(
         fed_steps: metrics.fed_launches,
         pipeline_drains: metrics.pipeline_drains,
         rollbacks: metrics.rollbacks,
+        adapters: Vec::new(),
     }
 }
 
@@ -406,6 +487,58 @@ mod tests {
         assert!(wait > Duration::from_secs(9) && wait <= Duration::from_secs(10));
         let long_ago = now - Duration::from_secs(20);
         assert_eq!(not_yet_due(&turn(100.0), 0.0, Some(10.0), long_ago), None);
+    }
+
+    #[test]
+    fn sessions_take_adapters_round_robin_in_order_of_first_turn() {
+        let turn = |session: u64| Turn {
+            session,
+            turn: 0,
+            ts: 0.0,
+            input: vec![1],
+            output: vec![1],
+            source_line: None,
+        };
+        let workload = Workload {
+            name: "w".to_string(),
+            turns: [0, 1, 0, 2, 1, 3, 4].map(turn).to_vec(),
+        };
+        let assigned = assign_adapters(&workload, &[7, 8]);
+        let expected: HashMap<u64, u32> = [(0, 7), (1, 8), (2, 7), (3, 8), (4, 7)].into();
+        assert_eq!(assigned, expected);
+        assert!(assign_adapters(&workload, &[]).is_empty());
+        let usage = |prompt_tokens, cached_tokens| TurnOutcome::Done {
+            usage: Usage {
+                prompt_tokens,
+                cached_tokens,
+                ..Usage::default()
+            },
+            digest: None,
+            tokens: vec![1],
+        };
+        let outcomes = [
+            usage(10, 0),
+            usage(10, 5),
+            usage(20, 16),
+            usage(8, 0),
+            usage(30, 30),
+            TurnOutcome::Failed("no".to_string()),
+            usage(4, 0),
+        ];
+        let hits = adapter_hits(&workload, &outcomes, &[7, 8], &assigned);
+        assert_eq!(
+            hits.iter()
+                .map(|h| (
+                    h.adapter,
+                    h.sessions,
+                    h.completed,
+                    h.prompt_tokens,
+                    h.cached_tokens
+                ))
+                .collect::<Vec<_>>(),
+            [(7, 3, 4, 42, 16), (8, 2, 2, 40, 35)]
+        );
+        assert_eq!(hits[1].token_hit_rate, 35.0 / 40.0);
     }
 
     #[test]

@@ -667,6 +667,7 @@ fn replay_forces_the_recorded_outputs_and_counts_everything() {
         max_in_flight: 2,
         digests: false,
         pace: None,
+        ..ReplayOptions::default()
     };
     let result = replay(&mut engine, &workload, &replay_options, &mut |turn, _| {
         seen.push(turn)

@@ -73,6 +73,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         max_in_flight: 4,
         digests: true,
         pace: None,
+        ..ReplayOptions::default()
     };
     let result = replay(&mut engine, workload, &options, &mut |_, _| {});
     for (turn, outcome) in workload.turns.iter().zip(&result.outcomes) {
