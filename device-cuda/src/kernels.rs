@@ -11,6 +11,14 @@
 use crate::error::{CudaError, Result};
 use crate::runtime::{DType, DeviceSlice, KernelArg, LaunchDims, Runtime, Stream};
 
+mod layers;
+
+pub use layers::{
+    add_into, attention, bias_act, kv_write, mamba_conv, mamba_gated_norm, mamba_ssm, moe_combine,
+    moe_dispatch, moe_gemm, moe_route, residual_rmsnorm, rmsnorm_select, AttentionShape, KvPool,
+    MambaShape, MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows, MOE_TILE_ROWS,
+};
+
 /// Threads per block of the row kernels (RMSNorm, argmax): a multiple of 32.
 pub const ROW_THREADS: u32 = 256;
 /// Threads per block of the element-wise and copy kernels.
@@ -41,11 +49,45 @@ pub enum Kernel {
     ScatterBlocks,
     /// `copy.cu`: f32 to bf16 (round to nearest even).
     F32ToBf16,
+    /// `mamba.cu`: causal depthwise conv over runs, continuing from the slots' conv history.
+    MambaConv,
+    /// `mamba.cu`: the chunked SSM scan (SSD) of prefill runs.
+    MambaSsmChunked,
+    /// `mamba.cu`: one SSM recurrence step of decode rows.
+    MambaSsmStep,
+    /// `mamba.cu`: the gated RMSNorm over groups.
+    MambaGatedNorm,
+    /// `attention.cu`: the K/V write of a step's rows into the paged pool.
+    KvWrite,
+    /// `attention.cu`: attention of each row over its block table, split across blocks.
+    AttentionSplit,
+    /// `attention.cu`: merges the splits of [`Kernel::AttentionSplit`].
+    AttentionCombine,
+    /// `moe.cu`: the router of each token.
+    MoeRoute,
+    /// `moe.cu`: assignments per expert.
+    MoeCount,
+    /// `moe.cu`: assignments sorted by expert, padded to whole tiles.
+    MoePlace,
+    /// `moe.cu`: expert GEMM over tiles, f32 weights.
+    MoeGemmF32,
+    /// `moe.cu`: expert GEMM over tiles, bf16 weights.
+    MoeGemmBf16,
+    /// `moe.cu`: the weighted combine per token.
+    MoeCombine,
+    /// `elementwise.cu`: bias and ReLU² after a GEMM.
+    BiasAct,
+    /// `elementwise.cu`: `dst += src`.
+    AddInto,
+    /// `elementwise.cu`: residual add fused with the next RMSNorm.
+    ResidualRmsNorm,
+    /// `elementwise.cu`: RMSNorm of selected rows.
+    RmsNormSelect,
 }
 
 impl Kernel {
     /// Every kernel, in discriminant order.
-    pub const ALL: [Kernel; 10] = [
+    pub const ALL: [Kernel; 27] = [
         Kernel::FeedInputs,
         Kernel::EmbeddingGatherF32,
         Kernel::EmbeddingGatherBf16,
@@ -56,6 +98,23 @@ impl Kernel {
         Kernel::GatherBlocks,
         Kernel::ScatterBlocks,
         Kernel::F32ToBf16,
+        Kernel::MambaConv,
+        Kernel::MambaSsmChunked,
+        Kernel::MambaSsmStep,
+        Kernel::MambaGatedNorm,
+        Kernel::KvWrite,
+        Kernel::AttentionSplit,
+        Kernel::AttentionCombine,
+        Kernel::MoeRoute,
+        Kernel::MoeCount,
+        Kernel::MoePlace,
+        Kernel::MoeGemmF32,
+        Kernel::MoeGemmBf16,
+        Kernel::MoeCombine,
+        Kernel::BiasAct,
+        Kernel::AddInto,
+        Kernel::ResidualRmsNorm,
+        Kernel::RmsNormSelect,
     ];
 
     /// The `extern "C"` name.
@@ -71,6 +130,23 @@ impl Kernel {
             Kernel::GatherBlocks => "gather_blocks",
             Kernel::ScatterBlocks => "scatter_blocks",
             Kernel::F32ToBf16 => "f32_to_bf16_n",
+            Kernel::MambaConv => "mamba_conv",
+            Kernel::MambaSsmChunked => "mamba_ssm_chunked",
+            Kernel::MambaSsmStep => "mamba_ssm_step",
+            Kernel::MambaGatedNorm => "mamba_gated_norm",
+            Kernel::KvWrite => "kv_write",
+            Kernel::AttentionSplit => "attention_split",
+            Kernel::AttentionCombine => "attention_combine",
+            Kernel::MoeRoute => "moe_route",
+            Kernel::MoeCount => "moe_count",
+            Kernel::MoePlace => "moe_place",
+            Kernel::MoeGemmF32 => "moe_gemm_f32",
+            Kernel::MoeGemmBf16 => "moe_gemm_bf16",
+            Kernel::MoeCombine => "moe_combine",
+            Kernel::BiasAct => "bias_act",
+            Kernel::AddInto => "add_into",
+            Kernel::ResidualRmsNorm => "residual_rmsnorm",
+            Kernel::RmsNormSelect => "rmsnorm_select",
         }
     }
 
@@ -83,6 +159,20 @@ impl Kernel {
             Kernel::RmsNormF32 | Kernel::RmsNormBf16 => "norm",
             Kernel::ArgmaxRows | Kernel::ArgmaxMaskedRows => "argmax",
             Kernel::GatherBlocks | Kernel::ScatterBlocks | Kernel::F32ToBf16 => "copy",
+            Kernel::MambaConv
+            | Kernel::MambaSsmChunked
+            | Kernel::MambaSsmStep
+            | Kernel::MambaGatedNorm => "mamba",
+            Kernel::KvWrite | Kernel::AttentionSplit | Kernel::AttentionCombine => "attention",
+            Kernel::MoeRoute
+            | Kernel::MoeCount
+            | Kernel::MoePlace
+            | Kernel::MoeGemmF32
+            | Kernel::MoeGemmBf16
+            | Kernel::MoeCombine => "moe",
+            Kernel::BiasAct | Kernel::AddInto | Kernel::ResidualRmsNorm | Kernel::RmsNormSelect => {
+                "elementwise"
+            }
         }
     }
 }

@@ -2,8 +2,9 @@
 //
 // What it provides, and how:
 // - threadIdx / blockIdx / blockDim / gridDim, warpSize.
-// - One block at a time per OS thread. Every CUDA thread of the block is a fiber (ucontext) with
-//   its own stack, and the block's fibers are scheduled cooperatively on the OS thread that runs
+// - One block at a time per OS thread. Every CUDA thread of the block is a fiber with its own
+//   stack (on x86-64 a register-only context switch, elsewhere ucontext), and the block's fibers
+//   are scheduled cooperatively on the OS thread that runs
 //   the block. A fiber runs until it reaches a barrier or exits, so threads really interleave at
 //   __syncthreads and at warp operations, and only there (like a GPU where each phase between
 //   barriers may run in any order).
@@ -55,8 +56,51 @@ constexpr unsigned int MAX_DYNAMIC_SHARED = 227 * 1024;
 
 enum class State : int { Runnable, BlockBarrier, WarpBarrier, Done };
 
+#if defined(__x86_64__)
+// A context switch without the signal-mask system calls of swapcontext (which dominate the
+// emulation's time otherwise): saves the callee-saved registers, MXCSR and the x87 control word
+// on the current stack, stores the stack pointer to *from, and resumes the context whose stack
+// pointer is `to`. Weak: every kernel file's translation unit carries a copy, the linker keeps one.
+extern "C" void simt_switch(void** from, void* to);
+asm(R"(
+    .text
+    .weak simt_switch
+    .type simt_switch, @function
+simt_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size simt_switch, .-simt_switch
+)");
+struct Context {
+    void* sp = nullptr;
+};
+#else
+struct Context {
+    ucontext_t uc;
+};
+#endif
+
 struct Fiber {
-    ucontext_t context;
+    Context context;
     uint3 thread_idx;
     unsigned int linear;
     State state;
@@ -79,7 +123,7 @@ struct Block {
     std::vector<Warp> warps;
     void (*entry)(void*);
     void* closure;
-    ucontext_t scheduler;
+    Context scheduler;
 };
 
 // Per OS thread: the block it runs, the fiber running now, reusable stacks, dynamic shared memory.
@@ -92,7 +136,13 @@ struct Thread {
 
 inline thread_local Thread current;
 
-inline void yield() { swapcontext(&current.fiber->context, &current.block->scheduler); }
+#if defined(__x86_64__)
+inline void switch_to(Context& from, Context& to) { simt_switch(&from.sp, to.sp); }
+#else
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+inline void yield() { switch_to(current.fiber->context, current.block->scheduler); }
 
 inline void release_block(Block* b) {
     b->arrived = 0;
@@ -148,7 +198,39 @@ inline void fiber_main() {
     Warp& w = b->warps[warp];
     w.live -= 1;
     if (w.arrived > 0 && w.arrived == w.live) release_warp(b, warp);
-    // Returning resumes `uc_link`, the scheduler.
+#if defined(__x86_64__)
+    // Back to the scheduler for good: this fiber is never resumed.
+    switch_to(f->context, b->scheduler);
+#endif
+    // (ucontext: returning resumes `uc_link`, the scheduler.)
+}
+
+// Prepares `f` to start in fiber_main on `stack`.
+inline bool start_fiber(Fiber& f, std::vector<unsigned char>& stack, Block& b) {
+#if defined(__x86_64__)
+    (void)b;
+    // The frame simt_switch pops: MXCSR and x87 control word, six registers, then the return
+    // address fiber_main; `top` is 16-aligned, so fiber_main starts with rsp = 8 mod 16 as after
+    // a call.
+    uintptr_t top = ((uintptr_t)stack.data() + stack.size()) & ~(uintptr_t)15;
+    void** frame = (void**)(top - 72);
+    unsigned int control[2];
+    asm volatile("stmxcsr %0" : "=m"(control[0]));
+    asm volatile("fnstcw %0" : "=m"(control[1]));
+    memcpy(&frame[0], control, 8);
+    for (int i = 1; i <= 6; ++i) frame[i] = nullptr;
+    frame[7] = (void*)&fiber_main;
+    frame[8] = nullptr;
+    f.context.sp = frame;
+    return true;
+#else
+    if (getcontext(&f.context.uc) != 0) return false;
+    f.context.uc.uc_stack.ss_sp = stack.data();
+    f.context.uc.uc_stack.ss_size = stack.size();
+    f.context.uc.uc_link = &b.scheduler.uc;
+    makecontext(&f.context.uc, fiber_main, 0);
+    return true;
+#endif
 }
 
 // Runs one block: every thread as a fiber, round robin until all are done.
@@ -173,11 +255,7 @@ inline int run_block(Block& b) {
         f.thread_idx.y = (i / b.block_dim.x) % b.block_dim.y;
         f.thread_idx.z = i / (b.block_dim.x * b.block_dim.y);
         f.state = State::Runnable;
-        if (getcontext(&f.context) != 0) return NO_MEMORY;
-        f.context.uc_stack.ss_sp = stack.data();
-        f.context.uc_stack.ss_size = stack.size();
-        f.context.uc_link = &b.scheduler;
-        makecontext(&f.context, fiber_main, 0);
+        if (!start_fiber(f, stack, b)) return NO_MEMORY;
     }
     unsigned int done = 0;
     while (done < threads) {
@@ -187,7 +265,7 @@ inline int run_block(Block& b) {
             Fiber& f = b.fibers[i];
             if (f.state == State::Runnable) {
                 current.fiber = &f;
-                swapcontext(&b.scheduler, &f.context);
+                switch_to(b.scheduler, f.context);
                 progress = true;
             }
             if (f.state == State::Done) done += 1;
@@ -370,6 +448,7 @@ inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float x) { int i; memcpy(&i, &x, 4); return i; }
 inline float __uint_as_float(unsigned int x) { float f; memcpy(&f, &x, 4); return f; }
 inline unsigned int __float_as_uint(float x) { unsigned int i; memcpy(&i, &x, 4); return i; }
+inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 
 // The fast intrinsics are exact on the host; a GPU result may differ in the last bits.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

@@ -1,0 +1,1199 @@
+//! The NemotronH forward step on a [`Runtime`]: the model's weights in a device layout made for
+//! the kernels ([`WeightImage`], [`DeviceModel`]), the activation workspace of the largest step
+//! ([`ForwardLimits`], [`Workspace`]), and [`DeviceModel::forward`], which runs one step's rows
+//! through every layer over the device's paged KV pool and state slots and leaves the logits of
+//! the rows asked for.
+//!
+//! # The step
+//! A step is a list of runs ([`StepRun`]): consecutive positions of one sequence (a prefill
+//! chunk, or one decode token), each with its block table and state slot. Rows are the runs'
+//! tokens, run after run, in position order. Every layer handles all rows at once: GEMMs batch
+//! them; the Mamba2 conv and SSM walk each run in order (the chunked scan for runs of two tokens or
+//! more, the single-step recurrence for one token), continuing from the slot's state; attention
+//! writes every row's K/V first, then each row attends keys `0..=pos` of its table, so rows of a
+//! prefill chunk see the chunk's earlier rows and any cached or earlier-computed blocks.
+//!
+//! # Weights
+//! GEMM matrices (embeddings, projections, experts stacked `[E, out, in]`, `lm_head`) are in the
+//! configured element type; the fused QKV projection is one matrix. Everything else (norm
+//! weights, conv weights and bias, `dt_bias`, `A = -exp(A_log)`, `D`, biases, the MoE gate and its
+//! correction bias) stays f32 whatever the type: those are a few KB per layer, and the router's
+//! choices and the SSM's decays are where bf16 rounding would move results most. The host model's
+//! math is matched exactly (ARCH.md); the dt clamp follows the model's [`DtClamp`].
+//!
+//! # Numbers
+//! Against the host model (`model::Model`, f32) the device forward differs only by rounding: its
+//! reductions run in other orders (block sums, the SSD chunk algebra, online softmax), GEMMs are
+//! cuBLAS (or the host sgemm on `SimRuntime`). `tests/forward.rs` measures it: within 1e-4 of
+//! the host logits with f32 weights; the bf16 bound is derived there.
+
+use std::collections::HashMap;
+
+use model::{Config, DtClamp, LayerKind, Model};
+
+use crate::error::{CudaError, Result};
+use crate::kernels::{
+    self, AttentionShape, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows,
+};
+use crate::runtime::{DType, DeviceBuffer, DeviceSlice, Gemm, Runtime, Stream};
+
+/// Alignment of every tensor in the weight image and every workspace region.
+const ALIGN: usize = 256;
+/// Keys per attention split before the step needs more splits.
+pub const DEFAULT_SPLIT_KEYS: usize = 256;
+/// Attention partials per row and head the workspace holds on average.
+const SPLITS_PER_ROW: usize = 4;
+
+fn align(bytes: usize) -> usize {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// A matrix `[rows, cols]` (checkpoint layout `[out, in]`) in the weight image.
+#[derive(Debug, Clone, Copy)]
+struct Mat {
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+    bias: Option<Floats>,
+}
+
+/// f32 values in the weight image.
+#[derive(Debug, Clone, Copy)]
+struct Floats {
+    offset: usize,
+    len: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct MambaWeights {
+    in_proj: Mat,
+    conv_weight: Floats,
+    conv_bias: Option<Floats>,
+    dt_bias: Floats,
+    a: Floats,
+    d: Floats,
+    norm: Floats,
+    out_proj: Mat,
+    /// Its index among the Mamba layers (its place in a state slot).
+    index: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct MoeWeights {
+    gate: Mat,
+    correction: Floats,
+    /// `[E * I_moe, d']`, experts stacked.
+    up: Mat,
+    /// `[E * d', I_moe]`, experts stacked.
+    down: Mat,
+    shared_up: Mat,
+    shared_down: Mat,
+    latent: Option<(Mat, Mat)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Mixer {
+    Mamba(MambaWeights),
+    Attention {
+        qkv: Mat,
+        o_proj: Mat,
+        /// Its index among the attention layers (its place in a KV block).
+        index: usize,
+    },
+    Mlp {
+        up: Mat,
+        down: Mat,
+    },
+    Moe(MoeWeights),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Layer {
+    norm: Floats,
+    mixer: Mixer,
+}
+
+/// Where everything is in the weight image.
+#[derive(Debug, Clone)]
+struct Layout {
+    embeddings: Mat,
+    layers: Vec<Layer>,
+    norm_f: Floats,
+    lm_head: Mat,
+}
+
+/// The model's weights as device bytes (see the module docs), ready to upload.
+#[derive(Debug, Clone)]
+pub struct WeightImage {
+    bytes: Vec<u8>,
+    layout: Layout,
+    dtype: DType,
+}
+
+struct Builder<'m> {
+    bytes: Vec<u8>,
+    tensors: HashMap<String, Vec<f32>>,
+    dtype: DType,
+    model: &'m Config,
+}
+
+impl Builder<'_> {
+    fn take(&mut self, name: &str) -> Result<Vec<f32>> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| CudaError::BadRange(format!("the model has no tensor {name}")))
+    }
+
+    fn start(&mut self) -> usize {
+        let offset = align(self.bytes.len());
+        self.bytes.resize(offset, 0);
+        offset
+    }
+
+    fn floats(&mut self, values: &[f32]) -> Floats {
+        let offset = self.start();
+        self.bytes
+            .extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        Floats {
+            offset,
+            len: values.len(),
+        }
+    }
+
+    fn floats_named(&mut self, name: &str) -> Result<Floats> {
+        let values = self.take(name)?;
+        Ok(self.floats(&values))
+    }
+
+    fn raw_mat(&mut self, values: &[f32], rows: usize, cols: usize, dtype: DType) -> Mat {
+        let offset = self.start();
+        match dtype {
+            DType::F32 => self
+                .bytes
+                .extend(values.iter().flat_map(|v| v.to_le_bytes())),
+            DType::Bf16 => self.bytes.extend(
+                values
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            ),
+        }
+        Mat {
+            offset,
+            rows,
+            cols,
+            dtype,
+            bias: None,
+        }
+    }
+
+    /// `{prefix}.weight` `[rows, cols]` and `{prefix}.bias` when `bias`.
+    fn linear(
+        &mut self,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+        bias: bool,
+        dtype: DType,
+    ) -> Result<Mat> {
+        let values = self.take(&format!("{prefix}.weight"))?;
+        let mut mat = self.raw_mat(&values, rows, cols, dtype);
+        if bias {
+            mat.bias = Some(self.floats_named(&format!("{prefix}.bias"))?);
+        }
+        Ok(mat)
+    }
+
+    /// The experts' `{which}` matrices stacked `[E * rows, cols]`, their biases `[E * rows]`.
+    fn stacked(&mut self, m: &str, which: &str, rows: usize, cols: usize) -> Result<Mat> {
+        let experts = self.model.n_routed_experts;
+        let mut values = Vec::with_capacity(experts * rows * cols);
+        let mut biases = Vec::new();
+        for j in 0..experts {
+            values.extend(self.take(&format!("{m}.experts.{j}.{which}.weight"))?);
+            if self.model.mlp_bias {
+                biases.extend(self.take(&format!("{m}.experts.{j}.{which}.bias"))?);
+            }
+        }
+        let mut mat = self.raw_mat(&values, experts * rows, cols, self.dtype);
+        if self.model.mlp_bias {
+            mat.bias = Some(self.floats(&biases));
+        }
+        Ok(mat)
+    }
+
+    fn layer(&mut self, i: usize, kind: LayerKind, indices: &mut (usize, usize)) -> Result<Layer> {
+        let c = self.model;
+        let (d, dtype) = (c.hidden_size, self.dtype);
+        let p = format!("backbone.layers.{i}");
+        let norm = self.floats_named(&format!("{p}.norm.weight"))?;
+        let m = format!("{p}.mixer");
+        let mixer = match kind {
+            LayerKind::Mamba => {
+                let inner = c.mamba_inner();
+                let in_proj = self.linear(
+                    &format!("{m}.in_proj"),
+                    c.mamba_in_proj_dim(),
+                    d,
+                    c.use_bias,
+                    dtype,
+                )?;
+                let conv_weight = self.floats_named(&format!("{m}.conv1d.weight"))?;
+                let conv_bias = if c.use_conv_bias {
+                    Some(self.floats_named(&format!("{m}.conv1d.bias"))?)
+                } else {
+                    None
+                };
+                let dt_bias = self.floats_named(&format!("{m}.dt_bias"))?;
+                // A = -exp(A_log), as the host model derives it.
+                let a_values: Vec<f32> = self
+                    .take(&format!("{m}.A_log"))?
+                    .iter()
+                    .map(|&x| -x.exp())
+                    .collect();
+                let a = self.floats(&a_values);
+                let d_skip = self.floats_named(&format!("{m}.D"))?;
+                let gnorm = self.floats_named(&format!("{m}.norm.weight"))?;
+                let out_proj =
+                    self.linear(&format!("{m}.out_proj"), d, inner, c.use_bias, dtype)?;
+                indices.1 += 1;
+                Mixer::Mamba(MambaWeights {
+                    in_proj,
+                    conv_weight,
+                    conv_bias,
+                    dt_bias,
+                    a,
+                    d: d_skip,
+                    norm: gnorm,
+                    out_proj,
+                    index: indices.1 - 1,
+                })
+            }
+            LayerKind::Attention => {
+                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                let mut qkv = self.take(&format!("{m}.q_proj.weight"))?;
+                qkv.extend(self.take(&format!("{m}.k_proj.weight"))?);
+                qkv.extend(self.take(&format!("{m}.v_proj.weight"))?);
+                let qkv = self.raw_mat(&qkv, (nh + 2 * nkv) * hd, d, dtype);
+                let o_proj = self.linear(&format!("{m}.o_proj"), d, nh * hd, false, dtype)?;
+                indices.0 += 1;
+                Mixer::Attention {
+                    qkv,
+                    o_proj,
+                    index: indices.0 - 1,
+                }
+            }
+            LayerKind::Mlp => Mixer::Mlp {
+                up: self.linear(
+                    &format!("{m}.up_proj"),
+                    c.intermediate_size,
+                    d,
+                    c.mlp_bias,
+                    dtype,
+                )?,
+                down: self.linear(
+                    &format!("{m}.down_proj"),
+                    d,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                    dtype,
+                )?,
+            },
+            LayerKind::Moe => {
+                let e = c.n_routed_experts;
+                let (moe_i, shared_i, ed) = (
+                    c.moe_intermediate_size,
+                    c.moe_shared_expert_intermediate_size,
+                    c.moe_expert_dim(),
+                );
+                // The gate stays f32: the router's choices are the most rounding-sensitive step.
+                let gate = self.linear(&format!("{m}.gate"), e, d, false, DType::F32)?;
+                let correction = self.floats_named(&format!("{m}.gate.e_score_correction_bias"))?;
+                let up = self.stacked(&m, "up_proj", moe_i, ed)?;
+                let down = self.stacked(&m, "down_proj", ed, moe_i)?;
+                let shared_up = self.linear(
+                    &format!("{m}.shared_experts.up_proj"),
+                    shared_i,
+                    d,
+                    c.mlp_bias,
+                    dtype,
+                )?;
+                let shared_down = self.linear(
+                    &format!("{m}.shared_experts.down_proj"),
+                    d,
+                    shared_i,
+                    c.mlp_bias,
+                    dtype,
+                )?;
+                let latent = match c.moe_latent_size {
+                    Some(l) => Some((
+                        self.linear(&format!("{m}.fc1_latent_proj"), l, d, c.mlp_bias, dtype)?,
+                        self.linear(&format!("{m}.fc2_latent_proj"), d, l, c.mlp_bias, dtype)?,
+                    )),
+                    None => None,
+                };
+                Mixer::Moe(MoeWeights {
+                    gate,
+                    correction,
+                    up,
+                    down,
+                    shared_up,
+                    shared_down,
+                    latent,
+                })
+            }
+        };
+        Ok(Layer { norm, mixer })
+    }
+}
+
+impl WeightImage {
+    /// The weights of `model`'s main stack (MTP layers, if any, are not part of the forward
+    /// step) with GEMM matrices in `dtype`.
+    pub fn new(model: &Model, dtype: DType) -> Result<WeightImage> {
+        let config = model.config();
+        let mut tensors = HashMap::new();
+        model.visit_tensors(&mut |name, _shape, data| {
+            if !name.starts_with("mtp.") {
+                tensors.insert(name.to_owned(), data.to_vec());
+            }
+        });
+        let mut b = Builder {
+            bytes: Vec::new(),
+            tensors,
+            dtype,
+            model: config,
+        };
+        let (v, d) = (config.vocab_size, config.hidden_size);
+        let embeddings = b.linear("backbone.embeddings", v, d, false, dtype)?;
+        let mut indices = (0, 0);
+        let layers = config
+            .layer_kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| b.layer(i, kind, &mut indices))
+            .collect::<Result<Vec<_>>>()?;
+        let norm_f = b.floats_named("backbone.norm_f.weight")?;
+        let lm_head = b.linear("lm_head", v, d, false, dtype)?;
+        let bytes = b.bytes;
+        Ok(WeightImage {
+            bytes,
+            layout: Layout {
+                embeddings,
+                layers,
+                norm_f,
+                lm_head,
+            },
+            dtype,
+        })
+    }
+
+    /// Its size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// The largest step a [`Workspace`] serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardLimits {
+    /// Rows (tokens) of one step.
+    pub max_rows: usize,
+    /// Runs (sequences) of one step.
+    pub max_runs: usize,
+    /// Block-table entries of one step, all runs together.
+    pub max_table: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    offset: usize,
+    bytes: usize,
+}
+
+impl Region {
+    /// The region's first `bytes` bytes in `workspace`.
+    fn slice(&self, workspace: DeviceSlice, bytes: usize) -> Result<DeviceSlice> {
+        if bytes > self.bytes {
+            return Err(CudaError::BadRange(format!(
+                "forward workspace: {bytes} bytes wanted of a region of {}",
+                self.bytes
+            )));
+        }
+        workspace.range(self.offset, bytes)
+    }
+}
+
+/// The activation workspace's regions for a config and its limits.
+#[derive(Debug, Clone)]
+pub struct Workspace {
+    limits: ForwardLimits,
+    partial_entries: usize,
+    pad_cap: usize,
+    desc: Region,
+    hidden: Region,
+    normed: Region,
+    out: Region,
+    proj: Region,
+    xbc: Region,
+    y: Region,
+    half: Region,
+    partial: Region,
+    router: Region,
+    choice: Region,
+    weight: Region,
+    counts: Region,
+    sorted: Region,
+    tile_expert: Region,
+    assign_pos: Region,
+    expert_act: Region,
+    expert_out: Region,
+    latent_in: Region,
+    routed: Region,
+    total: usize,
+}
+
+impl Workspace {
+    /// The layout for `config` and `limits` (all sizes at least 1).
+    pub fn new(config: &Config, limits: ForwardLimits) -> Result<Workspace> {
+        if limits.max_rows == 0 || limits.max_runs == 0 {
+            return Err(CudaError::BadRange(format!(
+                "forward limits {limits:?}: at least one row and one run"
+            )));
+        }
+        let m = limits.max_rows;
+        let d = config.hidden_size;
+        let has = |k| config.has(k);
+        let (nh, hd) = (config.num_attention_heads, config.head_dim);
+        let mut proj_w = d;
+        let mut y_w = d;
+        let mut conv_w = 0;
+        let mut half_w = d;
+        if has(LayerKind::Mamba) {
+            proj_w = proj_w.max(config.mamba_in_proj_dim());
+            y_w = y_w.max(config.mamba_inner());
+            conv_w = config.mamba_conv_dim();
+            half_w = half_w.max(config.mamba_inner());
+        }
+        if has(LayerKind::Attention) {
+            proj_w = proj_w.max((nh + 2 * config.num_key_value_heads) * hd);
+            y_w = y_w.max(nh * hd);
+            half_w = half_w.max(nh * hd);
+        }
+        if has(LayerKind::Mlp) {
+            proj_w = proj_w.max(config.intermediate_size);
+            half_w = half_w.max(config.intermediate_size);
+        }
+        let (mut e, mut k, mut moe_i, mut ed, mut latent) = (0, 0, 0, 0, 0);
+        if has(LayerKind::Moe) {
+            e = config.n_routed_experts;
+            k = config.num_experts_per_tok;
+            moe_i = config.moe_intermediate_size;
+            ed = config.moe_expert_dim();
+            latent = config.moe_latent_size.map_or(0, |_| ed);
+            proj_w = proj_w.max(config.moe_shared_expert_intermediate_size);
+            half_w = half_w
+                .max(config.moe_shared_expert_intermediate_size)
+                .max(ed);
+        }
+        let partial_entries = if has(LayerKind::Attention) {
+            m * nh * SPLITS_PER_ROW
+        } else {
+            0
+        };
+        let pad_cap = if e > 0 {
+            MoeDispatch::pad_cap(m, k, e)
+        } else {
+            0
+        };
+        let mut cursor = 0usize;
+        let mut region = |bytes: usize| {
+            let r = Region {
+                offset: cursor,
+                bytes,
+            };
+            cursor = align(cursor + bytes.max(1));
+            r
+        };
+        let desc_words = 2 * m + 6 * limits.max_runs + limits.max_table + m;
+        let ws = Workspace {
+            limits,
+            partial_entries,
+            pad_cap,
+            desc: region(4 * desc_words),
+            hidden: region(4 * m * d),
+            normed: region(4 * m * d),
+            out: region(4 * m * d),
+            proj: region(4 * m * proj_w),
+            xbc: region(4 * m * conv_w),
+            y: region(4 * m * y_w),
+            half: region(2 * m * half_w),
+            partial: region(4 * partial_entries * (hd + 2)),
+            router: region(4 * m * e),
+            choice: region(4 * m * k),
+            weight: region(4 * m * k),
+            counts: region(4 * e),
+            sorted: region(4 * pad_cap),
+            tile_expert: region(4 * (pad_cap / kernels::MOE_TILE_ROWS)),
+            assign_pos: region(4 * m * k),
+            expert_act: region(4 * pad_cap * moe_i),
+            expert_out: region(4 * pad_cap * ed),
+            latent_in: region(4 * m * latent),
+            routed: region(4 * m * latent),
+            total: 0,
+        };
+        Ok(Workspace {
+            total: cursor,
+            ..ws
+        })
+    }
+
+    /// Bytes the workspace buffer needs.
+    pub fn bytes(&self) -> usize {
+        self.total
+    }
+
+    /// The limits it was made for.
+    pub fn limits(&self) -> ForwardLimits {
+        self.limits
+    }
+}
+
+/// One run of a step: `len` consecutive positions of one sequence from `start_pos`.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRun<'a> {
+    /// Position of the run's first token.
+    pub start_pos: usize,
+    /// Tokens, at least one.
+    pub len: usize,
+    /// The sequence's state slot (distinct across the runs of a step).
+    pub slot: usize,
+    /// The sequence's block table; covers `start_pos + len` positions when the model has
+    /// attention.
+    pub blocks: &'a [u32],
+}
+
+/// The device's KV pool and state slots, in the host model's layouts.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceState {
+    /// `num_blocks * block_floats` f32.
+    pub kv: DeviceSlice,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Floats per block (`model::KvPool::floats_per_block`).
+    pub block_floats: usize,
+    /// `num_slots * slot_floats` f32.
+    pub states: DeviceSlice,
+    /// State slots.
+    pub num_slots: usize,
+    /// Floats per slot (at least `model::MambaLayout::state_floats`).
+    pub slot_floats: usize,
+}
+
+/// The model on the device: its weights (see [`WeightImage`]) and config.
+#[derive(Debug)]
+pub struct DeviceModel {
+    config: Config,
+    dtype: DType,
+    layout: Layout,
+    weights: Option<DeviceBuffer>,
+    split_keys: usize,
+}
+
+/// What [`DeviceModel::forward`] writes.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOutput<'a> {
+    /// The rows (indices into the step's rows) that want logits.
+    pub logit_rows: &'a [u32],
+    /// `logit_rows.len() * vocab` f32.
+    pub logits: DeviceSlice,
+}
+
+impl DeviceModel {
+    /// Uploads `image` (of `model`) to a new buffer of `rt`.
+    pub fn upload(rt: &dyn Runtime, model: &Model, image: &WeightImage) -> Result<DeviceModel> {
+        let weights = rt.alloc(image.bytes.len())?;
+        rt.upload(weights.all(), &image.bytes, Stream::Copy)?;
+        rt.sync_stream(Stream::Copy)?;
+        Ok(DeviceModel {
+            config: model.config().clone(),
+            dtype: image.dtype,
+            layout: image.layout.clone(),
+            weights: Some(weights),
+            split_keys: DEFAULT_SPLIT_KEYS,
+        })
+    }
+
+    /// The same model splitting attention every `split_keys` keys (tests use small values to
+    /// exercise the merge).
+    pub fn with_split_keys(mut self, split_keys: usize) -> DeviceModel {
+        self.split_keys = split_keys.max(1);
+        self
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The element type of the GEMM weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Frees the weights.
+    pub fn free(mut self, rt: &dyn Runtime) -> Result<()> {
+        match self.weights.take() {
+            Some(buffer) => rt.free(buffer),
+            None => Ok(()),
+        }
+    }
+
+    fn buffer(&self) -> Result<&DeviceBuffer> {
+        self.weights
+            .as_ref()
+            .ok_or_else(|| CudaError::Sticky("the model's weights were freed".to_owned()))
+    }
+
+    fn mat(&self, mat: &Mat) -> Result<DeviceSlice> {
+        self.buffer()?
+            .range(mat.offset, mat.rows * mat.cols * mat.dtype.bytes())
+    }
+
+    fn floats(&self, f: &Floats) -> Result<DeviceSlice> {
+        self.buffer()?.range(f.offset, f.len * 4)
+    }
+
+    fn bias(&self, mat: &Mat) -> Result<Option<DeviceSlice>> {
+        mat.bias.as_ref().map(|b| self.floats(b)).transpose()
+    }
+
+    /// Checks a step against the model, the state and the workspace; answers the words of its
+    /// descriptor (row positions, row runs, runs, tables, logit rows) and the run lengths.
+    fn describe(
+        &self,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        out: &StepOutput<'_>,
+    ) -> Result<(Vec<u32>, Vec<usize>, usize, usize)> {
+        let bad = |detail: String| Err(CudaError::BadRange(format!("forward step: {detail}")));
+        let limits = ws.limits;
+        let rows: usize = runs.iter().map(|r| r.len).sum();
+        if runs.is_empty() || rows == 0 {
+            return bad("no rows".to_owned());
+        }
+        if rows > limits.max_rows || runs.len() > limits.max_runs {
+            return bad(format!(
+                "{rows} rows in {} runs (the workspace holds {} rows, {} runs)",
+                runs.len(),
+                limits.max_rows,
+                limits.max_runs
+            ));
+        }
+        let attention = self.config.has(LayerKind::Attention);
+        let mamba = self.config.has(LayerKind::Mamba);
+        let mut row_pos = Vec::with_capacity(rows);
+        let mut row_run = Vec::with_capacity(rows);
+        let mut run_words = Vec::with_capacity(6 * runs.len());
+        let mut tables = Vec::new();
+        let mut slots = Vec::with_capacity(runs.len());
+        let mut writes = Vec::new();
+        let u32_of = |value: usize, what: &str| {
+            u32::try_from(value)
+                .map_err(|_| CudaError::BadRange(format!("forward step: {what} {value} > u32")))
+        };
+        for (i, run) in runs.iter().enumerate() {
+            if run.len == 0 {
+                return bad(format!("run {i} has no tokens"));
+            }
+            if run.slot >= state.num_slots {
+                return bad(format!(
+                    "run {i}: slot {} of {} slots",
+                    run.slot, state.num_slots
+                ));
+            }
+            slots.push(run.slot);
+            let end = run
+                .start_pos
+                .checked_add(run.len)
+                .ok_or_else(|| CudaError::BadRange("forward step: position overflow".into()))?;
+            u32_of(end, "position")?;
+            let mut table: &[u32] = &[];
+            if attention {
+                let needed = end.div_ceil(state.block_size);
+                if run.blocks.len() < needed {
+                    return bad(format!(
+                        "run {i}: {} blocks cover {} positions, it reaches {end}",
+                        run.blocks.len(),
+                        run.blocks.len() * state.block_size
+                    ));
+                }
+                table = &run.blocks[..needed];
+                if let Some(&b) = table.iter().find(|&&b| b as usize >= state.num_blocks) {
+                    return bad(format!(
+                        "run {i}: block {b} of a pool of {}",
+                        state.num_blocks
+                    ));
+                }
+                for pos in run.start_pos..end {
+                    writes.push((table[pos / state.block_size], pos % state.block_size));
+                }
+            }
+            run_words.extend([
+                u32_of(row_pos.len(), "row")?,
+                u32_of(run.len, "run length")?,
+                u32_of(run.start_pos, "position")?,
+                u32_of(run.slot, "slot")?,
+                u32_of(tables.len(), "table offset")?,
+                u32_of(table.len(), "table length")?,
+            ]);
+            tables.extend_from_slice(table);
+            for j in 0..run.len {
+                row_pos.push(u32_of(run.start_pos + j, "position")?);
+                row_run.push(i as u32);
+            }
+        }
+        if tables.len() > limits.max_table {
+            return bad(format!(
+                "{} block-table entries (the workspace holds {})",
+                tables.len(),
+                limits.max_table
+            ));
+        }
+        slots.sort_unstable();
+        if mamba && slots.windows(2).any(|w| w[0] == w[1]) {
+            return bad("two runs share a state slot".to_owned());
+        }
+        writes.sort_unstable();
+        if let Some(w) = writes.windows(2).find(|w| w[0] == w[1]) {
+            return bad(format!("two rows write block {} offset {}", w[0].0, w[0].1));
+        }
+        if out.logit_rows.len() > rows {
+            return bad(format!(
+                "{} logit rows for {rows} rows",
+                out.logit_rows.len()
+            ));
+        }
+        if let Some(&r) = out.logit_rows.iter().find(|&&r| r as usize >= rows) {
+            return bad(format!("logit row {r} of {rows} rows"));
+        }
+        let table_len = tables.len();
+        let mut words = row_pos;
+        words.extend(row_run);
+        words.extend(run_words);
+        words.extend(tables);
+        words.extend_from_slice(out.logit_rows);
+        let lens = runs.iter().map(|r| r.len).collect();
+        Ok((words, lens, rows, table_len))
+    }
+
+    /// `out [m, mat.rows] = x [m, mat.cols] · matᵀ`, then the bias and ReLU² when asked.
+    #[allow(clippy::too_many_arguments)] // The runtime, the workspace, the operands and the epilogue.
+    fn linear(
+        &self,
+        rt: &dyn Runtime,
+        ws_buf: DeviceSlice,
+        ws: &Workspace,
+        x: DeviceSlice,
+        m: usize,
+        mat: &Mat,
+        out: DeviceSlice,
+        relu2: bool,
+    ) -> Result<()> {
+        let s = Stream::Compute;
+        let a = match mat.dtype {
+            DType::F32 => x,
+            DType::Bf16 => {
+                let half = ws.half.slice(ws_buf, m * mat.cols * 2)?;
+                kernels::f32_to_bf16(rt, s, half, x, m * mat.cols)?;
+                half
+            }
+        };
+        rt.gemm(
+            &Gemm {
+                m,
+                n: mat.rows,
+                k: mat.cols,
+                dtype: mat.dtype,
+                a,
+                b: self.mat(mat)?,
+                c: out,
+            },
+            s,
+        )?;
+        let bias = self.bias(mat)?;
+        if bias.is_some() || relu2 {
+            kernels::bias_act(rt, s, out, bias, m, mat.rows, relu2)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one step (see the module docs) on the compute stream: reads the rows' tokens from
+    /// `tokens` (`rows` u32 on the device), reads and advances the KV pool and the state slots
+    /// of `state`, and writes the logits of `out.logit_rows`. Everything is validated before
+    /// the first launch: a refused step has touched nothing.
+    #[allow(clippy::too_many_arguments)] // The runtime, the workspace, the state, the step and its output.
+    pub fn forward(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        out: &StepOutput<'_>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (d, vocab) = (c.hidden_size, c.vocab_size);
+        if workspace.bytes() < ws.total {
+            return Err(CudaError::BadRange(format!(
+                "forward workspace of {} bytes, the layout needs {}",
+                workspace.bytes(),
+                ws.total
+            )));
+        }
+        let (words, lens, m, table_len) = self.describe(ws, state, runs, out)?;
+        let logit_count = out.logit_rows.len();
+        if out.logits.bytes() != logit_count * vocab * 4 {
+            return Err(CudaError::BadRange(format!(
+                "forward step: logits of {} bytes for {logit_count} rows of {vocab}",
+                out.logits.bytes()
+            )));
+        }
+        if tokens.bytes() != m * 4 {
+            return Err(CudaError::BadRange(format!(
+                "forward step: {} bytes of tokens for {m} rows",
+                tokens.bytes()
+            )));
+        }
+        let s = Stream::Compute;
+        let region = |r: &Region, bytes: usize| r.slice(workspace, bytes);
+        let desc = region(&ws.desc, words.len() * 4)?;
+        rt.upload(desc, bytemuck::cast_slice(&words), s)?;
+        let num_runs = runs.len();
+        let step = StepRows {
+            row_pos: desc.range(0, m * 4)?,
+            row_run: desc.range(m * 4, m * 4)?,
+            runs: desc.range(8 * m, num_runs * 24)?,
+            tables: desc.range(8 * m + num_runs * 24, table_len * 4)?,
+            rows: m,
+            num_runs,
+        };
+        let logit_idx = desc.range(8 * m + num_runs * 24 + table_len * 4, logit_count * 4)?;
+        let eps = c.layer_norm_epsilon as f32;
+        let hidden = region(&ws.hidden, m * d * 4)?;
+        let normed = region(&ws.normed, m * d * 4)?;
+        let block_out = region(&ws.out, m * d * 4)?;
+        let layout = &self.layout;
+        kernels::embedding_gather(
+            rt,
+            s,
+            hidden,
+            self.mat(&layout.embeddings)?,
+            layout.embeddings.dtype,
+            tokens,
+            m,
+            d,
+            vocab,
+        )?;
+        if let Some(first) = layout.layers.first() {
+            kernels::residual_rmsnorm(
+                rt,
+                s,
+                hidden,
+                None,
+                normed,
+                self.floats(&first.norm)?,
+                m,
+                d,
+                eps,
+            )?;
+        }
+        let kv_layer = 2 * state.block_size * c.num_key_value_heads * c.head_dim;
+        let mamba_shape = MambaShape {
+            heads: c.mamba_num_heads,
+            head_dim: c.mamba_head_dim,
+            state: c.ssm_state_size,
+            groups: c.n_groups,
+            conv_kernel: c.conv_kernel,
+        };
+        let mamba_layer = mamba_shape.conv_floats() + mamba_shape.ssm_floats();
+        let dt_min = match c.dt_clamp {
+            DtClamp::TimeStepMin => c.time_step_min as f32,
+            DtClamp::Off => 0.0,
+        };
+        let longest = runs.iter().map(|r| r.start_pos + r.len).max().unwrap_or(1);
+        for (i, layer) in layout.layers.iter().enumerate() {
+            match &layer.mixer {
+                Mixer::Mamba(w) => {
+                    let (inner, conv_dim, proj_dim) = (
+                        mamba_shape.inner(),
+                        mamba_shape.conv_dim(),
+                        mamba_shape.proj_dim(),
+                    );
+                    let proj = region(&ws.proj, m * proj_dim * 4)?;
+                    self.linear(rt, workspace, ws, normed, m, &w.in_proj, proj, false)?;
+                    let slots = StateSlots {
+                        states: state.states,
+                        num_slots: state.num_slots,
+                        slot_floats: state.slot_floats,
+                        layer_offset: w.index * mamba_layer,
+                    };
+                    let xbc = region(&ws.xbc, m * conv_dim * 4)?;
+                    let conv_bias = w.conv_bias.as_ref().map(|b| self.floats(b)).transpose()?;
+                    kernels::mamba_conv(
+                        rt,
+                        s,
+                        &step,
+                        &slots,
+                        &mamba_shape,
+                        xbc,
+                        proj,
+                        self.floats(&w.conv_weight)?,
+                        conv_bias,
+                    )?;
+                    let y = region(&ws.y, m * inner * 4)?;
+                    kernels::mamba_ssm(
+                        rt,
+                        s,
+                        &step,
+                        &lens,
+                        &slots,
+                        &mamba_shape,
+                        y,
+                        xbc,
+                        proj,
+                        [
+                            self.floats(&w.dt_bias)?,
+                            self.floats(&w.a)?,
+                            self.floats(&w.d)?,
+                        ],
+                        dt_min,
+                    )?;
+                    kernels::mamba_gated_norm(
+                        rt,
+                        s,
+                        &mamba_shape,
+                        y,
+                        proj,
+                        self.floats(&w.norm)?,
+                        m,
+                        eps,
+                    )?;
+                    self.linear(rt, workspace, ws, y, m, &w.out_proj, block_out, false)?;
+                }
+                Mixer::Attention { qkv, o_proj, index } => {
+                    let shape = AttentionShape {
+                        heads: c.num_attention_heads,
+                        kv_heads: c.num_key_value_heads,
+                        head_dim: c.head_dim,
+                    };
+                    let pool = KvPool {
+                        kv: state.kv,
+                        num_blocks: state.num_blocks,
+                        block_size: state.block_size,
+                        block_floats: state.block_floats,
+                        layer_offset: index * kv_layer,
+                    };
+                    let proj = region(&ws.proj, m * shape.qkv_dim() * 4)?;
+                    self.linear(rt, workspace, ws, normed, m, qkv, proj, false)?;
+                    kernels::kv_write(rt, s, &step, &pool, &shape, proj)?;
+                    let wanted = longest.div_ceil(self.split_keys);
+                    let fits = (ws.partial_entries / (m * shape.heads)).max(1);
+                    let splits = wanted.clamp(1, fits);
+                    let split_keys = longest.div_ceil(splits);
+                    let partial = region(
+                        &ws.partial,
+                        m * shape.heads * splits * (shape.head_dim + 2) * 4,
+                    )?;
+                    let y = region(&ws.y, m * shape.heads * shape.head_dim * 4)?;
+                    kernels::attention(
+                        rt, s, &step, &pool, &shape, proj, partial, y, splits, split_keys,
+                    )?;
+                    self.linear(rt, workspace, ws, y, m, o_proj, block_out, false)?;
+                }
+                Mixer::Mlp { up, down } => {
+                    let proj = region(&ws.proj, m * up.rows * 4)?;
+                    self.linear(rt, workspace, ws, normed, m, up, proj, true)?;
+                    self.linear(rt, workspace, ws, proj, m, down, block_out, false)?;
+                }
+                Mixer::Moe(w) => self.moe(rt, workspace, ws, w, normed, block_out, m)?,
+            }
+            match layout.layers.get(i + 1) {
+                Some(next) => kernels::residual_rmsnorm(
+                    rt,
+                    s,
+                    hidden,
+                    Some(block_out),
+                    normed,
+                    self.floats(&next.norm)?,
+                    m,
+                    d,
+                    eps,
+                )?,
+                None => kernels::add_into(rt, s, hidden, block_out, m * d)?,
+            }
+        }
+        if logit_count == 0 {
+            return Ok(());
+        }
+        let last = region(&ws.normed, logit_count * d * 4)?;
+        kernels::rmsnorm_select(
+            rt,
+            s,
+            last,
+            hidden,
+            logit_idx,
+            self.floats(&layout.norm_f)?,
+            logit_count,
+            m,
+            d,
+            eps,
+        )?;
+        self.linear(
+            rt,
+            workspace,
+            ws,
+            last,
+            logit_count,
+            &layout.lm_head,
+            out.logits,
+            false,
+        )
+    }
+
+    /// One MoE layer: gate, routing, dispatch, expert GEMMs, combine, shared expert.
+    #[allow(clippy::too_many_arguments)] // The runtime, the workspace, the weights and the rows.
+    fn moe(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        w: &MoeWeights,
+        normed: DeviceSlice,
+        block_out: DeviceSlice,
+        m: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let s = Stream::Compute;
+        let d = c.hidden_size;
+        let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
+        let (moe_i, ed) = (c.moe_intermediate_size, c.moe_expert_dim());
+        let region = |r: &Region, bytes: usize| r.slice(workspace, bytes);
+        let logits = region(&ws.router, m * e * 4)?;
+        self.linear(rt, workspace, ws, normed, m, &w.gate, logits, false)?;
+        let choice = region(&ws.choice, m * k * 4)?;
+        let weight = region(&ws.weight, m * k * 4)?;
+        let route = MoeRoute {
+            experts: e,
+            groups: c.n_group,
+            topk_groups: c.topk_group,
+            k,
+            normalize: c.norm_topk_prob,
+            scale: c.routed_scaling_factor as f32,
+        };
+        kernels::moe_route(
+            rt,
+            s,
+            &route,
+            choice,
+            weight,
+            logits,
+            self.floats(&w.correction)?,
+            m,
+        )?;
+        let pad_cap = MoeDispatch::pad_cap(m, k, e);
+        if pad_cap > ws.pad_cap {
+            return Err(CudaError::BadRange(format!(
+                "forward workspace: {pad_cap} MoE positions wanted of {}",
+                ws.pad_cap
+            )));
+        }
+        let dispatch = MoeDispatch {
+            counts: region(&ws.counts, e * 4)?,
+            sorted: region(&ws.sorted, pad_cap * 4)?,
+            tile_expert: region(&ws.tile_expert, pad_cap / kernels::MOE_TILE_ROWS * 4)?,
+            assign_pos: region(&ws.assign_pos, m * k * 4)?,
+            pad_cap,
+        };
+        kernels::moe_dispatch(rt, s, &dispatch, choice, m, k, e)?;
+        let x = match &w.latent {
+            Some((fc1, _)) => {
+                let lat = region(&ws.latent_in, m * ed * 4)?;
+                self.linear(rt, workspace, ws, normed, m, fc1, lat, false)?;
+                lat
+            }
+            None => normed,
+        };
+        let act = region(&ws.expert_act, pad_cap * moe_i * 4)?;
+        let up_bias = self.bias(&w.up)?;
+        kernels::moe_gemm(
+            rt,
+            s,
+            &dispatch,
+            &MoeGemm {
+                experts: e,
+                k,
+                x_rows: m,
+                in_dim: ed,
+                out_dim: moe_i,
+                gather: true,
+                relu2: true,
+            },
+            act,
+            x,
+            self.mat(&w.up)?,
+            w.up.dtype,
+            up_bias,
+        )?;
+        let expert_out = region(&ws.expert_out, pad_cap * ed * 4)?;
+        kernels::moe_gemm(
+            rt,
+            s,
+            &dispatch,
+            &MoeGemm {
+                experts: e,
+                k,
+                x_rows: pad_cap,
+                in_dim: moe_i,
+                out_dim: ed,
+                gather: false,
+                relu2: false,
+            },
+            expert_out,
+            act,
+            self.mat(&w.down)?,
+            w.down.dtype,
+            self.bias(&w.down)?,
+        )?;
+        match &w.latent {
+            Some((_, fc2)) => {
+                let routed = region(&ws.routed, m * ed * 4)?;
+                kernels::moe_combine(
+                    rt, s, &dispatch, routed, expert_out, choice, weight, m, k, ed,
+                )?;
+                self.linear(rt, workspace, ws, routed, m, fc2, block_out, false)?;
+            }
+            None => kernels::moe_combine(
+                rt, s, &dispatch, block_out, expert_out, choice, weight, m, k, d,
+            )?,
+        }
+        let shared_act = region(&ws.proj, m * w.shared_up.rows * 4)?;
+        self.linear(rt, workspace, ws, normed, m, &w.shared_up, shared_act, true)?;
+        let shared = region(&ws.y, m * d * 4)?;
+        self.linear(
+            rt,
+            workspace,
+            ws,
+            shared_act,
+            m,
+            &w.shared_down,
+            shared,
+            false,
+        )?;
+        kernels::add_into(rt, s, block_out, shared, m * d)
+    }
+}

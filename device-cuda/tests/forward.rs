@@ -1,0 +1,589 @@
+//! The device forward step on `SimRuntime` against the host model (`model::Model`, itself exact
+//! against transformers): both fixtures, every prompt case, prefill in chunks of several sizes,
+//! greedy decode, and mixed batches (prefill chunks of some sequences with decode rows of
+//! others, in one step), attention split across several blocks or not. f32 weights: every
+//! logit within 1e-4 of the host's and the same greedy ids. bf16 weights: see
+//! [`bf16_tolerance`].
+
+use std::path::{Path, PathBuf};
+
+use device_cuda::{
+    DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepOutput,
+    StepRun, Stream, WeightImage, Workspace,
+};
+use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
+
+const S: Stream = Stream::Compute;
+const F32_TOLERANCE: f32 = 1e-4;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(name)
+}
+
+fn prompts(dir: &Path) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            case["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// The host model and the device forward side by side, over the same block tables and slots.
+struct Pair {
+    model: Model,
+    host_kv: KvPool,
+    host_states: MambaStates,
+    scratch: Scratch,
+    rt: SimRuntime,
+    device: DeviceModel,
+    ws: Workspace,
+    ws_buf: DeviceBuffer,
+    kv: DeviceBuffer,
+    states: DeviceBuffer,
+    state: DeviceState,
+    /// Largest |device - host| over every logit compared.
+    max_diff: f32,
+    /// Largest |host logit|.
+    max_logit: f32,
+    compared: usize,
+    /// max |device - host| of every row compared, in order.
+    row_errors: Vec<f32>,
+    /// The host model with bf16-rounded matrices, run over the same steps (bf16 runs only).
+    shadow: Option<(Model, KvPool, MambaStates)>,
+    /// Largest |shadow - host| over every logit compared.
+    shadow_diff: f32,
+}
+
+/// `model` with every GEMM matrix rounded to bf16 (the matrices the device keeps in bf16: every
+/// 2-D weight but the MoE gate), written to a scratch folder and loaded back.
+fn bf16_weights(model: &Model) -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    model.save(dir.path()).unwrap();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        let mut values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if view.shape().len() == 2 && !name.ends_with(".gate.weight") {
+            for v in &mut values {
+                *v = half::bf16::from_f32(*v).to_f32();
+            }
+        }
+        tensors.push((
+            name,
+            view.shape().to_vec(),
+            bytemuck::cast_slice(&values).to_vec(),
+        ));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    Model::load(dir.path()).unwrap()
+}
+
+/// One sequence: its slot, block table and next position.
+struct Seq {
+    slot: usize,
+    blocks: Vec<u32>,
+    pos: usize,
+}
+
+const BLOCKS: usize = 96;
+const SLOTS: usize = 6;
+
+impl Pair {
+    fn new(model: Model, dtype: DType, block_size: usize, split_keys: usize) -> Pair {
+        let config = model.config().clone();
+        let host_kv = KvPool::new(&config, BLOCKS, block_size).unwrap();
+        let host_states = MambaStates::new(&config, SLOTS).unwrap();
+        let rt = SimRuntime::new().unwrap();
+        let image = WeightImage::new(&model, dtype).unwrap();
+        let device = DeviceModel::upload(&rt, &model, &image)
+            .unwrap()
+            .with_split_keys(split_keys);
+        let ws = Workspace::new(
+            &config,
+            ForwardLimits {
+                max_rows: 128,
+                max_runs: SLOTS,
+                max_table: SLOTS * BLOCKS,
+            },
+        )
+        .unwrap();
+        let ws_buf = rt.alloc(ws.bytes()).unwrap();
+        let block_floats = host_kv.floats_per_block();
+        let slot_floats = host_states.floats_per_slot();
+        let kv = rt.alloc((BLOCKS * block_floats * 4).max(4)).unwrap();
+        let states = rt.alloc((SLOTS * slot_floats * 4).max(4)).unwrap();
+        let state = DeviceState {
+            kv: kv.range(0, BLOCKS * block_floats * 4).unwrap(),
+            num_blocks: BLOCKS,
+            block_size,
+            block_floats,
+            states: states.range(0, SLOTS * slot_floats * 4).unwrap(),
+            num_slots: SLOTS,
+            slot_floats,
+        };
+        Pair {
+            scratch: Scratch::new(&config),
+            model,
+            host_kv,
+            host_states,
+            rt,
+            device,
+            ws,
+            ws_buf,
+            kv,
+            states,
+            state,
+            max_diff: 0.0,
+            max_logit: 0.0,
+            compared: 0,
+            row_errors: Vec::new(),
+            shadow: None,
+            shadow_diff: 0.0,
+        }
+    }
+
+    /// Also runs the host model with bf16-rounded matrices over the same steps.
+    fn with_shadow(mut self) -> Pair {
+        let config = self.model.config().clone();
+        self.shadow = Some((
+            bf16_weights(&self.model),
+            KvPool::new(&config, BLOCKS, self.state.block_size).unwrap(),
+            MambaStates::new(&config, SLOTS).unwrap(),
+        ));
+        self
+    }
+
+    /// Runs one step of `runs` (sequence index, tokens) on both sides; compares every row's
+    /// logits; answers each run's last-row argmax (host, device).
+    fn step(&mut self, seqs: &mut [Seq], runs: &[(usize, Vec<u32>)]) -> Vec<(u32, u32)> {
+        let vocab = self.model.config().vocab_size;
+        let block_size = self.state.block_size;
+        // Host: each run as a prefill of its tokens (all positions' logits).
+        let mut host_logits = Vec::new();
+        for (seq, tokens) in runs {
+            let s = &mut seqs[*seq];
+            assert!(
+                s.blocks.len() * block_size >= s.pos + tokens.len(),
+                "sequence {seq} needs more blocks"
+            );
+            let mut logits = Vec::new();
+            self.model
+                .prefill(
+                    &mut self.scratch,
+                    &mut self.host_kv,
+                    &mut self.host_states,
+                    PrefillRow {
+                        tokens,
+                        start_pos: s.pos,
+                        blocks: &s.blocks,
+                        slot: s.slot,
+                    },
+                    true,
+                    &mut logits,
+                )
+                .unwrap();
+            if let Some((shadow, kv, states)) = &mut self.shadow {
+                let mut shadow_logits = Vec::new();
+                shadow
+                    .prefill(
+                        &mut self.scratch,
+                        kv,
+                        states,
+                        PrefillRow {
+                            tokens,
+                            start_pos: s.pos,
+                            blocks: &s.blocks,
+                            slot: s.slot,
+                        },
+                        true,
+                        &mut shadow_logits,
+                    )
+                    .unwrap();
+                for (a, b) in shadow_logits.iter().zip(&logits) {
+                    self.shadow_diff = self.shadow_diff.max((a - b).abs());
+                }
+            }
+            host_logits.extend(logits);
+        }
+        // Device: one forward over every run.
+        let step_runs: Vec<StepRun<'_>> = runs
+            .iter()
+            .map(|(seq, tokens)| StepRun {
+                start_pos: seqs[*seq].pos,
+                len: tokens.len(),
+                slot: seqs[*seq].slot,
+                blocks: &seqs[*seq].blocks,
+            })
+            .collect();
+        let all: Vec<u32> = runs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let rows = all.len();
+        let tokens = self.rt.alloc(rows * 4).unwrap();
+        self.rt
+            .upload(tokens.all(), bytemuck::cast_slice(&all), S)
+            .unwrap();
+        let logits = self.rt.alloc(rows * vocab * 4).unwrap();
+        let logit_rows: Vec<u32> = (0..rows as u32).collect();
+        self.device
+            .forward(
+                &self.rt,
+                self.ws_buf.all(),
+                &self.ws,
+                &self.state,
+                &step_runs,
+                tokens.all(),
+                &StepOutput {
+                    logit_rows: &logit_rows,
+                    logits: logits.all(),
+                },
+            )
+            .unwrap();
+        let mut bytes = vec![0u8; rows * vocab * 4];
+        self.rt.download(&mut bytes, logits.all(), S).unwrap();
+        self.rt.free(tokens).unwrap();
+        self.rt.free(logits).unwrap();
+        let device_logits: Vec<f32> = bytemuck::cast_slice(&bytes).to_vec();
+        assert_eq!(device_logits.len(), host_logits.len());
+        for r in 0..rows {
+            let span = r * vocab..(r + 1) * vocab;
+            let worst = device_logits[span.clone()]
+                .iter()
+                .zip(&host_logits[span])
+                .map(|(d, h)| (d - h).abs())
+                .fold(0.0f32, f32::max);
+            self.row_errors.push(worst);
+        }
+        for (&d, &h) in device_logits.iter().zip(&host_logits) {
+            assert!(d.is_finite(), "device logit {d}");
+            self.max_diff = self.max_diff.max((d - h).abs());
+            self.max_logit = self.max_logit.max(h.abs());
+        }
+        self.compared += rows;
+        let mut answer = Vec::new();
+        let mut row = 0;
+        for (seq, tokens) in runs {
+            row += tokens.len();
+            let last = (row - 1) * vocab..row * vocab;
+            answer.push((
+                model::parity::argmax(&host_logits[last.clone()]),
+                model::parity::argmax(&device_logits[last]),
+            ));
+            seqs[*seq].pos += tokens.len();
+        }
+        answer
+    }
+
+    fn finish(self, into: &mut Outcome) {
+        let rt = self.rt;
+        for buffer in [self.ws_buf, self.kv, self.states] {
+            rt.free(buffer).unwrap();
+        }
+        self.device.free(&rt).unwrap();
+        into.row_errors.extend(self.row_errors);
+        into.max_logit = into.max_logit.max(self.max_logit);
+        into.shadow_diff = into.shadow_diff.max(self.shadow_diff);
+    }
+}
+
+/// What a parity run measured.
+#[derive(Debug, Default)]
+struct Outcome {
+    /// max |device - host| of every row compared.
+    row_errors: Vec<f32>,
+    /// Largest |host logit|.
+    max_logit: f32,
+    /// Largest |host with bf16 matrices - host| (bf16 runs).
+    shadow_diff: f32,
+}
+
+impl Outcome {
+    fn max_error(&self) -> f32 {
+        self.row_errors.iter().copied().fold(0.0, f32::max)
+    }
+}
+
+fn seqs(block_size: usize, blocks_each: usize) -> Vec<Seq> {
+    (0..SLOTS)
+        .map(|i| Seq {
+            slot: i,
+            // Interleaved, out-of-order block ids: tables are really followed.
+            blocks: (0..blocks_each)
+                .map(|j| ((j * SLOTS + (SLOTS - 1 - i)) % BLOCKS) as u32)
+                .collect(),
+            pos: 0,
+        })
+        .take(SLOTS)
+        .inspect(|s| assert!(s.blocks.len() * block_size >= 100))
+        .collect()
+}
+
+/// Prefills `prompt` in chunks of `chunk` tokens, then decodes `steps` greedy tokens; answers the
+/// greedy ids of both sides (after the prompt and after each step).
+fn prompt_then_decode(
+    pair: &mut Pair,
+    seqs: &mut [Seq],
+    seq: usize,
+    prompt: &[u32],
+    chunk: usize,
+    steps: usize,
+) -> (Vec<u32>, Vec<u32>) {
+    let mut host = Vec::new();
+    let mut device = Vec::new();
+    let mut last = (0, 0);
+    for part in prompt.chunks(chunk) {
+        last = pair.step(seqs, &[(seq, part.to_vec())])[0];
+    }
+    for _ in 0..steps {
+        host.push(last.0);
+        device.push(last.1);
+        last = pair.step(seqs, &[(seq, vec![last.0])])[0];
+    }
+    host.push(last.0);
+    device.push(last.1);
+    (host, device)
+}
+
+/// Chunk size, block size and attention split of one pass over the cases.
+type Plan = (usize, usize, usize);
+
+/// Every prompt case of the fixture `name`, once per plan: the prompt in chunks, then greedy
+/// decode; greedy ids must be identical. Cases longer than `max_prompt` tokens are left out.
+fn every_case(name: &str, dtype: DType, plans: &[Plan], max_prompt: usize, outcome: &mut Outcome) {
+    let dir = fixture(name);
+    let model = Model::load(&dir.join("model")).unwrap();
+    let cases = prompts(&dir);
+    for (p, &(chunk, block_size, split_keys)) in plans.iter().enumerate() {
+        let mut pair = Pair::new(model.clone(), dtype, block_size, split_keys);
+        if dtype == DType::Bf16 {
+            pair = pair.with_shadow();
+        }
+        let mut seqs = seqs(block_size, 100usize.div_ceil(block_size) + 4);
+        for (c, prompt) in cases.iter().enumerate() {
+            if prompt.len() > max_prompt {
+                continue;
+            }
+            let seq = c % SLOTS;
+            let (host, device) = prompt_then_decode(&mut pair, &mut seqs, seq, prompt, chunk, 3);
+            assert_eq!(host, device, "{name} case {c}, plan {p}: greedy ids");
+            // Reuse the slot and blocks for a later case: zero the state on both sides.
+            seqs[seq].pos = 0;
+            pair.host_states.zero_slot(seqs[seq].slot).unwrap();
+            if let Some((_, _, states)) = &mut pair.shadow {
+                states.zero_slot(seqs[seq].slot).unwrap();
+            }
+            let slot_bytes = pair.state.slot_floats * 4;
+            let slot = pair
+                .states
+                .range(seqs[seq].slot * slot_bytes, slot_bytes)
+                .unwrap();
+            pair.rt.memset(slot, 0, S).unwrap();
+        }
+        let before = outcome.row_errors.len();
+        pair.finish(outcome);
+        let errors = &outcome.row_errors[before..];
+        eprintln!(
+            "{name} {dtype:?} plan {plans:?}[{p}]: max |device - host| {:e} over {} rows",
+            errors.iter().copied().fold(0.0, f32::max),
+            errors.len()
+        );
+    }
+}
+
+/// Several sequences in one step: a prefill chunk of one next to decode rows of others, then
+/// chunks of two sequences together, every row compared.
+fn mixed_batches(name: &str, dtype: DType, outcome: &mut Outcome) {
+    let dir = fixture(name);
+    let model = Model::load(&dir.join("model")).unwrap();
+    let cases = prompts(&dir);
+    let mut pair = Pair::new(model, dtype, 4, 8);
+    if dtype == DType::Bf16 {
+        pair = pair.with_shadow();
+    }
+    let mut seqs = seqs(4, 30);
+    let long = cases.iter().max_by_key(|c| c.len()).unwrap().clone();
+    // Start three sequences with short prompts.
+    let mut next = Vec::new();
+    for (i, prompt) in cases.iter().filter(|c| c.len() <= 17).take(3).enumerate() {
+        next.push(pair.step(&mut seqs, &[(i, prompt.clone())])[0].0);
+    }
+    // Sequence 3 prefills the long prompt in chunks of 13 while 0..3 decode, all in one step.
+    for part in long.chunks(13).take(4) {
+        let mut runs: Vec<(usize, Vec<u32>)> = next
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| (i, vec![t]))
+            .collect();
+        runs.insert(1, (3, part.to_vec()));
+        let answers = pair.step(&mut seqs, &runs);
+        for (i, j) in [0usize, 2, 3].into_iter().enumerate() {
+            assert_eq!(answers[j].0, answers[j].1, "greedy id of sequence {i}");
+            next[i] = answers[j].0;
+        }
+        assert_eq!(answers[1].0, answers[1].1);
+    }
+    // Two prefill chunks and a decode row together.
+    let answers = pair.step(
+        &mut seqs,
+        &[
+            (4, long[..9].to_vec()),
+            (0, vec![next[0]]),
+            (5, long[3..20].to_vec()),
+        ],
+    );
+    for (h, d) in answers {
+        assert_eq!(h, d);
+    }
+    let before = outcome.row_errors.len();
+    pair.finish(outcome);
+    let errors = &outcome.row_errors[before..];
+    eprintln!(
+        "{name} {dtype:?} mixed: max |device - host| {:e} over {} rows",
+        errors.iter().copied().fold(0.0, f32::max),
+        errors.len()
+    );
+}
+
+fn check_f32(outcome: &Outcome) {
+    assert!(
+        outcome.max_error() <= F32_TOLERANCE,
+        "f32: max |device - host| {} over {} rows",
+        outcome.max_error(),
+        outcome.row_errors.len()
+    );
+}
+
+/// The bf16 criterion (see the crate's forward docs): greedy ids identical (asserted while
+/// running), 95% of rows within `2 δ` where δ is the measured effect of rounding the matrices
+/// alone (the host model with bf16 matrices against the host model: the activations' rounding
+/// before each GEMM is a perturbation of the same relative size, 2^-9), and every row within half
+/// the largest logit (a token whose MoE route flips under the perturbation moves its own and later
+/// logits by up to that much).
+fn check_bf16(outcome: &Outcome) {
+    let tolerance = bf16_tolerance(outcome.shadow_diff);
+    let rows = outcome.row_errors.len();
+    let within = outcome
+        .row_errors
+        .iter()
+        .filter(|&&e| e <= tolerance)
+        .count();
+    eprintln!(
+        "bf16: δ (matrices alone) {:e}, tolerance {tolerance:e}: {within} of {rows} rows within, max {:e}",
+        outcome.shadow_diff,
+        outcome.max_error()
+    );
+    assert!(outcome.shadow_diff > 0.0 && rows > 0);
+    assert!(
+        within * 100 >= rows * 95,
+        "{within} of {rows} rows within {tolerance}"
+    );
+    assert!(
+        outcome.max_error() <= outcome.max_logit / 2.0,
+        "max |device - host| {} > half the largest logit {}",
+        outcome.max_error(),
+        outcome.max_logit
+    );
+}
+
+/// Twice the measured effect of bf16 matrices alone (weights and activations each rounded once).
+fn bf16_tolerance(delta: f32) -> f32 {
+    2.0 * delta
+}
+
+/// CI's f32 pass over the tiny fixture: chunks of 7 across blocks of 4, attention split every 8
+/// keys, then a mixed-batch run.
+#[test]
+fn tiny_f32() {
+    let mut outcome = Outcome::default();
+    every_case(
+        "nemotron-h-tiny",
+        DType::F32,
+        &[(7, 4, 8)],
+        100,
+        &mut outcome,
+    );
+    mixed_batches("nemotron-h-tiny", DType::F32, &mut outcome);
+    check_f32(&outcome);
+}
+
+/// CI's f32 pass over the alternative fixture (biases, conv width 3, 3-of-12 experts in 3
+/// groups): whole prompts (the 100-token one crosses the scan's 64-token chunks) in blocks of 16
+/// with split attention, then a mixed-batch run.
+#[test]
+fn alt_f32() {
+    let mut outcome = Outcome::default();
+    every_case(
+        "nemotron-h-alt",
+        DType::F32,
+        &[(128, 16, 8)],
+        100,
+        &mut outcome,
+    );
+    mixed_batches("nemotron-h-alt", DType::F32, &mut outcome);
+    check_f32(&outcome);
+}
+
+/// CI's bf16 pass: both fixtures, short cases, chunks of 5.
+#[test]
+fn bf16_both_fixtures() {
+    let mut outcome = Outcome::default();
+    every_case(
+        "nemotron-h-tiny",
+        DType::Bf16,
+        &[(5, 4, 8)],
+        40,
+        &mut outcome,
+    );
+    every_case(
+        "nemotron-h-alt",
+        DType::Bf16,
+        &[(5, 16, 256)],
+        40,
+        &mut outcome,
+    );
+    check_bf16(&outcome);
+}
+
+const PLANS: [Plan; 4] = [(128, 16, 256), (7, 4, 8), (33, 16, 8), (1, 4, 256)];
+
+/// The whole sweep (about a minute of CPU; not in CI):
+/// `cargo test -p device-cuda --test forward -- --ignored`.
+#[test]
+#[ignore = "the full sweep: cargo test -p device-cuda --test forward -- --ignored"]
+fn full_sweep() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let mut f32_outcome = Outcome::default();
+        every_case(name, DType::F32, &PLANS, 100, &mut f32_outcome);
+        mixed_batches(name, DType::F32, &mut f32_outcome);
+        check_f32(&f32_outcome);
+        let mut bf16_outcome = Outcome::default();
+        every_case(name, DType::Bf16, &PLANS, 100, &mut bf16_outcome);
+        mixed_batches(name, DType::Bf16, &mut bf16_outcome);
+        check_bf16(&bf16_outcome);
+    }
+}
