@@ -131,60 +131,139 @@ pub struct WeightImage {
     dtype: DType,
 }
 
+/// How a tensor of a seeded random model is filled (see [`DeviceModel::random`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Init {
+    /// A GEMM matrix: uniform with standard deviation 0.02 (transformers' `initializer_range`).
+    Matrix,
+    /// Every value the same.
+    Const(f32),
+    /// Uniform in `[lo, hi)`.
+    Uniform(f32, f32),
+}
+
+/// One tensor's place and filling in a layout-only image.
+#[derive(Debug, Clone, Copy)]
+struct Fill {
+    offset: usize,
+    len: usize,
+    dtype: DType,
+    init: Init,
+}
+
+/// Lays out the image: with the model's tensors it writes their bytes, without (a random model)
+/// it only records where each tensor goes and how to fill it.
 struct Builder<'m> {
     bytes: Vec<u8>,
-    tensors: HashMap<String, Vec<f32>>,
+    len: usize,
+    tensors: Option<HashMap<String, Vec<f32>>>,
+    fills: Vec<Fill>,
     dtype: DType,
     model: &'m Config,
 }
 
 impl Builder<'_> {
-    fn take(&mut self, name: &str) -> Result<Vec<f32>> {
-        self.tensors
-            .remove(name)
-            .ok_or_else(|| CudaError::BadRange(format!("the model has no tensor {name}")))
-    }
-
-    fn start(&mut self) -> usize {
-        let offset = align(self.bytes.len());
-        self.bytes.resize(offset, 0);
-        offset
-    }
-
-    fn floats(&mut self, values: &[f32]) -> Floats {
-        let offset = self.start();
-        self.bytes
-            .extend(values.iter().flat_map(|v| v.to_le_bytes()));
-        Floats {
-            offset,
-            len: values.len(),
+    fn new(
+        model: &Config,
+        dtype: DType,
+        tensors: Option<HashMap<String, Vec<f32>>>,
+    ) -> Builder<'_> {
+        Builder {
+            bytes: Vec::new(),
+            len: 0,
+            tensors,
+            fills: Vec::new(),
+            dtype,
+            model,
         }
     }
 
-    fn floats_named(&mut self, name: &str) -> Result<Floats> {
-        let values = self.take(name)?;
-        Ok(self.floats(&values))
+    /// The named tensors concatenated (`None` for a layout-only image).
+    fn take(&mut self, names: &[String]) -> Result<Option<Vec<f32>>> {
+        let Some(tensors) = &mut self.tensors else {
+            return Ok(None);
+        };
+        let mut values = Vec::new();
+        for name in names {
+            values.extend(
+                tensors.remove(name).ok_or_else(|| {
+                    CudaError::BadRange(format!("the model has no tensor {name}"))
+                })?,
+            );
+        }
+        Ok(Some(values))
     }
 
-    fn raw_mat(&mut self, values: &[f32], rows: usize, cols: usize, dtype: DType) -> Mat {
-        let offset = self.start();
-        match dtype {
-            DType::F32 => self
-                .bytes
-                .extend(values.iter().flat_map(|v| v.to_le_bytes())),
-            DType::Bf16 => self.bytes.extend(
-                values
-                    .iter()
-                    .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
-            ),
+    /// Reserves `len` values of `dtype` at the next aligned offset, writing `values` (converted)
+    /// when given, else recording `init`.
+    fn put(
+        &mut self,
+        values: Option<&[f32]>,
+        len: usize,
+        dtype: DType,
+        init: Init,
+    ) -> Result<usize> {
+        let offset = align(self.len);
+        if let Some(values) = values {
+            if values.len() != len {
+                return Err(CudaError::BadRange(format!(
+                    "a tensor of {} values where the layout needs {len}",
+                    values.len()
+                )));
+            }
+            self.bytes.resize(offset, 0);
+            match dtype {
+                DType::F32 => self
+                    .bytes
+                    .extend(values.iter().flat_map(|v| v.to_le_bytes())),
+                DType::Bf16 => self.bytes.extend(
+                    values
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                ),
+            }
+        } else {
+            self.fills.push(Fill {
+                offset,
+                len,
+                dtype,
+                init,
+            });
         }
-        Mat {
+        self.len = offset + len * dtype.bytes();
+        Ok(offset)
+    }
+
+    /// f32 values: the named tensors concatenated, mapped by `map`.
+    fn vector(
+        &mut self,
+        names: &[String],
+        len: usize,
+        init: Init,
+        map: fn(f32) -> f32,
+    ) -> Result<Floats> {
+        let values = self
+            .take(names)?
+            .map(|v| v.into_iter().map(map).collect::<Vec<f32>>());
+        let offset = self.put(values.as_deref(), len, DType::F32, init)?;
+        Ok(Floats { offset, len })
+    }
+
+    fn named(&mut self, name: &str, len: usize, init: Init) -> Result<Floats> {
+        self.vector(&[name.to_owned()], len, init, |x| x)
+    }
+
+    /// A matrix `[rows, cols]`: the named tensors stacked along rows.
+    fn matrix(&mut self, names: &[String], rows: usize, cols: usize, dtype: DType) -> Result<Mat> {
+        let values = self.take(names)?;
+        let offset = self.put(values.as_deref(), rows * cols, dtype, Init::Matrix)?;
+        Ok(Mat {
             offset,
             rows,
             cols,
             dtype,
             bias: None,
-        }
+        })
     }
 
     /// `{prefix}.weight` `[rows, cols]` and `{prefix}.bias` when `bias`.
@@ -196,10 +275,9 @@ impl Builder<'_> {
         bias: bool,
         dtype: DType,
     ) -> Result<Mat> {
-        let values = self.take(&format!("{prefix}.weight"))?;
-        let mut mat = self.raw_mat(&values, rows, cols, dtype);
+        let mut mat = self.matrix(&[format!("{prefix}.weight")], rows, cols, dtype)?;
         if bias {
-            mat.bias = Some(self.floats_named(&format!("{prefix}.bias"))?);
+            mat.bias = Some(self.named(&format!("{prefix}.bias"), rows, Init::Const(0.0))?);
         }
         Ok(mat)
     }
@@ -207,17 +285,15 @@ impl Builder<'_> {
     /// The experts' `{which}` matrices stacked `[E * rows, cols]`, their biases `[E * rows]`.
     fn stacked(&mut self, m: &str, which: &str, rows: usize, cols: usize) -> Result<Mat> {
         let experts = self.model.n_routed_experts;
-        let mut values = Vec::with_capacity(experts * rows * cols);
-        let mut biases = Vec::new();
-        for j in 0..experts {
-            values.extend(self.take(&format!("{m}.experts.{j}.{which}.weight"))?);
-            if self.model.mlp_bias {
-                biases.extend(self.take(&format!("{m}.experts.{j}.{which}.bias"))?);
-            }
-        }
-        let mut mat = self.raw_mat(&values, experts * rows, cols, self.dtype);
+        let names: Vec<String> = (0..experts)
+            .map(|j| format!("{m}.experts.{j}.{which}.weight"))
+            .collect();
+        let mut mat = self.matrix(&names, experts * rows, cols, self.dtype)?;
         if self.model.mlp_bias {
-            mat.bias = Some(self.floats(&biases));
+            let names: Vec<String> = (0..experts)
+                .map(|j| format!("{m}.experts.{j}.{which}.bias"))
+                .collect();
+            mat.bias = Some(self.vector(&names, experts * rows, Init::Const(0.0), |x| x)?);
         }
         Ok(mat)
     }
@@ -226,11 +302,12 @@ impl Builder<'_> {
         let c = self.model;
         let (d, dtype) = (c.hidden_size, self.dtype);
         let p = format!("backbone.layers.{i}");
-        let norm = self.floats_named(&format!("{p}.norm.weight"))?;
+        let norm = self.named(&format!("{p}.norm.weight"), d, Init::Const(1.0))?;
         let m = format!("{p}.mixer");
         let mixer = match kind {
             LayerKind::Mamba => {
-                let inner = c.mamba_inner();
+                let (inner, h) = (c.mamba_inner(), c.mamba_num_heads);
+                let conv_dim = c.mamba_conv_dim();
                 let in_proj = self.linear(
                     &format!("{m}.in_proj"),
                     c.mamba_in_proj_dim(),
@@ -238,22 +315,29 @@ impl Builder<'_> {
                     c.use_bias,
                     dtype,
                 )?;
-                let conv_weight = self.floats_named(&format!("{m}.conv1d.weight"))?;
+                let conv_weight = self.named(
+                    &format!("{m}.conv1d.weight"),
+                    conv_dim * c.conv_kernel,
+                    Init::Uniform(-0.5, 0.5),
+                )?;
                 let conv_bias = if c.use_conv_bias {
-                    Some(self.floats_named(&format!("{m}.conv1d.bias"))?)
+                    Some(self.named(&format!("{m}.conv1d.bias"), conv_dim, Init::Const(0.0))?)
                 } else {
                     None
                 };
-                let dt_bias = self.floats_named(&format!("{m}.dt_bias"))?;
-                // A = -exp(A_log), as the host model derives it.
-                let a_values: Vec<f32> = self
-                    .take(&format!("{m}.A_log"))?
-                    .iter()
-                    .map(|&x| -x.exp())
-                    .collect();
-                let a = self.floats(&a_values);
-                let d_skip = self.floats_named(&format!("{m}.D"))?;
-                let gnorm = self.floats_named(&format!("{m}.norm.weight"))?;
+                // A random model draws dt in [0.001, 0.1] through softplus⁻¹, as transformers'
+                // initialisation does.
+                let dt_bias = self.named(&format!("{m}.dt_bias"), h, Init::Uniform(-6.9, -2.25))?;
+                // A = -exp(A_log), as the host model derives it (a random model: A_log in
+                // [0, ln 16), so A in (-16, -1]).
+                let a = self.vector(
+                    &[format!("{m}.A_log")],
+                    h,
+                    Init::Uniform(-16.0, -1.0),
+                    |x| -x.exp(),
+                )?;
+                let d_skip = self.named(&format!("{m}.D"), h, Init::Const(1.0))?;
+                let gnorm = self.named(&format!("{m}.norm.weight"), inner, Init::Const(1.0))?;
                 let out_proj =
                     self.linear(&format!("{m}.out_proj"), d, inner, c.use_bias, dtype)?;
                 indices.1 += 1;
@@ -271,10 +355,8 @@ impl Builder<'_> {
             }
             LayerKind::Attention => {
                 let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                let mut qkv = self.take(&format!("{m}.q_proj.weight"))?;
-                qkv.extend(self.take(&format!("{m}.k_proj.weight"))?);
-                qkv.extend(self.take(&format!("{m}.v_proj.weight"))?);
-                let qkv = self.raw_mat(&qkv, (nh + 2 * nkv) * hd, d, dtype);
+                let names = ["q_proj", "k_proj", "v_proj"].map(|w| format!("{m}.{w}.weight"));
+                let qkv = self.matrix(&names, (nh + 2 * nkv) * hd, d, dtype)?;
                 let o_proj = self.linear(&format!("{m}.o_proj"), d, nh * hd, false, dtype)?;
                 indices.0 += 1;
                 Mixer::Attention {
@@ -308,7 +390,11 @@ impl Builder<'_> {
                 );
                 // The gate stays f32: the router's choices are the most rounding-sensitive step.
                 let gate = self.linear(&format!("{m}.gate"), e, d, false, DType::F32)?;
-                let correction = self.floats_named(&format!("{m}.gate.e_score_correction_bias"))?;
+                let correction = self.named(
+                    &format!("{m}.gate.e_score_correction_bias"),
+                    e,
+                    Init::Const(0.0),
+                )?;
                 let up = self.stacked(&m, "up_proj", moe_i, ed)?;
                 let down = self.stacked(&m, "down_proj", ed, moe_i)?;
                 let shared_up = self.linear(
@@ -345,6 +431,28 @@ impl Builder<'_> {
         };
         Ok(Layer { norm, mixer })
     }
+
+    /// The whole main stack.
+    fn build(&mut self) -> Result<Layout> {
+        let config = self.model;
+        let (v, d, dtype) = (config.vocab_size, config.hidden_size, self.dtype);
+        let embeddings = self.linear("backbone.embeddings", v, d, false, dtype)?;
+        let mut indices = (0, 0);
+        let layers = config
+            .layer_kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| self.layer(i, kind, &mut indices))
+            .collect::<Result<Vec<_>>>()?;
+        let norm_f = self.named("backbone.norm_f.weight", d, Init::Const(1.0))?;
+        let lm_head = self.linear("lm_head", v, d, false, dtype)?;
+        Ok(Layout {
+            embeddings,
+            layers,
+            norm_f,
+            lm_head,
+        })
+    }
 }
 
 impl WeightImage {
@@ -358,32 +466,11 @@ impl WeightImage {
                 tensors.insert(name.to_owned(), data.to_vec());
             }
         });
-        let mut b = Builder {
-            bytes: Vec::new(),
-            tensors,
-            dtype,
-            model: config,
-        };
-        let (v, d) = (config.vocab_size, config.hidden_size);
-        let embeddings = b.linear("backbone.embeddings", v, d, false, dtype)?;
-        let mut indices = (0, 0);
-        let layers = config
-            .layer_kinds
-            .iter()
-            .enumerate()
-            .map(|(i, &kind)| b.layer(i, kind, &mut indices))
-            .collect::<Result<Vec<_>>>()?;
-        let norm_f = b.floats_named("backbone.norm_f.weight")?;
-        let lm_head = b.linear("lm_head", v, d, false, dtype)?;
-        let bytes = b.bytes;
+        let mut b = Builder::new(config, dtype, Some(tensors));
+        let layout = b.build()?;
         Ok(WeightImage {
-            bytes,
-            layout: Layout {
-                embeddings,
-                layers,
-                norm_f,
-                lm_head,
-            },
+            bytes: b.bytes,
+            layout,
             dtype,
         })
     }
@@ -624,6 +711,143 @@ impl DeviceModel {
             weights: Some(weights),
             split_keys: DEFAULT_SPLIT_KEYS,
         })
+    }
+
+    /// A model of `config` with seeded random weights built on the device, with no host copy of
+    /// them (for benchmarks at real sizes): matrices are filled by device copies from a seeded
+    /// pool of 2^22 values uniform with standard deviation 0.02, each copy from a seeded offset;
+    /// the other tensors as transformers initialises them (norms and `D` 1, `A` in (-16, -1],
+    /// dt through softplus in [0.001, 0.1], conv weights uniform in ±0.5, biases 0).
+    pub fn random(
+        rt: &dyn Runtime,
+        config: &Config,
+        dtype: DType,
+        seed: u64,
+    ) -> Result<DeviceModel> {
+        use rand::{Rng, SeedableRng};
+        config
+            .validate()
+            .map_err(|e| CudaError::BadRange(format!("config: {e}")))?;
+        let mut b = Builder::new(config, dtype, None);
+        let layout = b.build()?;
+        let weights = rt.alloc(b.len.max(4))?;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        const POOL: usize = 1 << 22;
+        let bound = 0.02 * 3f32.sqrt();
+        let pool: Vec<f32> = (0..POOL).map(|_| rng.random_range(-bound..bound)).collect();
+        let pools = [DType::F32, DType::Bf16].map(|t| {
+            let bytes: Vec<u8> = match t {
+                DType::F32 => pool.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                DType::Bf16 => pool
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+            };
+            (t, bytes)
+        });
+        let s = Stream::Compute;
+        let mut buffers = Vec::new();
+        for (t, bytes) in &pools {
+            let buffer = rt.alloc(bytes.len())?;
+            rt.upload(buffer.all(), bytes, s)?;
+            buffers.push((*t, buffer));
+        }
+        let result = (|| -> Result<()> {
+            for fill in &b.fills {
+                let elem = fill.dtype.bytes();
+                match fill.init {
+                    Init::Matrix => {
+                        let source = &buffers
+                            .iter()
+                            .find(|(t, _)| *t == fill.dtype)
+                            .ok_or_else(|| CudaError::BadRange("no pool".to_owned()))?
+                            .1;
+                        let mut done = 0;
+                        while done < fill.len {
+                            let start = rng.random_range(0..POOL / 2);
+                            let count = (fill.len - done).min(POOL - start);
+                            rt.copy(
+                                weights.range(fill.offset + done * elem, count * elem)?,
+                                source.range(start * elem, count * elem)?,
+                                s,
+                            )?;
+                            done += count;
+                        }
+                    }
+                    Init::Const(v) => {
+                        let values = vec![v; fill.len];
+                        rt.upload(
+                            weights.range(fill.offset, fill.len * 4)?,
+                            bytemuck::cast_slice(&values),
+                            s,
+                        )?;
+                    }
+                    Init::Uniform(lo, hi) => {
+                        let values: Vec<f32> =
+                            (0..fill.len).map(|_| rng.random_range(lo..hi)).collect();
+                        rt.upload(
+                            weights.range(fill.offset, fill.len * 4)?,
+                            bytemuck::cast_slice(&values),
+                            s,
+                        )?;
+                    }
+                }
+            }
+            rt.sync_stream(s)
+        })();
+        for (_, buffer) in buffers {
+            rt.free(buffer)?;
+        }
+        if let Err(err) = result {
+            rt.free(weights)?;
+            return Err(err);
+        }
+        Ok(DeviceModel {
+            config: config.clone(),
+            dtype,
+            layout,
+            weights: Some(weights),
+            split_keys: DEFAULT_SPLIT_KEYS,
+        })
+    }
+
+    /// Bytes of the weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.as_ref().map_or(0, DeviceBuffer::bytes)
+    }
+
+    /// Bytes a decode step reads per token from the weights: every matrix but the embedding
+    /// table (one row of it), every f32 vector.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let l = &self.layout;
+        let mat = |m: &Mat| m.rows * m.cols * m.dtype.bytes() + m.bias.map_or(0, |b| b.len * 4);
+        let mut total =
+            l.embeddings.cols * l.embeddings.dtype.bytes() + mat(&l.lm_head) + l.norm_f.len * 4;
+        for layer in &l.layers {
+            total += layer.norm.len * 4;
+            total += match &layer.mixer {
+                Mixer::Mamba(w) => {
+                    mat(&w.in_proj)
+                        + mat(&w.out_proj)
+                        + [w.conv_weight, w.dt_bias, w.a, w.d, w.norm]
+                            .iter()
+                            .map(|f| f.len * 4)
+                            .sum::<usize>()
+                }
+                Mixer::Attention { qkv, o_proj, .. } => mat(qkv) + mat(o_proj),
+                Mixer::Mlp { up, down } => mat(up) + mat(down),
+                Mixer::Moe(w) => {
+                    // The gate, the shared expert and k of the routed experts.
+                    let k = self.config.num_experts_per_tok;
+                    let e = self.config.n_routed_experts.max(1);
+                    mat(&w.gate)
+                        + mat(&w.shared_up)
+                        + mat(&w.shared_down)
+                        + (mat(&w.up) + mat(&w.down)) / e * k
+                }
+            };
+        }
+        total
     }
 
     /// The same model splitting attention every `split_keys` keys (tests use small values to

@@ -9,6 +9,7 @@
 
 use model::{Config, KvPool, LayerKind, MambaStates};
 
+use crate::forward::{ForwardLimits, Workspace};
 use crate::runtime::DType;
 
 /// Bytes every region is aligned to inside its buffer.
@@ -142,9 +143,10 @@ impl MemoryPlan {
     /// Splits `router.budget_bytes` for `config`, whose weights take `weight_bytes` on the device:
     ///
     /// 1. Fixed regions first: the weights, `max_seqs` live slots and the snapshot ring, the
-    ///    workspace (`max_step_tokens` tokens × (3 × hidden + the widest activation) f32, plus a
-    ///    bf16 copy of the widest input for the GEMMs), the logits of two steps and the per-row
-    ///    buffers.
+    ///    workspace (the forward step's [`Workspace`](crate::Workspace) for `max_step_tokens`
+    ///    rows of `max_seqs` sequences of up to `max_context` tokens; at least `max_step_tokens`
+    ///    tokens × (3 × hidden + the widest activation) f32 plus a bf16 copy of the widest input,
+    ///    the head's regions), the logits of two steps and the per-row buffers.
     /// 2. Of the rest, a hybrid model gives a quarter to checkpoints and three quarters to KV; an
     ///    attention-only model everything to KV (as the host router does).
     /// 3. A model without attention has no KV bytes; its pool is bookkeeping only, with blocks
@@ -191,8 +193,22 @@ impl MemoryPlan {
         let tokens = router.max_step_tokens as u64;
         let hidden = config.hidden_size as u64;
         let widest = widest_activation(config) as u64;
-        let workspace_bytes =
-            align(4 * tokens * (3 * hidden + widest)) + align(2 * tokens * widest.max(hidden));
+        // The head's regions, or the forward step's workspace when larger (it always is for a
+        // model with layers).
+        let forward = Workspace::new(
+            config,
+            ForwardLimits {
+                max_rows: router.max_step_tokens,
+                max_runs: router.max_seqs,
+                max_table: router
+                    .max_seqs
+                    .saturating_mul(router.max_context.div_ceil(router.block_size)),
+            },
+        )
+        .map_err(|err| PlanError::Model(err.to_string()))?;
+        let workspace_bytes = (align(4 * tokens * (3 * hidden + widest))
+            + align(2 * tokens * widest.max(hidden)))
+        .max(align(forward.bytes() as u64));
         let rows = router.max_seqs as u64;
         let vocab = config.vocab_size as u64;
         let logits_bytes = 2 * align(4 * rows * vocab);

@@ -3,7 +3,9 @@
 //! `CudaRuntime` tests open the device instead of reporting the missing driver), then the
 //! `gpu_check` example (every kernel on the GPU against `SimRuntime`, the model's head on both,
 //! and the copy bandwidth of the effects against a plain device-to-device memcpy), then the
-//! replay example with `--device cuda`, which must refuse with the CUDA router's reason.
+//! replay example with `--device cuda`, which must refuse with the CUDA router's reason, then the
+//! `forward_bench` example (the forward step's parity on the GPU and the NemotronH-8B-shape
+//! throughput figures).
 //! Without a GPU every step still runs and says that it skipped the device.
 
 use std::process::Command;
@@ -81,6 +83,23 @@ pub fn run() -> Result<(), Error> {
         }
         Err(other) => return Err(other),
     }
+    // The forward step on the GPU: parity with the host model on both fixtures, then NemotronH-8B's
+    // shape with random bf16 weights (decode at batch 1, 64, 256; a 4k prefill; the fraction of
+    // the bandwidth limit at batch 1).
+    let step = Instant::now();
+    eprintln!("gpu-check: forward parity and the 8B-shape bench");
+    cmd::run(&mut cmd::cargo(&[
+        "run",
+        "--release",
+        "-p",
+        "device-cuda",
+        "--example",
+        "forward_bench",
+    ]))?;
+    eprintln!(
+        "gpu-check: forward parity and the 8B-shape bench: ok in {:.1}s",
+        step.elapsed().as_secs_f64()
+    );
     eprintln!("gpu-check: done in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
 }
