@@ -225,11 +225,10 @@ impl Caches {
                 u64::from(slots) * cost.checkpoint_bytes(),
             );
             store_config.checkpoint_slots = slots;
-            // α starts at 0; `marconi: false` keeps it there with path recency (SGLang's LRU).
+            // Plain LRU (α = 0, path recency: SGLang's policy); `marconi: false` keeps it, and
+            // `marconi: true` starts there, the setting its tuner falls back to.
             store_config.alpha = 0.0;
-            if !config.marconi {
-                store_config.recency = ssm_snapshot::Recency::Path;
-            }
+            store_config.recency = ssm_snapshot::Recency::Path;
             let cache_err = |err: ssm_snapshot::SnapshotError| RouterError::Cache(err.to_string());
             let store = SnapshotStore::new(store_config).map_err(cache_err)?;
             // `marconi: true` tunes the eviction the way `ssm-snapshot` measured best: shadow

@@ -113,7 +113,7 @@ struct Args {
     #[arg(long, value_enum, value_name = "WHAT")]
     objective: Option<ObjectiveName>,
 
-    /// marconi: the recency term's time basis (initial setting) [default: adaptive]
+    /// marconi: the recency term's time basis (initial setting) [default: path]
     #[arg(long, value_enum, value_name = "BASIS")]
     recency: Option<RecencyName>,
 
@@ -252,6 +252,11 @@ enum GridName {
     Paper,
     /// Every α, recency, FLOP basis and guard combination
     Wide,
+    /// The default grid without guarded admission (to measure what the guard does)
+    NoGuard,
+    /// The default grid with path recency instead of adaptive (to measure what adaptive
+    /// recency does)
+    PathRecency,
 }
 
 /// `--objective`.
@@ -472,6 +477,18 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
             &[FlopBasis::Prefix, FlopBasis::Marginal],
             &[false, true],
         ),
+        GridName::NoGuard => grid_of(
+            DEFAULT_ALPHAS,
+            &[Recency::Adaptive],
+            &[FlopBasis::Prefix, FlopBasis::Marginal],
+            &[false],
+        ),
+        GridName::PathRecency => grid_of(
+            DEFAULT_ALPHAS,
+            &[Recency::Path],
+            &[FlopBasis::Prefix, FlopBasis::Marginal],
+            &[false, true],
+        ),
     };
     let window = args
         .window
@@ -500,7 +517,7 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
         FlopBasisName::Marginal => FlopBasis::Marginal,
         FlopBasisName::Prefix => FlopBasis::Prefix,
     };
-    config.recency = match args.recency.unwrap_or(RecencyName::Adaptive) {
+    config.recency = match args.recency.unwrap_or(RecencyName::Path) {
         RecencyName::Path => Recency::Path,
         RecencyName::Own => Recency::Own,
         RecencyName::Shared => Recency::Shared,

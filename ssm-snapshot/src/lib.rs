@@ -16,8 +16,9 @@
 //! than memory, a sequence that missed may only replace dead entries, so a stable part of the
 //! working set stays cached instead of all of it cycling through), adaptive recency
 //! ([`Recency::Adaptive`]: mid-sequence checkpoints count as used when requests go through them
-//! only while the workload actually hits them), and a tuner that follows the best of 40 shadow
-//! stores ([`tuning`]).
+//! only while the workload actually hits them), and a tuner that follows the best of 41 shadow
+//! stores, plain LRU among them: the live store starts at LRU, leaves it only for a significant
+//! lead, and goes back when it falls behind the LRU shadow ([`tuning`]).
 //!
 //! # Modules
 //! - [`store`]: the tree, the hit rule, admission, eviction, the byte budget (invariants there);
@@ -25,8 +26,10 @@
 //! - [`slots`]: the checkpoint slot pool;
 //! - [`tuning`]: choosing α, the recency basis, the FLOP basis and guarded admission
 //!   (Marconi's bootstrap replay, periodic replay, and shadow stores, the default);
-//! - [`sim`]: the Marconi JSONL trace format, generators, and the replay behind the `simulate`
-//!   example;
+//! - [`sim`]: the Marconi JSONL trace format and the replay behind the `simulate` example;
+//! - [`generate`]: synthetic traces (chat, long replies, agentic, a mix, an adversarial one);
+//! - [`grid`]: the policy grid (trace families × seeds × capacities) and the check the default
+//!   policy must pass on each cell;
 //! - [`paper`]: a model of the Marconi artifact's own simulator (its SGLang+ and Marconi
 //!   policies, with their exact tie orders and their capacity overshoot), the reference the
 //!   `simulate` example scores our policies against.
@@ -81,6 +84,8 @@
 
 pub mod cost;
 pub mod error;
+pub mod generate;
+pub mod grid;
 pub mod paper;
 pub mod sim;
 pub mod slots;

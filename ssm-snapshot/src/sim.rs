@@ -1,6 +1,6 @@
-//! The trace-driven simulator: the Marconi artifact's JSONL trace format, synthetic trace
-//! generators (chat, ShareGPT-like long replies, agentic), the per-request replay step shared
-//! with α tuning, and the three policies the `simulate` example compares.
+//! The trace-driven simulator: the Marconi artifact's JSONL trace format, the per-request replay
+//! step shared with α tuning, and the three policies the `simulate` example compares (the
+//! synthetic trace generators live in [`crate::generate`] and are re-exported here).
 //!
 //! A replay has no model: for each request in file order it looks up the input tokens, counts the
 //! reused tokens and the FLOPs they save, takes the branch checkpoint the lookup asks for, then
@@ -13,13 +13,12 @@ use std::io::BufRead;
 use std::path::Path;
 
 use kv_cache::BlockId;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use workload_trace::{ReadOptions, TraceReader};
 
 use crate::cost::CostModel;
 use crate::error::SnapshotError;
+pub use crate::generate::{generate, TraceKind};
 use crate::slots::SlotId;
 use crate::store::{
     Admission, BudgetScope, FlopBasis, Namespace, Recency, SnapshotStore, StoreConfig, StoreDelta,
@@ -199,8 +198,9 @@ pub struct SimConfig {
 
 impl SimConfig {
     /// The defaults for `policy`; for `marconi`: shadow tuning over the default grid
-    /// ([`default_tuning`]), starting at α = 0, adaptive recency, marginal FLOPs, plain admission
-    /// (what measured best; see the crate report).
+    /// ([`default_tuning`]), starting at plain LRU (α = 0, path recency, plain admission; the
+    /// FLOP basis, marginal, counts only once α > 0), the setting the tuner falls back to (see
+    /// [`TuningMode::Shadow`]).
     pub fn new(policy: Policy, capacity_bytes: u64, block_size: u32, cost: CostModel) -> Self {
         Self {
             policy,
@@ -210,7 +210,7 @@ impl SimConfig {
             alpha: None,
             tuning: default_tuning(),
             flop_basis: FlopBasis::Marginal,
-            recency: Recency::Adaptive,
+            recency: Recency::Path,
             guard: false,
             objective: Objective::Flops,
         }
@@ -403,143 +403,5 @@ impl Simulation {
             alpha: self.store.config().alpha,
             max_bytes: self.max_bytes,
         })
-    }
-}
-
-/// The synthetic workloads of `--generate`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TraceKind {
-    /// Multi-turn chat: 10 to 20 turns, short replies, some popular shared openers.
-    Chat,
-    /// Long-reply chat (ShareGPT-like): 2 to 8 turns, replies of 300 to 1200 tokens.
-    ShareGpt,
-    /// Agentic sessions: a long system prompt shared by all, a repository context shared by the
-    /// sessions on the same repository, 15 to 30 turns of tool calls and results, with history
-    /// edits (compaction, dropped tool results) instead of pure extension.
-    Agentic,
-}
-
-impl TraceKind {
-    /// Parses `chat`, `sharegpt` or `agentic`.
-    pub fn parse(text: &str) -> Result<Self, SnapshotError> {
-        match text {
-            "chat" => Ok(Self::Chat),
-            "sharegpt" => Ok(Self::ShareGpt),
-            "agentic" => Ok(Self::Agentic),
-            other => Err(SnapshotError::BadArgument(format!(
-                "trace kind `{other}` (expected chat, sharegpt or agentic)"
-            ))),
-        }
-    }
-}
-
-const VOCAB: u32 = 50_000;
-
-fn random_tokens(rng: &mut ChaCha8Rng, lo: usize, hi: usize) -> Vec<u32> {
-    let len = rng.random_range(lo..=hi);
-    (0..len).map(|_| rng.random_range(0..VOCAB)).collect()
-}
-
-/// Picks `0..n` with weight `1 / (i + 1)` (a Zipf-like popularity).
-fn zipf(rng: &mut ChaCha8Rng, n: usize) -> usize {
-    let total: f64 = (0..n).map(|i| 1.0 / (i + 1) as f64).sum();
-    let mut x = rng.random::<f64>() * total;
-    for i in 0..n {
-        x -= 1.0 / (i + 1) as f64;
-        if x <= 0.0 {
-            return i;
-        }
-    }
-    n - 1
-}
-
-/// Generates a synthetic trace of `sessions` sessions, sorted by arrival time.
-pub fn generate(kind: TraceKind, sessions: usize, seed: u64) -> Vec<TraceRecord> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut records = Vec::new();
-    // Sessions arrive over a span proportional to their number, so about the same number of
-    // sessions is live at any time whatever `sessions` is.
-    let span = sessions as f64 * 20.0;
-    match kind {
-        TraceKind::Chat | TraceKind::ShareGpt => {
-            let chat = kind == TraceKind::Chat;
-            let openers: Vec<Vec<u32>> =
-                (0..8).map(|_| random_tokens(&mut rng, 200, 800)).collect();
-            for session in 0..sessions {
-                let mut history = if rng.random_bool(if chat { 0.6 } else { 0.2 }) {
-                    openers[zipf(&mut rng, openers.len())].clone()
-                } else {
-                    random_tokens(&mut rng, 50, 300)
-                };
-                let turns = if chat {
-                    rng.random_range(10..=20)
-                } else {
-                    rng.random_range(2..=8)
-                };
-                let mut ts = rng.random::<f64>() * span;
-                for turn in 0..turns {
-                    let user = if chat {
-                        random_tokens(&mut rng, 20, 300)
-                    } else {
-                        random_tokens(&mut rng, 20, 200)
-                    };
-                    history.extend_from_slice(&user);
-                    let reply = if chat {
-                        random_tokens(&mut rng, 50, 400)
-                    } else {
-                        random_tokens(&mut rng, 300, 1200)
-                    };
-                    records.push(record(session, turn, ts, &history, &reply));
-                    history.extend_from_slice(&reply);
-                    ts += rng.random_range(10.0..60.0);
-                }
-            }
-        }
-        TraceKind::Agentic => {
-            let system = random_tokens(&mut rng, 3000, 3000);
-            let repos: Vec<Vec<u32>> = (0..(sessions / 4).max(1))
-                .map(|_| random_tokens(&mut rng, 2000, 6000))
-                .collect();
-            for session in 0..sessions {
-                let repo = &repos[zipf(&mut rng, repos.len())];
-                // The history as messages; the first two are the shared system prompt and repo.
-                let mut messages: Vec<Vec<u32>> = vec![
-                    system.clone(),
-                    repo.clone(),
-                    random_tokens(&mut rng, 50, 300),
-                ];
-                let turns = rng.random_range(15..=30);
-                let mut ts = rng.random::<f64>() * span;
-                for turn in 0..turns {
-                    if turn >= 2 && rng.random_bool(0.15) {
-                        // Edit the history: keep a prefix of the messages (past the shared
-                        // ones) and replace the rest by a summary.
-                        let keep = rng.random_range(3..messages.len());
-                        messages.truncate(keep);
-                        messages.push(random_tokens(&mut rng, 100, 400));
-                    }
-                    let input: Vec<u32> = messages.concat();
-                    let call = random_tokens(&mut rng, 30, 200);
-                    records.push(record(session, turn, ts, &input, &call));
-                    messages.push(call);
-                    messages.push(random_tokens(&mut rng, 50, 800));
-                    ts += rng.random_range(2.0..20.0);
-                }
-            }
-        }
-    }
-    records.sort_by(|a, b| a.ts.total_cmp(&b.ts));
-    records
-}
-
-fn record(session: usize, turn: usize, ts: f64, input: &[u32], output: &[u32]) -> TraceRecord {
-    TraceRecord {
-        session_id: SessionId::Number(session as u64),
-        turn_id: turn as u64,
-        ts,
-        num_input_tokens: input.len(),
-        num_output_tokens: output.len(),
-        input_tokens: input.to_vec(),
-        output_tokens: output.to_vec(),
     }
 }

@@ -12,12 +12,21 @@
 //!   device work: a few microseconds each), scores each by an exponentially decayed sum of what
 //!   it saved, and switches the live store to the leader when it leads the current setting's
 //!   shadow by more than `margin`. Unlike a replay from a snapshot, a shadow's score includes the
-//!   long-run effect of a setting on what stays cached.
+//!   long-run effect of a setting on what stays cached. Plain [`LRU`] is always one of the
+//!   shadows and is where the live store starts and falls back to: it leaves LRU only for a
+//!   shadow whose lead over the LRU shadow is significant, and a ledger compares what the live
+//!   store reused since it left with what the LRU shadow reused on the same requests; when the
+//!   live store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens (a switch
+//!   has a cost no shadow sees: the live store keeps what the old setting kept, and at small
+//!   capacities a shadow's lead is often chaos that does not carry over), it goes back to LRU
+//!   and every later departure needs twice the lead and waits twice as long.
 //!
 //! Invariants: in `Periodic` and `Bootstrap` modes, `snapshot` is the store as it was before the
 //! first request of `window` was served; once a bootstrap tuning ran, `done` is set and nothing
 //! more is recorded. In `Shadow` mode, `shadows[i]` has run every observed request under
-//! `grid[i]`.
+//! `settings[i]` (the grid, plus [`LRU`] at `baseline` when the grid lacks it), and `excursion`
+//! is set, after every observed request, exactly when the live store's setting does not evict
+//! like [`LRU`].
 
 use crate::error::SnapshotError;
 use crate::sim::{serve_request, SyntheticBlocks};
@@ -38,6 +47,26 @@ pub struct Setting {
     /// Guarded admission ([`crate::StoreConfig::guard`]).
     pub guard: bool,
 }
+
+impl Setting {
+    /// Whether a store under `self` evicts exactly as under `other`: the same α, recency and
+    /// admission, and the same FLOP basis unless α = 0 (where the efficiency term is unused).
+    pub fn evicts_like(&self, other: &Setting) -> bool {
+        self.alpha == other.alpha
+            && self.recency == other.recency
+            && self.guard == other.guard
+            && (self.alpha == 0.0 || self.flop_basis == other.flop_basis)
+    }
+}
+
+/// Plain LRU: α = 0, path recency, plain admission (SGLang's policy, the `lru` policy of the
+/// simulator). Shadow tuning always runs it, as the candidate the live store falls back to.
+pub const LRU: Setting = Setting {
+    alpha: 0.0,
+    recency: Recency::Path,
+    flop_basis: FlopBasis::Prefix,
+    guard: false,
+};
 
 /// [`DEFAULT_ALPHAS`] under each of `recencies` and `bases`, plain admission.
 pub fn grid(recencies: &[Recency], bases: &[FlopBasis]) -> Vec<Setting> {
@@ -89,7 +118,8 @@ pub fn legacy_grid() -> Vec<Setting> {
 pub const DEFAULT_HALF_LIFE: usize = 200;
 /// Default lead a shadow needs over the live setting's shadow to take over.
 pub const DEFAULT_MARGIN: f64 = 0.02;
-/// Default requests between two switches (and before the first).
+/// Default requests between two switches (leaving [`LRU`] needs none until an excursion
+/// failed).
 pub const DEFAULT_COOLDOWN: usize = 300;
 
 /// The default tuning: shadows over [`default_grid`], half-life [`DEFAULT_HALF_LIFE`], a lead of
@@ -103,6 +133,16 @@ pub fn default_tuning() -> TuningMode {
         cooldown: DEFAULT_COOLDOWN,
     }
 }
+
+/// How far (a fraction of the input tokens since it left [`LRU`]) the live store may fall
+/// behind the [`LRU`] shadow before shadow tuning takes it back to LRU: half the 0.002 of token
+/// hit rate that the policy grid allows (see [`crate::grid`]).
+pub const FALLBACK_TOLERANCE: f64 = 0.001;
+
+/// How many standard errors a shadow's lead over the [`LRU`] shadow must reach before the live
+/// store leaves LRU for it (see [`TuningMode::Shadow`]). 2 and 3 were measured on the tuning
+/// part of the policy grid (`crate::grid`): 3 lost less to LRU and won more on average.
+pub const DEPARTURE_Z: f64 = 3.0;
 
 /// How the score is chosen.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,7 +164,8 @@ pub enum TuningMode {
         /// Requests per window.
         window: usize,
     },
-    /// Follow the best of continuously running shadow stores.
+    /// Follow the best of continuously running shadow stores, with plain [`LRU`] as the
+    /// fallback (see the module docs).
     Shadow {
         /// Settings to shadow.
         grid: Vec<Setting>,
@@ -163,6 +204,11 @@ struct Shadow {
     blocks: SyntheticBlocks,
     score: f64,
     hit_tokens: u64,
+    /// This request's hit tokens.
+    last: u64,
+    /// Decayed sums of the per-request lead over the LRU shadow (hit tokens) and its square.
+    lead: f64,
+    lead_squares: f64,
 }
 
 /// Chooses the eviction setting of a store (see the module docs).
@@ -179,12 +225,42 @@ pub struct AlphaTuner {
     done: bool,
     history: Vec<(usize, Setting)>,
     delta: StoreDelta,
+    /// In shadow mode: the shadowed settings (the grid, plus [`LRU`] when the grid has no
+    /// setting that evicts like it), parallel to `shadows`.
+    settings: Vec<Setting>,
+    /// In shadow mode: the index of the [`LRU`] shadow in `settings`.
+    baseline: usize,
+    /// In shadow mode: the live store's departure from [`LRU`], while it is away.
+    excursion: Option<Excursion>,
+    /// Excursions that fell behind [`LRU`] and were ended: each doubles the lead a shadow needs.
+    failures: u32,
+    /// Input tokens observed so far.
+    input_tokens: u64,
+    /// The live store's hit tokens when the tuner was made.
+    live_hits_at_start: u64,
+}
+
+/// Where the live store stood when it last left [`LRU`]: the ledger that
+/// [`FALLBACK_TOLERANCE`] is checked against.
+#[derive(Debug, Clone, Copy)]
+struct Excursion {
+    /// The request count when it left.
+    since: usize,
+    /// The live store's hit tokens then (since the tuner was made).
+    live_hits: u64,
+    /// The [`LRU`] shadow's hit tokens then.
+    baseline_hits: u64,
+    /// Input tokens observed then.
+    input_tokens: u64,
 }
 
 impl AlphaTuner {
     /// A tuner for `store`, which must be in the state the first observed request will find.
     pub fn new(mode: TuningMode, store: &SnapshotStore) -> Result<Self, SnapshotError> {
         let mut shadows = Vec::new();
+        let mut settings = Vec::new();
+        let mut baseline = 0;
+        let mut excursion = None;
         match &mode {
             TuningMode::Fixed => {}
             TuningMode::Bootstrap {
@@ -213,7 +289,15 @@ impl AlphaTuner {
                         limit: "finite and non-negative",
                     });
                 }
-                for setting in grid {
+                settings = grid.clone();
+                baseline = match grid.iter().position(|s| s.evicts_like(&LRU)) {
+                    Some(i) => i,
+                    None => {
+                        settings.push(LRU);
+                        settings.len() - 1
+                    }
+                };
+                for setting in &settings {
                     let mut shadow = store.clone();
                     apply(&mut shadow, *setting)?;
                     shadows.push(Shadow {
@@ -221,6 +305,17 @@ impl AlphaTuner {
                         blocks: SyntheticBlocks::new(u32::MAX / 2),
                         score: 0.0,
                         hit_tokens: 0,
+                        last: 0,
+                        lead: 0.0,
+                        lead_squares: 0.0,
+                    });
+                }
+                if !setting_of(store).evicts_like(&LRU) {
+                    excursion = Some(Excursion {
+                        since: 0,
+                        live_hits: 0,
+                        baseline_hits: 0,
+                        input_tokens: 0,
                     });
                 }
             }
@@ -242,6 +337,12 @@ impl AlphaTuner {
             done: false,
             history: Vec::new(),
             delta: StoreDelta::default(),
+            settings,
+            baseline,
+            excursion,
+            failures: 0,
+            input_tokens: 0,
+            live_hits_at_start: store.stats().hit_tokens,
         })
     }
 
@@ -255,7 +356,8 @@ impl AlphaTuner {
     /// store would have reused under that setting alone).
     pub fn shadow_hit_tokens(&self) -> Vec<(Setting, u64)> {
         match &self.mode {
-            TuningMode::Shadow { grid, .. } => grid
+            TuningMode::Shadow { .. } => self
+                .settings
                 .iter()
                 .zip(&self.shadows)
                 .map(|(s, shadow)| (*s, shadow.hit_tokens))
@@ -277,59 +379,18 @@ impl AlphaTuner {
         request: RecordedRequest,
     ) -> Result<Option<Setting>, SnapshotError> {
         self.seen += 1;
-        let current = Setting {
-            alpha: store.config().alpha,
-            recency: store.config().recency,
-            flop_basis: store.config().flop_basis,
-            guard: store.config().guard,
-        };
+        let current = setting_of(store);
         self.note_first_eviction(store);
         let (grid, due) = match &self.mode {
             TuningMode::Fixed => return Ok(None),
             TuningMode::Shadow {
                 half_life,
                 margin,
-                grid,
                 cooldown,
+                ..
             } => {
-                let decay = 0.5f64.powf(1.0 / *half_life as f64);
-                for shadow in &mut self.shadows {
-                    self.delta.clear();
-                    let outcome = serve_request(
-                        &mut shadow.store,
-                        request.namespace,
-                        &request.input,
-                        &request.full,
-                        &mut shadow.blocks,
-                        &mut self.delta,
-                    )?;
-                    shadow.score = shadow.score * decay + value(self.objective, outcome);
-                    shadow.hit_tokens += outcome.hit_tokens as u64;
-                }
-                let mut best = 0;
-                for (i, shadow) in self.shadows.iter().enumerate() {
-                    if shadow.score > self.shadows[best].score {
-                        best = i;
-                    }
-                }
-                let current_score = grid
-                    .iter()
-                    .position(|s| *s == current)
-                    .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
-                // Switch only on evidence: a lead of `margin`, and at least `cooldown` requests
-                // since the last switch (a cache reshaped by one setting pays off slowly, so
-                // churning between close settings loses to any of them).
-                let settled = self.seen >= self.last_switch + cooldown;
-                if settled
-                    && grid[best] != current
-                    && self.shadows[best].score > current_score * (1.0 + margin)
-                {
-                    self.last_switch = self.seen;
-                    apply(store, grid[best])?;
-                    self.history.push((self.seen, grid[best]));
-                    return Ok(Some(grid[best]));
-                }
-                return Ok(None);
+                let (half_life, margin, cooldown) = (*half_life, *margin, *cooldown);
+                return self.shadow_step(store, &request, current, half_life, margin, cooldown);
             }
             TuningMode::Bootstrap { .. } | TuningMode::Periodic { .. } if self.done => {
                 return Ok(None)
@@ -378,6 +439,133 @@ impl AlphaTuner {
         Ok(chosen)
     }
 
+    /// One request in shadow mode: every shadow serves it; then the ledger is checked (an
+    /// excursion that fell behind [`LRU`] ends there); then the leader may take over.
+    fn shadow_step(
+        &mut self,
+        store: &mut SnapshotStore,
+        request: &RecordedRequest,
+        current: Setting,
+        half_life: usize,
+        margin: f64,
+        cooldown: usize,
+    ) -> Result<Option<Setting>, SnapshotError> {
+        let decay = 0.5f64.powf(1.0 / half_life as f64);
+        for shadow in &mut self.shadows {
+            self.delta.clear();
+            let outcome = serve_request(
+                &mut shadow.store,
+                request.namespace,
+                &request.input,
+                &request.full,
+                &mut shadow.blocks,
+                &mut self.delta,
+            )?;
+            shadow.score = shadow.score * decay + value(self.objective, outcome);
+            shadow.hit_tokens += outcome.hit_tokens as u64;
+            shadow.last = outcome.hit_tokens as u64;
+        }
+        let baseline_now = self.shadows[self.baseline].last as f64;
+        for shadow in &mut self.shadows {
+            let lead = shadow.last as f64 - baseline_now;
+            shadow.lead = shadow.lead * decay + lead;
+            shadow.lead_squares = shadow.lead_squares * decay * decay + lead * lead;
+        }
+        self.input_tokens += request.input.len() as u64;
+        let live_hits = store.stats().hit_tokens - self.live_hits_at_start;
+        let baseline_hits = self.shadows[self.baseline].hit_tokens;
+        let here = Excursion {
+            since: self.seen,
+            live_hits,
+            baseline_hits,
+            input_tokens: self.input_tokens,
+        };
+        if current.evicts_like(&LRU) {
+            self.excursion = None;
+        } else if self.excursion.is_none() {
+            // Moved away by someone else (`SnapshotStore::set_alpha`...): the ledger starts now.
+            self.excursion = Some(here);
+        }
+        // The ledger: since the live store left LRU, has it reused fewer tokens than the LRU
+        // shadow (which served the same requests) by more than the tolerance? Then the
+        // settings it followed cost more than they gained here (a switch reshapes the cache
+        // slowly, and at small capacities a shadow's lead is often chaos that does not carry
+        // over to the live store): back to LRU, and every later departure needs twice the lead
+        // and waits twice as long.
+        if let Some(excursion) = self.excursion {
+            let deficit = (baseline_hits - excursion.baseline_hits) as f64
+                - (live_hits - excursion.live_hits) as f64;
+            let allowed = FALLBACK_TOLERANCE * (self.input_tokens - excursion.input_tokens) as f64;
+            // Judged half a half-life after the departure (the transition itself is not
+            // judged), or at once when the live setting's own shadow no longer leads the LRU
+            // shadow (the reason to be away is gone).
+            let reason_gone = self
+                .settings
+                .iter()
+                .position(|s| s.evicts_like(&current))
+                .is_some_and(|i| self.shadows[i].lead <= 0.0);
+            let judged = self.seen >= excursion.since + half_life / 2 || reason_gone;
+            if judged && deficit > allowed {
+                self.failures = self.failures.saturating_add(1);
+                self.excursion = None;
+                return self.switch(store, LRU).map(Some);
+            }
+        }
+        let mut best = 0;
+        for (i, shadow) in self.shadows.iter().enumerate() {
+            if shadow.score > self.shadows[best].score {
+                best = i;
+            }
+        }
+        let target = self.settings[best];
+        let current_score = self
+            .settings
+            .iter()
+            .position(|s| s.evicts_like(&current))
+            .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
+        // Switch only on evidence: a lead of `margin` (doubled by every failed excursion), and
+        // `cooldown` requests since the last switch (a cache reshaped by one setting pays off
+        // slowly, so churning between close settings loses to any of them). Leaving LRU needs
+        // no cooldown until an excursion failed, but a significant lead over the LRU shadow:
+        // its decayed per-request lead in hit tokens, `DEPARTURE_Z` times the square root of
+        // the decayed sum of squares (the lead's standard error if it had no mean).
+        let backoff = 1usize << self.failures.min(16);
+        let lead = margin * backoff as f64;
+        let (wait, significant) = if current.evicts_like(&LRU) {
+            let shadow = &self.shadows[best];
+            (
+                cooldown.saturating_mul(backoff - 1),
+                shadow.lead > DEPARTURE_Z * shadow.lead_squares.sqrt(),
+            )
+        } else {
+            (cooldown.saturating_mul(backoff), true)
+        };
+        if self.seen >= self.last_switch.saturating_add(wait)
+            && significant
+            && !target.evicts_like(&current)
+            && self.shadows[best].score > current_score * (1.0 + lead)
+        {
+            if target.evicts_like(&LRU) {
+                self.excursion = None;
+            } else if self.excursion.is_none() {
+                self.excursion = Some(here);
+            }
+            return self.switch(store, target).map(Some);
+        }
+        Ok(None)
+    }
+
+    fn switch(
+        &mut self,
+        store: &mut SnapshotStore,
+        setting: Setting,
+    ) -> Result<Setting, SnapshotError> {
+        self.last_switch = self.seen;
+        apply(store, setting)?;
+        self.history.push((self.seen, setting));
+        Ok(setting)
+    }
+
     fn note_first_eviction(&mut self, store: &SnapshotStore) {
         let stats = store.stats();
         if self.first_eviction_at.is_none()
@@ -385,6 +573,17 @@ impl AlphaTuner {
         {
             self.first_eviction_at = Some(self.seen);
         }
+    }
+}
+
+/// The setting `store` evicts under now.
+fn setting_of(store: &SnapshotStore) -> Setting {
+    let config = store.config();
+    Setting {
+        alpha: config.alpha,
+        recency: config.recency,
+        flop_basis: config.flop_basis,
+        guard: config.guard,
     }
 }
 

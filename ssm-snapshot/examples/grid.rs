@@ -1,0 +1,303 @@
+//! The policy grid: generates every trace family for every seed, replays each at every capacity
+//! (7B cost model, block size 1) under `lru`, `marconi`, the paper's SGLang+ and the paper's
+//! Marconi, and prints one markdown row per cell and a summary (cells where `marconi` falls
+//! below a reference by more than its tolerance, worst margins, tuned and held-out cells apart).
+//!
+//! ```text
+//! cargo run --release -p ssm-snapshot --example grid -- [--threads N]
+//!     [--families chat,longchat,agentic,mix,shifting,sharegpt] [--seeds 1,2,3]
+//!     [--capacities 5e8,1e9,...] [--references FILE.json]
+//! ```
+//!
+//! The default families are [`ssm_snapshot::grid::families`]; the same generators at other
+//! session counts (`chat50`, `longchat50`, `longchat200`, `agentic20`, `agentic80`) can be named
+//! too. Which cells were held out while tuning is [`ssm_snapshot::grid::held_out`]. Exits with
+//! status 2 when a cell fails its check.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use clap::Parser;
+use ssm_snapshot::grid::{
+    families, held_out, other_session_counts, run_cell_with, run_references, trace_of, CellFigures,
+    Family, References, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
+};
+use ssm_snapshot::CostModel;
+
+/// Runs the policy grid and prints the report.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Worker threads (cells run in parallel).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Families to run (default: all).
+    #[arg(long, value_delimiter = ',')]
+    families: Vec<String>,
+    /// Seeds.
+    #[arg(long, value_delimiter = ',', default_values_t = [1u64, 2, 3])]
+    seeds: Vec<u64>,
+    /// Capacities in bytes (`5e8` accepted; default: 0.5 GB to 40 GB).
+    #[arg(long, value_delimiter = ',', value_parser = byte_count)]
+    capacities: Vec<u64>,
+    /// A JSON file of reference figures (lru and the paper's policies, which do not depend on
+    /// the `marconi` policy): cells found there are not rerun, new ones are added.
+    #[arg(long)]
+    references: Option<std::path::PathBuf>,
+}
+
+/// A byte count: an integer or exact scientific notation (`2e10`).
+fn byte_count(text: &str) -> Result<u64, String> {
+    text.parse::<u64>()
+        .ok()
+        .or_else(|| {
+            text.parse::<f64>()
+                .ok()
+                .filter(|v| v.fract() == 0.0 && *v >= 1.0 && *v < 1.8e19)
+                .map(|v| v as u64)
+        })
+        .ok_or_else(|| format!("`{text}` is not a byte count"))
+}
+
+struct Row {
+    family: Family,
+    seed: u64,
+    capacity: u64,
+    figures: CellFigures,
+    seconds: f64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let all: Vec<Family> = families()
+        .into_iter()
+        .chain(other_session_counts())
+        .collect();
+    let chosen: Vec<Family> = if args.families.is_empty() {
+        families()
+    } else {
+        let mut chosen = Vec::new();
+        for name in &args.families {
+            match all.iter().find(|f| f.name == name) {
+                Some(f) => chosen.push(*f),
+                None => {
+                    let names: Vec<&str> = all.iter().map(|f| f.name).collect();
+                    eprintln!("error: unknown family `{name}` (expected one of {names:?})");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        chosen
+    };
+    let capacities = if args.capacities.is_empty() {
+        CAPACITIES.to_vec()
+    } else {
+        args.capacities.clone()
+    };
+    if args.threads == 0 || args.seeds.is_empty() {
+        eprintln!("error: --threads and --seeds need at least one");
+        return ExitCode::FAILURE;
+    }
+    let cost = CostModel::nvidia_hybrid_7b();
+    let traces: Vec<(Family, u64, Vec<_>)> = chosen
+        .iter()
+        .flat_map(|&f| args.seeds.iter().map(move |&s| (f, s)))
+        .map(|(f, s)| (f, s, trace_of(f, s)))
+        .collect();
+    let cells: Vec<(usize, u64)> = (0..traces.len())
+        .flat_map(|t| capacities.iter().map(move |&c| (t, c)))
+        .collect();
+    let known: HashMap<String, References> = match &args.references {
+        Some(path) if path.exists() => {
+            let text = match std::fs::read_to_string(path) {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("error: {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+            };
+            match serde_json::from_str(&text) {
+                Ok(map) => map,
+                Err(e) => {
+                    eprintln!("error: {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        _ => HashMap::new(),
+    };
+    let known = Mutex::new(known);
+    let next = AtomicUsize::new(0);
+    let rows = Mutex::new(Vec::new());
+    let failed = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..args.threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(t, capacity)) = cells.get(i) else {
+                    break;
+                };
+                let (family, seed, trace) = &traces[t];
+                let key = format!("{}/{seed}/{capacity}", family.name);
+                let cached = known.lock().expect("no panics").get(&key).copied();
+                let references = match cached {
+                    Some(r) => Ok(r),
+                    None => run_references(trace, capacity, &cost),
+                };
+                if let Ok(r) = references {
+                    known.lock().expect("no panics").insert(key, r);
+                }
+                let start = Instant::now();
+                match references.and_then(|r| run_cell_with(trace, capacity, &cost, r)) {
+                    Ok(figures) => {
+                        let row = Row {
+                            family: *family,
+                            seed: *seed,
+                            capacity,
+                            figures,
+                            seconds: start.elapsed().as_secs_f64(),
+                        };
+                        eprintln!("{}", line(&row));
+                        rows.lock().expect("no panics").push(row);
+                    }
+                    Err(e) => {
+                        *failed.lock().expect("no panics") =
+                            Some(format!("{} seed {seed} {capacity}: {e}", family.name));
+                    }
+                }
+            });
+        }
+    });
+    if let Some(message) = failed.into_inner().expect("no panics") {
+        eprintln!("error: {message}");
+        return ExitCode::FAILURE;
+    }
+    if let Some(path) = &args.references {
+        let map = known.into_inner().expect("no panics");
+        let text = serde_json::to_string_pretty(&map).expect("figures serialise");
+        if let Err(e) = std::fs::write(path, text) {
+            eprintln!("error: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    let mut rows = rows.into_inner().expect("no panics");
+    let order = |r: &Row| {
+        (
+            chosen.iter().position(|f| *f == r.family),
+            r.seed,
+            r.capacity,
+        )
+    };
+    rows.sort_by_key(order);
+    println!(
+        "| trace | seed | capacity | held out | lru | paper SGLang+ | paper Marconi | **marconi** | − lru | − SGLang+ | − paper Marconi | SGLang+ peak / capacity | paper Marconi peak / capacity | marconi s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for row in &rows {
+        println!("{}", line(row));
+    }
+    println!();
+    for (title, held) in [("tuned", false), ("held out", true)] {
+        let part: Vec<&Row> = rows
+            .iter()
+            .filter(|r| held_out(r.family, r.seed, r.capacity) == held)
+            .collect();
+        summary(title, &part);
+    }
+    summary("all", &rows.iter().collect::<Vec<_>>());
+    if rows.iter().all(|r| r.figures.passes()) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    }
+}
+
+fn line(row: &Row) -> String {
+    let f = &row.figures;
+    let r = &f.references;
+    format!(
+        "| {} | {} | {} | {} | {:.4} | {:.4} | {:.4} | {:.4} | {:+.4} | {:+.4} | {:+.4} | {:.2} | {:.2} | {:.1} |",
+        row.family.name,
+        row.seed,
+        gb(row.capacity),
+        if held_out(row.family, row.seed, row.capacity) {
+            "yes"
+        } else {
+            ""
+        },
+        r.lru,
+        r.paper_sglang,
+        r.paper_marconi,
+        f.marconi,
+        f.vs_lru(),
+        f.vs_paper_sglang(),
+        f.vs_paper_marconi(),
+        r.paper_sglang_max_bytes as f64 / row.capacity as f64,
+        r.paper_marconi_max_bytes as f64 / row.capacity as f64,
+        row.seconds,
+    )
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{} GB", bytes as f64 / 1e9)
+}
+
+fn summary(title: &str, rows: &[&Row]) {
+    if rows.is_empty() {
+        return;
+    }
+    let count =
+        |pred: &dyn Fn(&CellFigures) -> bool| rows.iter().filter(|r| pred(&r.figures)).count();
+    let worst = |key: &dyn Fn(&CellFigures) -> f64| {
+        rows.iter()
+            .map(|r| (key(&r.figures), r))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(v, r)| {
+                format!(
+                    "{v:+.4} ({} seed {} {})",
+                    r.family.name,
+                    r.seed,
+                    gb(r.capacity)
+                )
+            })
+            .unwrap_or_default()
+    };
+    let mean = |key: &dyn Fn(&CellFigures) -> f64| {
+        rows.iter().map(|r| key(&r.figures)).sum::<f64>() / rows.len() as f64
+    };
+    println!(
+        "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
+        rows.len(),
+        count(&|f| !f.passes()),
+        count(&|f| f.vs_lru() < -LRU_TOLERANCE),
+        count(&|f| f.references.sglang_comparable(f.capacity_bytes)
+            && f.vs_paper_sglang() < -LRU_TOLERANCE),
+        count(&|f| f.references.marconi_comparable(f.capacity_bytes)
+            && f.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
+    );
+    println!(
+        "  vs lru: {} above, {} equal, {} below; worst {}; mean {:+.4}",
+        count(&|f| f.vs_lru() > 0.0),
+        count(&|f| f.vs_lru() == 0.0),
+        count(&|f| f.vs_lru() < 0.0),
+        worst(&|f| f.vs_lru()),
+        mean(&|f| f.vs_lru()),
+    );
+    println!(
+        "  vs paper SGLang+: {} above, {} below; worst {}; mean {:+.4}",
+        count(&|f| f.vs_paper_sglang() > 0.0),
+        count(&|f| f.vs_paper_sglang() < 0.0),
+        worst(&|f| f.vs_paper_sglang()),
+        mean(&|f| f.vs_paper_sglang()),
+    );
+    println!(
+        "  vs paper Marconi: {} above, {} below; worst {}; mean {:+.4}",
+        count(&|f| f.vs_paper_marconi() > 0.0),
+        count(&|f| f.vs_paper_marconi() < 0.0),
+        worst(&|f| f.vs_paper_marconi()),
+        mean(&|f| f.vs_paper_marconi()),
+    );
+}
