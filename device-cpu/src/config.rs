@@ -35,8 +35,9 @@ pub struct CpuRouterConfig {
     /// Whether finished sequences are offered to a prefix cache and new ones look it up.
     pub prefix_cache: bool,
     /// On a hybrid model, whether the full Marconi policy runs the checkpoint store: FLOP-aware
-    /// eviction whose weight α, FLOP basis and guarded admission `ssm-snapshot`'s tuner keeps
-    /// choosing from the requests served (adaptive recency). `false` keeps Marconi's admission
+    /// eviction whose weight α, recency basis, FLOP basis and guarded admission `ssm-snapshot`'s
+    /// tuner keeps choosing from the requests served, starting at plain LRU and falling back to
+    /// it when the live store falls behind an LRU shadow. `false` keeps Marconi's admission
     /// (branch points, ends of input and output) but evicts by recency only (α = 0, path
     /// recency: SGLang's LRU). Attention-only models ignore it
     /// (they use the hash-chain prefix cache).

@@ -174,7 +174,7 @@ fn a_short_run_reports_its_setup_and_writes_every_verify_pass() {
         "KV pool             64 blocks of 16 tokens, ",
         "in flight           at most 2 turns; pipelining depth 2; preemption by recompute",
         "prefix cache        on; SSM checkpoint eviction: marconi (FLOP-aware, tuned by shadow stores)",
-        "eviction            Marconi, tuned: 0 setting change(s) during the pass; at the end alpha 0.00, adaptive recency, marginal FLOPs, guarded admission off",
+        "eviction            Marconi, tuned: 0 setting change(s) during the pass; at the end alpha 0.00, path recency, marginal FLOPs, guarded admission off",
         "requests            3 (2 completed, 0 failed, 1 skipped (no recorded output to force))",
         "verify (caches on vs off at depth 2): 2 turns with identical logits digests, 0 mismatched: OK",
         "verify (depth 2 vs depth 1, caches on): 2 turns with identical logits digests, 0 mismatched: OK",
