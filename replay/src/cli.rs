@@ -64,6 +64,12 @@ pub struct Args {
     #[arg(long)]
     pub verify: bool,
 
+    /// Speculative decoding with K drafts per step from the model's MTP head (1..=8; --model
+    /// needs mtp.* tensors, the embedded model gets a seeded random head); with --verify a fourth
+    /// pass without it must give the same digests. Speculation runs at depth 1
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub mtp: Option<u64>,
+
     /// Pipelining depth: 1 reads each step before launching the next; 2 runs the router on a
     /// worker thread and keeps one decode step in flight while the host reads the previous one
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]

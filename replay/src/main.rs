@@ -26,7 +26,9 @@ use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
 use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
-use scheduler::{EngineConfig, LoraCommand, Preemption, ShutdownMode, SpillTarget};
+use scheduler::{
+    EngineConfig, LoraCommand, Preemption, ShutdownMode, Speculation, SpillTarget,
+};
 use serde::Serialize;
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
@@ -35,6 +37,8 @@ use crate::report::{Setup, Verdict};
 
 /// Tokens per KV block.
 const BLOCK_SIZE: usize = 16;
+/// The label of `--verify --mtp`'s pass without speculation.
+const MTP_OFF: &str = "MTP off, caches on";
 /// Default KV blocks per in-flight turn (`--kv-blocks` unset).
 const BLOCKS_PER_TURN: u64 = 48;
 
@@ -195,7 +199,15 @@ fn plan(args: Args) -> Result<Plan, Failure> {
     let model_config = match &args.model {
         Some(dir) => ModelConfig::from_file(&dir.join("config.json"))
             .map_err(|err| Failure(format!("--model {}: {err}", dir.display())))?,
-        None => embedded_model_config(args.embedded),
+        None => {
+            let mut config = embedded_model_config(args.embedded);
+            if args.mtp.is_some() {
+                // A seeded random MTP head (pattern `*E`) after the main stack's weights.
+                config.num_nextn_predict_layers = 1;
+                config.mtp = true;
+            }
+            config
+        }
     };
     let vocab = model_config.vocab_size;
     let ids = if args.fold_token_ids {
@@ -289,7 +301,8 @@ fn note_skipped_turns(workload: &Workload) {
     );
 }
 
-/// One replay pass with the caches and the depth as given.
+/// One replay pass with the caches, the depth and the speculation (`--mtp`, unless `plain`) as
+/// given.
 fn run_pass(
     plan: &Plan,
     model: &Model,
@@ -297,10 +310,20 @@ fn run_pass(
     depth: usize,
     label: &str,
     digests: bool,
+    plain: bool,
 ) -> Result<Pass, Failure> {
     let args = &plan.args;
     let max_seqs = args.max_in_flight as usize;
+    let speculation = match args.mtp {
+        Some(k) if !plain => Some(Speculation::mtp(k as usize, max_seqs * k as usize)),
+        _ => None,
+    };
     let options = BackendOptions {
+        snapshot_slots: speculation
+            .as_ref()
+            .map_or(backend::device_cpu::DEFAULT_SNAPSHOT_SLOTS, |spec| {
+                spec.ring_slots
+            }),
         #[cfg(feature = "trace")]
         trace: trace_sink(args, label)?,
         device: device(args.device),
@@ -331,6 +354,7 @@ fn run_pass(
         max_step_tokens: 512.max(max_seqs + 1),
         max_prefill_chunk: 256,
         preemption,
+        speculation,
         ..EngineConfig::default()
     };
     let setup = Setup::new(plan, model.config(), &options, &config);
@@ -450,6 +474,12 @@ struct JsonReport<'a> {
     /// One depth against the other, caches on.
     #[serde(skip_serializing_if = "Option::is_none")]
     verify_depth: Option<&'a Verdict>,
+    /// `--verify --mtp`'s fourth pass: caches on at `--depth`, without speculation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mtp_off: Option<&'a ReplayReport>,
+    /// Speculation on against off (`--verify --mtp`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verify_mtp: Option<&'a Verdict>,
 }
 
 /// The workload as replayed.
@@ -504,6 +534,7 @@ fn trace_sink(args: &Args, label: &str) -> Result<Option<backend::TraceSink>, Fa
     let path = match label {
         _ if !args.verify => path.clone(),
         "caches off" => path.with_extension("off"),
+        MTP_OFF => path.with_extension("mtpoff"),
         label if label.starts_with("depth") => path.with_extension("depth"),
         _ => path.clone(),
     };
@@ -538,6 +569,14 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
             .map_err(|err| Failure(format!("--model {}: {err}", dir.display())))?,
         None => backend::random_model(plan.model_config.clone(), plan.args.seed)?,
     };
+    if let Some(k) = plan.args.mtp {
+        if !model.has_mtp() {
+            return Err(Failure(format!(
+                "--mtp {k}: the model has no MTP head (a checkpoint needs mtp.* tensors and \
+                 num_nextn_predict_layers: 1)"
+            )));
+        }
+    }
     let config = model.config();
     println!(
         "model: {} (pattern {}, hidden {}, vocab {}); built in {:.1} s",
@@ -580,11 +619,15 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
     let other = 3 - depth;
     let other_label = format!("depth {other}, caches on");
     let passes: Vec<Pass> = if plan.args.verify {
-        vec![
-            run_pass(plan, &model, true, depth, "caches on", true)?,
-            run_pass(plan, &model, false, depth, "caches off", true)?,
-            run_pass(plan, &model, true, other, &other_label, true)?,
-        ]
+        let mut passes = vec![
+            run_pass(plan, &model, true, depth, "caches on", true, false)?,
+            run_pass(plan, &model, false, depth, "caches off", true, false)?,
+            run_pass(plan, &model, true, other, &other_label, true, false)?,
+        ];
+        if plan.args.mtp.is_some() {
+            passes.push(run_pass(plan, &model, true, depth, MTP_OFF, true, true)?);
+        }
+        passes
     } else {
         let prefix_cache = !plan.args.no_prefix_cache;
         let label = if prefix_cache {
@@ -592,15 +635,23 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         } else {
             "caches off"
         };
-        vec![run_pass(plan, &model, prefix_cache, depth, label, false)?]
+        vec![run_pass(
+            plan,
+            &model,
+            prefix_cache,
+            depth,
+            label,
+            false,
+            false,
+        )?]
     };
     let setup = &passes[0].setup;
     setup.print();
     for pass in &passes {
         report::print(&pass.series.label, &pass.replay.report, &plan.args.adapters);
     }
-    let verdicts: Vec<Verdict> = match passes.as_slice() {
-        [on, off, other_on] => vec![
+    let mut verdicts: Vec<Verdict> = match passes.as_slice() {
+        [on, off, other_on, ..] => vec![
             Verdict::compare(
                 &plan.workload,
                 format!("caches on vs off at depth {depth}"),
@@ -616,6 +667,14 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
         ],
         _ => Vec::new(),
     };
+    if let [on, _, _, mtp_off] = passes.as_slice() {
+        verdicts.push(Verdict::compare(
+            &plan.workload,
+            format!("MTP on vs off, caches on at depth {depth}"),
+            &on.replay,
+            &mtp_off.replay,
+        ));
+    }
     for verdict in &verdicts {
         verdict.print();
     }
@@ -639,8 +698,10 @@ fn work(plan: &mut Plan) -> Result<bool, Failure> {
             caches_on: by_label("caches on"),
             caches_off: by_label("caches off"),
             other_depth,
+            mtp_off: by_label(MTP_OFF),
             verify: verdicts.first(),
             verify_depth: verdicts.get(1),
+            verify_mtp: verdicts.get(2),
         };
         write_json(json, &document)?;
     }

@@ -252,6 +252,17 @@ pub fn print(title: &str, report: &ReplayReport, adapters: &[std::path::PathBuf]
         "preemption          {} preemptions ({} spills, {} restores, {} recomputes)",
         report.preemptions, report.spills, report.restores, report.recomputes
     );
+    if report.verify_steps > 0 {
+        println!(
+            "speculation         {} verification steps; {} drafts, {} accepted (acceptance {:.1}%); mean accepted length {:.2}; {:.2} tokens per target step",
+            report.verify_steps,
+            report.drafted,
+            report.accepted,
+            100.0 * report.acceptance_rate,
+            report.mean_accepted_length,
+            report.tokens_per_target_step
+        );
+    }
     if report.fed_steps > 0 || report.pipeline_drains > 0 {
         println!(
             "pipelining          {} steps launched ahead, {} drains, {} over-runs rolled back",

@@ -96,6 +96,9 @@ mod cpu {
         pub max_context: Option<usize>,
         /// SSM checkpoint slots of the prefix cache (hybrid models).
         pub checkpoint_slots: usize,
+        /// Snapshot ring slots (`SsmSnapshotSave`, and speculative decoding's rewind points:
+        /// give [`crate::Speculation::ring_slots`] here).
+        pub snapshot_slots: usize,
         /// Keep a prefix cache (needs feature `prefix-cache`).
         pub prefix_cache: bool,
         /// Run the Marconi (FLOP-aware) eviction policy for SSM checkpoints (needs feature
@@ -129,6 +132,7 @@ mod cpu {
                 max_seqs,
                 max_context: None,
                 checkpoint_slots: 4 * max_seqs,
+                snapshot_slots: device_cpu::DEFAULT_SNAPSHOT_SLOTS,
                 prefix_cache: true,
                 marconi: true,
                 max_depth: 1,
@@ -179,7 +183,7 @@ mod cpu {
             num_blocks: options.kv_blocks,
             max_seqs: options.max_seqs,
             checkpoints: CheckpointBudget::Slots(options.checkpoint_slots),
-            snapshot_slots: device_cpu::DEFAULT_SNAPSHOT_SLOTS,
+            snapshot_slots: options.snapshot_slots,
             prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
             marconi: options.marconi && MARCONI_COMPILED,
             max_context: options.max_context,

@@ -24,6 +24,10 @@
 //!    orphans included) move down with `CompactSlot` into slots below `n` that neither a survivor
 //!    nor an orphan holds, so live sequences occupy slots `0..n`.
 //!
+//! With [`EngineConfig::speculation`], step 3 is a speculative step instead: drafts, one
+//! `Verify` launch of every decode row, acceptance, and the exact rollback of rejected positions
+//! (see the `speculate` module); such an engine runs at depth 1.
+//!
 //! With a router whose `max_depth()` is 2, a step with only greedy or forced decode rows keeps
 //! one decode step in flight instead: it launches step t+1 (`DecodeFed`) before it reads step t,
 //! and falls back to the step above (after awaiting what is in flight) by the drain rule; see
@@ -68,8 +72,10 @@ use device_io::{
 use xxhash_rust::xxh3::Xxh3;
 
 mod pipeline;
+mod speculate;
 
 pub use pipeline::PipelineFault;
+pub use speculate::{Drafter, SpecFault, Speculation, MAX_DRAFTS};
 
 use crate::cache_events::{self, ChannelSink};
 use crate::event::{Event, FinishReason, ServeError, Usage};
@@ -113,6 +119,9 @@ pub struct EngineConfig {
     pub protect_steps: u64,
     /// The router streams to `Quiesce` at shutdown.
     pub streams: Vec<u64>,
+    /// Speculative decoding for greedy and forced rows (see [`Speculation`]); `None` decodes
+    /// one token per row and step.
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for EngineConfig {
@@ -124,6 +133,7 @@ impl Default for EngineConfig {
             preemption: Preemption::Recompute,
             protect_steps: 4,
             streams: vec![0],
+            speculation: None,
         }
     }
 }
@@ -313,6 +323,8 @@ struct Active<S> {
     in_flight: bool,
     /// Never offer the sequence to the prefix cache (a rollback of its over-run failed).
     no_cache: bool,
+    /// The drafts proposed for this step (speculative decoding).
+    drafts: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -402,6 +414,8 @@ pub struct Engine<D: DeviceIo> {
     flight: Option<pipeline::Flight>,
     /// A deliberate fault of the depth-2 protocol (the oracle's negative control).
     pipeline_fault: Option<PipelineFault>,
+    /// A deliberate fault of the speculative protocol (the oracle's negative control).
+    spec_fault: Option<SpecFault>,
     /// Cache-event subscriptions that fell behind (the subscriptions' sinks count them).
     cache_event_lags: Arc<AtomicU64>,
     /// LoRA commands from clients, applied at the next quiescent point.
@@ -469,6 +483,20 @@ where
             config.max_step_tokens,
             "max_step_tokens > max_running",
         )?;
+        if let Some(spec) = &config.speculation {
+            check(
+                (1..=MAX_DRAFTS).contains(&spec.k),
+                "speculation.k",
+                spec.k,
+                "1 <= k <= MAX_DRAFTS (8)",
+            )?;
+            check(
+                spec.ring_slots >= spec.k,
+                "speculation.ring_slots",
+                spec.ring_slots,
+                "ring_slots >= k",
+            )?;
+        }
         let spill = match &config.preemption {
             Preemption::Recompute => None,
             Preemption::Spill(target) => {
@@ -509,6 +537,7 @@ where
             depth,
             flight: None,
             pipeline_fault: None,
+            spec_fault: None,
             cache_event_lags: Arc::new(AtomicU64::new(0)),
             lora_commands: VecDeque::new(),
             lora_path,
@@ -717,7 +746,10 @@ where
             }
         }
         let preemptions_before = self.metrics.preemptions;
-        let (decode_rows, _) = self.launch_loop(PlanKind::Decode, 0);
+        let decode_rows = match self.config.speculation.clone() {
+            Some(spec) => self.speculative_decode(&spec),
+            None => self.launch_loop(PlanKind::Decode, 0).0,
+        };
         report.decode_rows += decode_rows;
         let (rows, tokens) = self.launch_loop(PlanKind::Prefill, decode_rows);
         report.prefill_rows = rows;
@@ -1106,6 +1138,7 @@ where
                 in_plan: false,
                 in_flight: false,
                 no_cache: false,
+                drafts: Vec::new(),
             });
         }
         admitted

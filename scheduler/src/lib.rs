@@ -74,9 +74,9 @@ pub mod workload;
 pub use device_io::{AdapterInfo, LoraAck, LoraCommand, LoraError};
 /// The prefix cache's events and their keys ([`cache_events`]).
 pub use device_io::{BlockKey, CacheEvent};
+pub use engine::{Drafter, Engine, EngineConfig, EngineError, Preemption, Speculation, MAX_DRAFTS};
 #[doc(hidden)]
-pub use engine::PipelineFault;
-pub use engine::{Engine, EngineConfig, EngineError, Preemption};
+pub use engine::{PipelineFault, SpecFault};
 pub use event::{Event, FinishReason, ServeError, Usage};
 pub use handle::{
     Completion, ControlError, EngineClient, EngineStats, EngineThread, RequestHandle, ShutdownMode,

@@ -76,6 +76,23 @@ pub struct Metrics {
     pub lora_commands: u64,
     /// Steps in flight drained because a LoRA command arrived (depth 2).
     pub lora_drains: u64,
+    /// `Verify` plans that settled (speculative decoding; each also counts in `decode_launches`).
+    pub verify_launches: u64,
+    /// `Draft` plans that settled (the router's MTP head).
+    pub draft_launches: u64,
+    /// `Draft` plans the router refused (those steps verified without drafts).
+    pub draft_failures: u64,
+    /// Verification rows that carried at least one draft.
+    pub spec_rows: u64,
+    /// Drafts verified.
+    pub drafted: u64,
+    /// Drafts accepted (equal to the token chosen at their position).
+    pub accepted: u64,
+    /// Tokens emitted by rows that carried drafts (accepted drafts plus the target's tokens);
+    /// over `spec_rows`, the tokens per target step of a speculating row.
+    pub spec_tokens: u64,
+    /// Rows whose rejected positions were truncated (`TruncateKv` and `SsmSnapshotRestore`).
+    pub spec_rollbacks: u64,
 }
 
 impl Metrics {
@@ -114,6 +131,14 @@ impl Metrics {
             cache_event_lags: self.cache_event_lags - earlier.cache_event_lags,
             lora_commands: self.lora_commands - earlier.lora_commands,
             lora_drains: self.lora_drains - earlier.lora_drains,
+            verify_launches: self.verify_launches - earlier.verify_launches,
+            draft_launches: self.draft_launches - earlier.draft_launches,
+            draft_failures: self.draft_failures - earlier.draft_failures,
+            spec_rows: self.spec_rows - earlier.spec_rows,
+            drafted: self.drafted - earlier.drafted,
+            accepted: self.accepted - earlier.accepted,
+            spec_tokens: self.spec_tokens - earlier.spec_tokens,
+            spec_rollbacks: self.spec_rollbacks - earlier.spec_rollbacks,
         }
     }
 }

@@ -180,6 +180,18 @@ pub struct ReplayReport {
     pub rollbacks: u64,
     /// Each LoRA adapter's sessions and prefix-cache hit rate (empty without adapters).
     pub adapters: Vec<AdapterHits>,
+    /// Speculative decoding: verification steps (target steps of the batch).
+    pub verify_steps: u64,
+    /// Speculative decoding: drafts verified.
+    pub drafted: u64,
+    /// Speculative decoding: drafts accepted.
+    pub accepted: u64,
+    /// `accepted / drafted` (0 without drafts).
+    pub acceptance_rate: f64,
+    /// Accepted drafts per row that carried drafts (mean accepted length).
+    pub mean_accepted_length: f64,
+    /// Tokens emitted per target step of a row that carried drafts (1 without speculation).
+    pub tokens_per_target_step: f64,
 }
 
 /// A finished replay: the report and every turn's outcome (in workload order).
@@ -453,6 +465,21 @@ fn summarize(
         pipeline_drains: metrics.pipeline_drains,
         rollbacks: metrics.rollbacks,
         adapters: Vec::new(),
+        verify_steps: metrics.verify_launches,
+        drafted: metrics.drafted,
+        accepted: metrics.accepted,
+        acceptance_rate: ratio(metrics.accepted, metrics.drafted),
+        mean_accepted_length: ratio(metrics.accepted, metrics.spec_rows),
+        tokens_per_target_step: ratio(metrics.spec_tokens, metrics.spec_rows),
+    }
+}
+
+/// `a / b`, 0 when `b` is 0.
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
     }
 }
 

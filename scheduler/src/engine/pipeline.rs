@@ -121,7 +121,8 @@ where
 
     /// Whether this step (with nothing in flight) can start a flight: see the module docs.
     pub(super) fn can_start_flight(&self) -> bool {
-        if self.depth < 2 || self.flight.is_some() {
+        // Speculative decoding runs at depth 1 (see the `speculate` module).
+        if self.depth < 2 || self.flight.is_some() || self.config.speculation.is_some() {
             return false;
         }
         let mut rows = 0;

@@ -1,0 +1,379 @@
+//! Speculative decoding through the engine on the host router, on both MTP fixtures
+//! (`nemotron-h-tiny/mtp`, `nemotron-h-alt/mtp`): every request's tokens and logits digest (the
+//! xxh3 of the bits of every logits row it emitted from) are the same with speculation off and
+//! on, for k = 1..4, with the caches off and on; with the MTP head's drafts, a perfect and an
+//! adversarial drafter (and a stop token inside an accepted run); in batches mixing greedy, sampled and forced rows; when a tight pool
+//! preempts mid-speculation (by spill and by recompute) and when a request is cancelled
+//! mid-run. Every block and slot is back at the end. Skipping the SSM restore after a rejected
+//! draft (the planted bug) is caught.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
+use device_io::DeviceIo;
+use model::Model;
+use scheduler::{
+    Drafter, Engine, EngineConfig, Metrics, Preemption, RandomSampling, Request, Sampling,
+    ShutdownMode, SpecFault, Speculation, SpillTarget,
+};
+
+const BLOCK: usize = 16;
+const MAX_TOKENS: usize = 14;
+
+fn mtp_dir(fixture: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(fixture)
+        .join("mtp")
+}
+
+fn model(fixture: &str) -> Model {
+    let model = Model::load(&mtp_dir(fixture).join("model")).unwrap();
+    assert!(model.has_mtp());
+    model
+}
+
+/// The fixture's prompts (the NumPy reference's cases), each a greedy request with a digest,
+/// plus a repeat of the longest two (prefix-cache hits when the caches are on).
+fn greedy_requests(fixture: &str) -> Vec<Request> {
+    let text = std::fs::read_to_string(mtp_dir(fixture).join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut prompts: Vec<Vec<u32>> = json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            c["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let mut longest = prompts.clone();
+    longest.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    prompts.extend(longest.into_iter().take(2));
+    prompts
+        .into_iter()
+        .map(|p| Request::greedy(p, MAX_TOKENS).with_logits_digest(true))
+        .collect()
+}
+
+struct Setup {
+    caches: bool,
+    num_blocks: usize,
+    max_running: usize,
+    preemption: Preemption,
+    speculation: Option<Speculation>,
+    fault: Option<SpecFault>,
+}
+
+impl Setup {
+    fn plain() -> Self {
+        Setup {
+            caches: false,
+            num_blocks: 64,
+            max_running: 4,
+            preemption: Preemption::Recompute,
+            speculation: None,
+            fault: None,
+        }
+    }
+
+    fn mtp(k: usize) -> Self {
+        Setup {
+            speculation: Some(Speculation::mtp(k, 4 * k)),
+            ..Setup::plain()
+        }
+    }
+}
+
+type Outcome = Result<(Vec<u32>, Option<u64>), String>;
+
+fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
+    let ring = setup.speculation.as_ref().map_or(4, |s| s.ring_slots);
+    let router_config = CpuRouterConfig {
+        block_size: BLOCK,
+        num_blocks: setup.num_blocks,
+        max_seqs: setup.max_running,
+        checkpoints: CheckpointBudget::Slots(16),
+        snapshot_slots: ring,
+        prefix_cache: setup.caches,
+        marconi: setup.caches,
+        max_context: Some(8 * BLOCK),
+        max_depth: 1,
+    };
+    let router = CpuRouter::new(model.clone(), router_config).unwrap();
+    let config = EngineConfig {
+        max_running: setup.max_running,
+        max_step_tokens: 64,
+        max_prefill_chunk: 32,
+        preemption: setup.preemption.clone(),
+        speculation: setup.speculation.clone(),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(router, config).unwrap();
+    if let Some(fault) = setup.fault {
+        engine.inject_spec_fault(fault);
+    }
+    engine
+}
+
+/// Serves `requests` (submitted together, run in arrival order as slots allow); answers each
+/// one's tokens and digest, and the engine's metrics; checks every block and slot came back.
+fn serve(model: &Model, setup: Setup, requests: &[Request]) -> (Vec<Outcome>, Metrics) {
+    serve_waves(model, setup, &[requests])
+}
+
+/// Serves each wave of requests until idle, then the next (a later wave finds the earlier
+/// ones' prefixes cached).
+fn serve_waves(model: &Model, setup: Setup, waves: &[&[Request]]) -> (Vec<Outcome>, Metrics) {
+    let mut engine = engine(model, &setup);
+    let initial = engine.router().facts();
+    let mut handles = Vec::new();
+    for wave in waves {
+        handles.extend(wave.iter().map(|r| engine.submit(r.clone()).unwrap()));
+        engine.run_until_idle();
+    }
+    let outcomes = handles
+        .into_iter()
+        .map(|h| {
+            h.wait()
+                .map(|c| (c.tokens, c.logits_digest))
+                .map_err(|e| e.to_string())
+        })
+        .collect();
+    let facts = engine.router().facts();
+    assert_eq!(facts.live_slots_used, 0, "{facts:?}");
+    assert_eq!(
+        facts.kv_blocks_free + facts.kv_blocks_cached,
+        initial.kv_blocks_total,
+        "{facts:?}"
+    );
+    engine.router().clear_prefix_cache().unwrap();
+    assert_eq!(engine.router().facts(), initial);
+    let metrics = *engine.metrics();
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+    (outcomes, metrics)
+}
+
+fn check_mtp(fixture: &str) {
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    // The repeats (the last two) come in a second wave, after the first is cached.
+    let waves: &[&[Request]] = &[
+        &requests[..requests.len() - 2],
+        &requests[requests.len() - 2..],
+    ];
+    let (reference, plain) = serve_waves(&model, Setup::plain(), waves);
+    assert!(reference.iter().all(Result::is_ok), "{reference:?}");
+    assert_eq!(plain.verify_launches, 0);
+    for caches in [false, true] {
+        for k in 1..=4 {
+            let setup = Setup {
+                caches,
+                ..Setup::mtp(k)
+            };
+            let (outcomes, m) = serve_waves(&model, setup, waves);
+            assert_eq!(outcomes, reference, "{fixture} caches {caches} k {k}");
+            assert!(m.draft_launches > 0 && m.drafted > 0, "{m:?}");
+            assert!(m.accepted <= m.drafted);
+            assert_eq!(m.spec_tokens, m.spec_rows + m.accepted, "{m:?}");
+            if caches {
+                assert!(m.prefill_tokens_cached > 0, "{m:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn mtp_speculation_gives_the_tokens_and_logits_of_plain_greedy_decoding_on_the_tiny_fixture() {
+    check_mtp("nemotron-h-tiny");
+}
+
+#[test]
+fn mtp_speculation_gives_the_tokens_and_logits_of_plain_greedy_decoding_on_the_alt_fixture() {
+    check_mtp("nemotron-h-alt");
+}
+
+/// A drafter that knows the answer (acceptance 100%: k + 1 tokens per target step, where the
+/// remaining output allows) and one that is always wrong (acceptance 0%): both give the output
+/// of plain decoding.
+#[test]
+fn perfect_and_adversarial_drafters_change_nothing_but_the_steps() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    let mut requests = greedy_requests(fixture);
+    // A request whose stop token comes inside an accepted run of the perfect drafter.
+    let (first, _) = serve(&model, Setup::plain(), &requests[..1]);
+    let stop = first[0].as_ref().unwrap().0[4];
+    let stopped = requests[0].clone().with_stop_tokens(vec![stop]);
+    requests.push(stopped);
+    let (reference, plain) = serve(&model, Setup::plain(), &requests);
+    let stopped_output = &reference.last().unwrap().as_ref().unwrap().0;
+    assert!(stopped_output.len() < MAX_TOKENS && stopped_output.last() == Some(&stop));
+    let known: Vec<Vec<u32>> = requests
+        .iter()
+        .zip(&reference)
+        .take(requests.len() - 1)
+        .map(|(r, out)| {
+            let mut all = r.prompt.clone();
+            all.extend_from_slice(&out.as_ref().unwrap().0);
+            all
+        })
+        .collect();
+    let known = Arc::new(known);
+    let k = 3;
+    for wrong in [false, true] {
+        let setup = Setup {
+            speculation: Some(Speculation {
+                k,
+                drafter: Drafter::Known {
+                    sequences: Arc::clone(&known),
+                    wrong,
+                },
+                ring_slots: 4 * k,
+            }),
+            ..Setup::plain()
+        };
+        let (outcomes, m) = serve(&model, setup, &requests);
+        assert_eq!(outcomes, reference, "wrong {wrong}");
+        assert!(m.drafted > 0);
+        if wrong {
+            assert_eq!(m.accepted, 0, "{m:?}");
+            assert_eq!(m.spec_tokens, m.spec_rows);
+            assert_eq!(m.spec_rollbacks, m.spec_rows);
+        } else {
+            // Every draft is right; only the run the stop token cut short keeps fewer.
+            assert!(m.accepted + k as u64 >= m.drafted, "{m:?}");
+            assert!(m.spec_rollbacks <= 1, "{m:?}");
+            // Every request's output takes ceil(MAX_TOKENS / (k + 1)) verifications at most
+            // after its first token: far fewer decode steps than plain decoding.
+            assert!(
+                m.decode_launches * 2 < plain.decode_launches,
+                "{m:?} vs {plain:?}"
+            );
+        }
+    }
+}
+
+/// Greedy rows speculate next to randomly sampled rows (which do not) and forced rows (whose
+/// drafts are accepted while they equal the forced tokens): every row's tokens and digest are
+/// those of plain decoding, including the sampled rows' seeded random streams.
+#[test]
+fn mixed_batches_keep_every_row_exact() {
+    let fixture = "nemotron-h-tiny";
+    let model = model(fixture);
+    let mut requests = greedy_requests(fixture);
+    let sampled = |seed| {
+        Request::greedy(vec![3, 1, 4, 1, 5, 9, 2, 6], MAX_TOKENS)
+            .with_sampling(Sampling::Random(RandomSampling::new(0.8, seed)))
+            .with_logits_digest(true)
+    };
+    requests.insert(1, sampled(5));
+    requests.insert(4, sampled(6));
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let forced_output = reference[0].as_ref().unwrap().0.clone();
+    requests.insert(
+        2,
+        Request::forced(requests[0].prompt.clone(), forced_output.clone()).with_logits_digest(true),
+    );
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    assert_eq!(reference[2].as_ref().unwrap().0, forced_output);
+    for k in [2, 4] {
+        let (outcomes, m) = serve(&model, Setup::mtp(k), &requests);
+        assert_eq!(outcomes, reference, "k {k}");
+        assert!(m.drafted > 0);
+    }
+}
+
+/// A pool too small for every request at once preempts mid-speculation, by spill to memory and
+/// by recompute: the output is that of plain decoding, and everything comes back.
+#[test]
+fn preemption_mid_speculation_keeps_the_output() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    for preemption in [
+        Preemption::Spill(SpillTarget::Memory),
+        Preemption::Recompute,
+    ] {
+        for caches in [false, true] {
+            let setup = Setup {
+                caches,
+                num_blocks: 9,
+                preemption: preemption.clone(),
+                ..Setup::mtp(3)
+            };
+            let (outcomes, m) = serve(&model, setup, &requests);
+            assert_eq!(outcomes, reference, "{preemption:?} caches {caches}");
+            assert!(m.preemptions > 0, "{preemption:?}: {m:?}");
+            assert!(m.drafted > 0);
+        }
+    }
+}
+
+/// A request cancelled while it speculates ends at once; the others keep their output and every
+/// block and slot comes back.
+#[test]
+fn cancel_mid_speculation_releases_everything() {
+    let fixture = "nemotron-h-tiny";
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let mut engine = engine(&model, &Setup::mtp(3));
+    let initial = engine.router().facts();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    // Run until the first request has speculated at least once, then cancel it.
+    while engine.metrics().spec_rows == 0 {
+        engine.step();
+    }
+    handles[0].cancel();
+    engine.run_until_idle();
+    for (i, (handle, want)) in handles.into_iter().zip(&reference).enumerate() {
+        let got = handle.wait();
+        if i == 0 {
+            let completion = got.unwrap();
+            assert_eq!(completion.reason, scheduler::FinishReason::Cancelled);
+            let want = &want.as_ref().unwrap().0;
+            assert!(want.starts_with(&completion.tokens));
+        } else {
+            let got = got
+                .map(|c| (c.tokens, c.logits_digest))
+                .map_err(|e| e.to_string());
+            assert_eq!(&got, want, "request {i}");
+        }
+    }
+    let facts = engine.router().facts();
+    assert_eq!(facts.live_slots_used, 0);
+    assert_eq!(
+        facts.kv_blocks_free + facts.kv_blocks_cached,
+        initial.kv_blocks_total
+    );
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+}
+
+/// The negative control: an engine that skips the SSM restore after a rejected draft does not
+/// give the output of plain decoding (the router refuses to compute on a state past the
+/// sequence's length, and the request fails), so the tests above would catch that bug.
+#[test]
+fn a_skipped_ssm_restore_is_caught() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let setup = Setup {
+        fault: Some(SpecFault::SkipSsmRestore),
+        ..Setup::mtp(2)
+    };
+    let (outcomes, m) = serve(&model, setup, &requests);
+    assert!(m.spec_rollbacks > 0);
+    assert_ne!(outcomes, reference);
+    assert!(outcomes.iter().any(Result::is_err), "{outcomes:?}");
+}
