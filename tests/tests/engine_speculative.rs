@@ -19,7 +19,7 @@ use scheduler::{
 };
 
 const BLOCK: usize = 16;
-const MAX_TOKENS: usize = 14;
+const MAX_TOKENS: usize = 10;
 
 fn mtp_dir(fixture: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -68,6 +68,7 @@ struct Setup {
     preemption: Preemption,
     speculation: Option<Speculation>,
     fault: Option<SpecFault>,
+    depth: usize,
 }
 
 impl Setup {
@@ -79,6 +80,7 @@ impl Setup {
             preemption: Preemption::Recompute,
             speculation: None,
             fault: None,
+            depth: 1,
         }
     }
 
@@ -103,7 +105,9 @@ fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
         prefix_cache: setup.caches,
         marconi: setup.caches,
         max_context: Some(8 * BLOCK),
-        max_depth: 1,
+        max_depth: setup.depth,
+        threads: 1,
+        expert_workers: 0,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
     let config = EngineConfig {
@@ -259,9 +263,10 @@ fn perfect_and_adversarial_drafters_change_nothing_but_the_steps() {
     }
 }
 
-/// Greedy rows speculate next to randomly sampled rows (which do not) and forced rows (whose
-/// drafts are accepted while they equal the forced tokens): every row's tokens and digest are
-/// those of plain decoding, including the sampled rows' seeded random streams.
+/// Greedy rows speculate next to randomly sampled rows (a draft is accepted when the row's own
+/// seeded draw at its position equals it: speculative rejection sampling against a greedy
+/// drafter) and forced rows (whose drafts are accepted while they equal the forced tokens):
+/// every row's tokens and digest are those of plain decoding, the sampled rows' included.
 #[test]
 fn mixed_batches_keep_every_row_exact() {
     let fixture = "nemotron-h-tiny";
@@ -287,6 +292,58 @@ fn mixed_batches_keep_every_row_exact() {
         assert_eq!(outcomes, reference, "k {k}");
         assert!(m.drafted > 0);
     }
+    // Sampled rows alone, with a perfect drafter (the plain run's continuations): their drafts
+    // are accepted exactly when the draw agrees, and the output is the plain run's.
+    let sampled_only: Vec<Request> = (0..4u32)
+        .map(|i| {
+            let mut request = sampled(u64::from(i) + 20);
+            request.prompt.push(i + 10);
+            request
+        })
+        .collect();
+    let (plain_sampled, _) = serve(&model, Setup::plain(), &sampled_only);
+    let known: Vec<Vec<u32>> = sampled_only
+        .iter()
+        .zip(&plain_sampled)
+        .map(|(r, out)| {
+            r.prompt
+                .iter()
+                .chain(&out.as_ref().unwrap().0)
+                .copied()
+                .collect()
+        })
+        .collect();
+    let perfect = |fault| Setup {
+        speculation: Some(Speculation {
+            k: 3,
+            drafter: Drafter::Known {
+                sequences: Arc::new(known.clone()),
+                wrong: false,
+            },
+            ring_slots: 12,
+        }),
+        fault,
+        ..Setup::plain()
+    };
+    let (outcomes, m) = serve(&model, perfect(None), &sampled_only);
+    assert_eq!(outcomes, plain_sampled);
+    assert!(m.accepted > 0 && m.accepted == m.drafted, "{m:?}");
+    // The negative control: trusting a sampled row's draft without its draw (a wrong acceptance
+    // rule) changes the output. Drafts always wrong make it visible.
+    let wrong = Setup {
+        speculation: Some(Speculation {
+            k: 3,
+            drafter: Drafter::Known {
+                sequences: Arc::new(known.clone()),
+                wrong: true,
+            },
+            ring_slots: 12,
+        }),
+        fault: Some(SpecFault::TrustSampledDrafts),
+        ..Setup::plain()
+    };
+    let (outcomes, _) = serve(&model, wrong, &sampled_only);
+    assert_ne!(outcomes, plain_sampled);
 }
 
 /// A pool too small for every request at once preempts mid-speculation, by spill to memory and
@@ -314,6 +371,25 @@ fn preemption_mid_speculation_keeps_the_output() {
             assert!(m.drafted > 0);
         }
     }
+}
+
+/// On a pipelined router (depth 2) an engine with speculation runs at depth 1: no step is fed
+/// ahead, and the output is the plain run's.
+#[test]
+fn speculation_on_a_pipelined_router_runs_at_depth_one() {
+    let fixture = "nemotron-h-tiny";
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let setup = Setup {
+        depth: 2,
+        caches: true,
+        ..Setup::mtp(3)
+    };
+    let (outcomes, m) = serve(&model, setup, &requests);
+    assert_eq!(outcomes, reference);
+    assert_eq!(m.fed_launches, 0);
+    assert!(m.drafted > 0);
 }
 
 /// A request cancelled while it speculates ends at once; the others keep their output and every

@@ -2,9 +2,9 @@
 //!
 //! # One step
 //!
-//! 1. **Drafts.** Every live row whose token does not need host logits (greedy, or forced: a
-//!    replayed turn, whose drafts are accepted while they equal its recorded tokens) and whose
-//!    prompt is complete may speculate, `k_i = min(k, max_tokens - generated - 1)` drafts (fewer near the
+//! 1. **Drafts.** Every live row whose prompt is complete may speculate (greedy, randomly
+//!    sampled, or forced: a replayed turn, whose drafts are accepted while they equal its
+//!    recorded tokens), `k_i = min(k, max_tokens - generated - 1)` drafts (fewer near the
 //!    context's end), as long as the snapshot ring has `k` slots for it (`ring_slots / k` rows per
 //!    step). The drafter proposes them once per step: [`Drafter::Mtp`] launches
 //!    [`StepPlan::Draft`] (the router's MTP head; a row whose head has no catch-up state drafts
@@ -15,13 +15,21 @@
 //!    its drafts (a row without drafts is a plain decode row), naming `k_i` ring slots for the
 //!    SSM state after each draft. A dry pool preempts a victim and relaunches (the drafts are kept;
 //!    a victim's are dropped), as for a plain decode.
-//! 3. **Accept.** A row emits the token it chooses at each position (a greedy row the target's
-//!    argmax, a forced row its next forced token), walking while the draft fed there equals it:
-//!    for a greedy row the longest prefix of drafts equal to the target's argmax, plus the
-//!    target's next token. A stop token or `max_tokens` inside the run ends the request at exactly
-//!    the token plain decoding ends it at; a logits digest hashes each emitted position's row.
-//!    Randomly sampled rows do not speculate: they decode one token per step inside the same
-//!    verification (speculative rejection sampling is not implemented).
+//! 3. **Accept.** A row emits the token it chooses at each position exactly as plain decoding
+//!    would there (a greedy row the target's argmax, a sampled row a draw from the position's
+//!    logits with the request's own seeded stream, a forced row its next forced token), walking
+//!    while the draft fed there equals it: for a greedy row the longest prefix of drafts equal
+//!    to the target's argmax, plus the target's next token. A stop token or `max_tokens` inside
+//!    the run ends the request at exactly the token plain decoding ends it at; a logits digest
+//!    hashes each emitted position's row.
+//!
+//!    For a sampled row this *is* standard speculative rejection sampling: every drafter here
+//!    proposes its tokens with certainty (the MTP head greedily, known continuations), and
+//!    against a drafter distribution `q = δ(d)` the rule (accept `d` with probability
+//!    `min(1, p(d)/q(d)) = p(d)`, else draw from `max(0, p - q)` renormalised, which is `p`
+//!    without `d`) has the same law as drawing `x ~ p` and accepting iff `x = d`. Drawing `x`
+//!    with the request's stream, one draw per emitted token as plain decoding makes, gives more
+//!    than the same distribution: the same tokens, bit for bit, under the same seed.
 //! 4. **Rollback.** Each row keeps `c + e` positions (`c` its length before the step, `e` the
 //!    tokens it emitted): [`Effect::TruncateKv`] releases the rest (blocks through the ledger,
 //!    nothing of a rejected draft reaches the prefix cache or a checkpoint), and when it dropped a
@@ -98,6 +106,8 @@ pub enum Drafter {
 pub enum SpecFault {
     /// Never apply `SsmSnapshotRestore` after a rejected draft.
     SkipSsmRestore,
+    /// Accept a randomly sampled row's drafts without drawing (a wrong acceptance rule).
+    TrustSampledDrafts,
 }
 
 impl<D> Engine<D>
@@ -155,7 +165,7 @@ where
     fn draft_budget(&self, index: usize, k: usize) -> usize {
         let active = &self.running[index];
         let req = &active.req;
-        if req.end.is_some() || !active.seq.prefill_done() || req.sampler.needs_logits() {
+        if req.end.is_some() || !active.seq.prefill_done() {
             return 0;
         }
         let left = req.max_tokens.saturating_sub(req.generated() + 1);
@@ -369,15 +379,21 @@ where
                     logits_row: output.logits_row.map(|first| first + j),
                     ..RowOutput::default()
                 };
-                let token =
-                    match choose_token(req, &position, &scratch.logits, vocab, &mut scratch.sample)
-                    {
-                        Ok(token) => token,
-                        Err(detail) => {
-                            req.end = Some(End::Fail(super::protocol(PlanKind::Decode, detail)));
-                            break;
-                        }
-                    };
+                let chosen = if fault == Some(SpecFault::TrustSampledDrafts)
+                    && j < d
+                    && req.sampler.needs_logits()
+                {
+                    Ok(drafts[j])
+                } else {
+                    choose_token(req, &position, &scratch.logits, vocab, &mut scratch.sample)
+                };
+                let token = match chosen {
+                    Ok(token) => token,
+                    Err(detail) => {
+                        req.end = Some(End::Fail(super::protocol(PlanKind::Decode, detail)));
+                        break;
+                    }
+                };
                 metrics.generated_tokens += 1;
                 req.push_token(token, now);
                 emitted += 1;
@@ -420,9 +436,9 @@ where
                 req.end = Some(End::Fail(ServeError::Device { during, source }));
                 continue;
             }
-            // The head follows every row that may draft (a row that drafted nothing this step
-            // catches up too, so it can draft at the next).
-            if mdrafter && !req.sampler.needs_logits() {
+            // The head follows every row (a row that drafted nothing this step catches up too,
+            // so it can draft at the next).
+            if mdrafter {
                 for pos in c..keep {
                     if let Err(err) = router.apply(Effect::SaveHiddenCatchup { row, pos }) {
                         // Only the head's next drafts lose: it catches up from what it has.
