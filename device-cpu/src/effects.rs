@@ -854,15 +854,10 @@ fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Resu
     if pos < track.consumed || track.ring.contains_key(&pos) {
         return Ok(EffectOutcome::Unit);
     }
-    if track.ring.len() >= crate::CATCHUP_RING {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            format!(
-                "the catch-up ring of row {row}'s sequence is full ({} positions)",
-                crate::CATCHUP_RING
-            ),
-        ));
-    }
     track.ring.insert(pos, data);
+    while track.ring.len() > crate::CATCHUP_RING {
+        // The oldest goes: the head skips it at its next catch-up.
+        track.ring.pop_first();
+    }
     Ok(EffectOutcome::Unit)
 }

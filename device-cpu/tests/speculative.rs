@@ -249,6 +249,38 @@ fn drafts_match_the_numpy_reference_on_the_alt_mtp_fixture() {
     check_drafts("nemotron-h-alt");
 }
 
+/// A catch-up ring that overflows (a sequence that has not drafted for a while) forgets its
+/// oldest positions; the head still drafts.
+#[test]
+fn an_overflowing_catchup_ring_still_drafts() {
+    let case = &cases("nemotron-h-tiny")[1];
+    let r = router("nemotron-h-tiny");
+    let initial = r.facts();
+    let mut s = seq(1, &case.prompt);
+    let (logits, _) = prefill(&r, &mut s, 64);
+    let mut token = argmax(&logits);
+    for _ in 0..20 {
+        let pos = s.computed_len();
+        let logits = common::decode(&r, &mut [&mut s], &[token]);
+        r.apply(Effect::SaveHiddenCatchup { row: 0, pos }).unwrap();
+        token = argmax(&logits);
+    }
+    let ticket = r
+        .launch(
+            StepPlan::Draft {
+                tokens: &[token],
+                k: 3,
+            },
+            &mut [&mut s],
+        )
+        .unwrap();
+    let result = r.await_result(ticket).unwrap();
+    assert_eq!(result.rows[0].run.unwrap().len, 3);
+    assert_eq!(result.tokens.len(), 3);
+    release(&r, &mut s, false);
+    assert_eq!(r.facts(), initial);
+}
+
 /// Skipping the SSM restore after a rejected draft (the planted bug) is caught: the router
 /// refuses to compute the sequence rather than compute on a state past its length.
 #[test]

@@ -101,7 +101,8 @@ pub enum Effect<'a, S, P> {
     /// the positions the main model computed since it last ran: the core applies it for each
     /// position a sequence keeps after a `Decode`, `DecodeFed` or `Verify` (a `Prefill` keeps its
     /// own). A position the ring already holds, or the head has consumed, is not saved again; a
-    /// ring that is full refuses it ([`DeviceError::Invalid`](crate::DeviceError::Invalid)).
+    /// ring that is full forgets its oldest position (the head then skips it: a sequence that has
+    /// not drafted for a while drafts from a partial catch-up, never a wrong token).
     SaveHiddenCatchup {
         /// The batch row of the last step.
         row: usize,

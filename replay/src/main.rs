@@ -26,9 +26,7 @@ use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
 use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
-use scheduler::{
-    EngineConfig, LoraCommand, Preemption, ShutdownMode, Speculation, SpillTarget,
-};
+use scheduler::{EngineConfig, LoraCommand, Preemption, ShutdownMode, Speculation, SpillTarget};
 use serde::Serialize;
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};

@@ -57,8 +57,7 @@ fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>) 
         marconi: false,
         max_context: Some(blocks_per_seq * 16),
         max_depth: 1,
-        threads: scheduler::backend::device_cpu::default_threads(),
-        expert_workers: 0,
+        ..CpuRouterConfig::new(batch * blocks_per_seq + 8, batch)
     };
     let router = CpuRouter::new(model.clone(), config).expect("router");
     let mut engine = Engine::new(

@@ -119,7 +119,7 @@ pub struct EngineConfig {
     pub protect_steps: u64,
     /// The router streams to `Quiesce` at shutdown.
     pub streams: Vec<u64>,
-    /// Speculative decoding for greedy and forced rows (see [`Speculation`]); `None` decodes
+    /// Speculative decoding (see [`Speculation`]); `None` decodes
     /// one token per row and step.
     pub speculation: Option<Speculation>,
 }
