@@ -111,15 +111,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
-mod cache;
 mod config;
 mod device;
 mod effects;
-mod events;
-pub mod image;
 mod lora;
 mod plans;
-mod seq;
 mod spec;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -133,12 +129,17 @@ use model::{ExpertPool, KvPool, MambaStates, Model, Scratch};
 
 use crate::device::{Device, Done, Executor, Work};
 
-pub use cache::CacheStats;
 pub use config::{
     default_threads, CheckpointBudget, CpuRouterConfig, DEFAULT_BLOCK_SIZE, DEFAULT_LORA_SLOTS,
     DEFAULT_SNAPSHOT_SLOTS,
 };
-pub use seq::{CpuSeq, LogitsHandle, Namespace};
+/// The spill image format (shared with every router: see `router_book::image`).
+pub use router_book::image;
+pub use router_book::CacheStats;
+/// The host router's per-sequence bookkeeping: the record every router of the workspace keeps
+/// (`router_book::RouterSeq`).
+pub use router_book::RouterSeq as CpuSeq;
+pub use router_book::{LogitsHandle, Namespace};
 
 /// Why a router could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -174,38 +175,8 @@ pub enum RouterError {
     Cache(String),
 }
 
-/// Who owns a live-state slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SlotOwner {
-    pub tenure: u64,
-}
-
-/// Tenure ids are unique in the process, not just per router, so a sequence handed to a router
-/// that does not hold it is recognised (its tenure is not in that router's table) instead of
-/// having its block ids released there.
-static NEXT_TENURE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
-/// A fresh tenure id.
-pub(crate) fn new_tenure() -> u64 {
-    NEXT_TENURE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// A sequence's tenure: from its first prefill (or restore) to its release.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Tenure {
-    pub seq_id: u64,
-    /// The LoRA adapter the sequence is bound to (its id).
-    pub adapter: Option<u32>,
-}
-
-/// What a snapshot ring slot holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RingEntry {
-    pub tenure: u64,
-    pub pos: usize,
-    /// Written by a `Verify`: the main model's Mamba layers only.
-    pub main_only: bool,
-}
+use router_book::book::{self, BookMut, BookShape};
+use router_book::{Caches, PendingFeed, RingEntry, SlotOwner, Tenure};
 
 /// Positions an MTP catch-up ring holds at most (a `Verify` of 4 drafts keeps 5).
 pub(crate) const CATCHUP_RING: usize = 16;
@@ -238,15 +209,6 @@ pub(crate) struct StepHidden {
     pub data: Vec<f32>,
 }
 
-/// A fed position whose token the host has not resolved yet: the token is the argmax of `row`
-/// of step `ticket`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PendingFeed {
-    pub pos: usize,
-    pub ticket: u64,
-    pub row: usize,
-}
-
 /// The router's bookkeeping, behind one mutex (device memory is behind its own, see
 /// [`device`]).
 ///
@@ -263,7 +225,7 @@ pub(crate) struct PendingFeed {
 ///   they move to `resolved` (or, when it failed, the tenure goes to `failed`) until the sequence
 ///   is next seen, which copies them into it.
 pub(crate) struct Inner {
-    pub cache: cache::Caches,
+    pub cache: Caches,
     pub slots: Vec<Option<SlotOwner>>,
     pub tenures: BTreeMap<u64, Tenure>,
     pub ring: Vec<Option<RingEntry>>,
@@ -374,40 +336,23 @@ impl Inner {
         }
     }
 
+    /// The tables the shared bookkeeping works on.
+    pub fn book(&mut self) -> BookMut<'_> {
+        BookMut {
+            cache: &mut self.cache,
+            slots: &mut self.slots,
+            tenures: &mut self.tenures,
+            ring: &mut self.ring,
+            pending: &mut self.pending,
+            resolved: &mut self.resolved,
+            failed: &mut self.failed,
+        }
+    }
+
     /// Brings a sequence up to date with what the device finished since it was last seen:
     /// resolved fed tokens, and the failure of a step it was a row of.
     pub fn sync(&mut self, seq: &mut CpuSeq) {
-        let Some(tenure) = seq.tenure else {
-            return;
-        };
-        if let Some(resolved) = self.resolved.remove(&tenure) {
-            for (pos, token) in resolved {
-                if let Some(slot) = seq.tokens.get_mut(pos) {
-                    *slot = token;
-                }
-            }
-        }
-        if self.failed.contains(&tenure) {
-            seq.failed = true;
-        }
-    }
-
-    /// Forgets everything kept about a tenure that ended.
-    pub fn forget(&mut self, tenure: u64) {
-        self.mtp.remove(&tenure);
-        self.pending.remove(&tenure);
-        self.resolved.remove(&tenure);
-        self.failed.remove(&tenure);
-    }
-
-    /// Submits copies (an effect's device work).
-    pub fn copies(
-        &mut self,
-        model: &Model,
-        device: &Mutex<Device>,
-        ops: Vec<device::Op>,
-    ) -> Result<()> {
-        self.executor.submit(model, device, Work::Copies(ops))
+        book::sync(&mut self.book(), seq);
     }
 }
 
@@ -438,6 +383,20 @@ impl Shape {
 
     pub fn ring_row(&self, slot: usize) -> usize {
         self.max_seqs + self.checkpoint_slots + slot
+    }
+
+    /// The sizes the shared bookkeeping checks against.
+    pub fn book(&self) -> BookShape {
+        BookShape {
+            block_size: self.block_size,
+            max_seqs: self.max_seqs,
+            checkpoint_slots: self.checkpoint_slots,
+            snapshot_slots: self.snapshot_slots,
+            max_context: self.max_context,
+            max_depth: self.max_depth,
+            hybrid: self.hybrid,
+            layout: self.layout,
+        }
     }
 
     /// A scratch state row per live slot (drafting, a verification's last snapshot).
@@ -578,7 +537,29 @@ impl CpuRouter {
             main_mamba_layers: mc.count(model::LayerKind::Mamba),
             hidden_size: mc.hidden_size,
         };
-        let cache = cache::Caches::new(&model, &config, &shape)?;
+        let cache = Caches::new(
+            &model,
+            &router_book::CacheConfig {
+                num_blocks: shape.num_blocks,
+                block_size: shape.block_size,
+                hybrid,
+                checkpoint_slots,
+                prefix_cache: config.prefix_cache,
+                marconi: config.marconi,
+            },
+        )
+        .map_err(|err| match err {
+            router_book::BookError::BadConfig {
+                field,
+                value,
+                limit,
+            } => RouterError::BadConfig {
+                field,
+                value,
+                limit,
+            },
+            router_book::BookError::Cache(message) => RouterError::Cache(message),
+        })?;
         let device = Arc::new(Mutex::new(Device::new(
             kv,
             states,
@@ -903,11 +884,7 @@ impl DeviceIo for CpuRouter {
         if let Some(experts) = experts {
             experts.shutdown();
         }
-        let holders: Vec<String> = inner
-            .tenures
-            .values()
-            .map(|t| t.seq_id.to_string())
-            .collect();
+        let holders = book::holders(&inner.tenures);
         let unclaimed: Vec<String> = inner.unsettled.iter().map(u64::to_string).collect();
         // The cache's own references go first; every buffer is dropped with `inner`.
         inner.cache.clear();

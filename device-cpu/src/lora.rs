@@ -39,13 +39,8 @@ pub(crate) struct LoadedAdapter {
     pub weights: Arc<LoraAdapter>,
 }
 
-/// What a sequence bound to an adapter computes with.
-#[derive(Debug, Clone)]
-pub(crate) struct Binding {
-    /// The load's serial, the sequence's cache namespace.
-    pub serial: u32,
-    pub weights: Arc<LoraAdapter>,
-}
+/// What a sequence bound to an adapter computes with (the shared record's binding).
+pub(crate) use router_book::LoraBinding as Binding;
 
 /// The adapter slots.
 #[derive(Debug)]

@@ -18,12 +18,12 @@ use std::sync::Arc;
 
 use device_io::{DeviceError, Feed, PrefillReport, Readback, Result};
 
-use crate::cache::Attach;
 use crate::device::{DecodeJobRow, Input, MtpChunk, Op, StepJob};
-use crate::{CpuSeq, Inner, PendingFeed, Shape, SlotOwner, Tenure};
+use crate::{CpuSeq, Inner, Shape};
+use router_book::{book, Attach, PendingFeed, SlotOwner, Tenure};
 
 /// What a fed position holds in `CpuSeq::tokens` until its step has finished.
-pub(crate) const FED_PLACEHOLDER: u32 = u32::MAX;
+pub(crate) use router_book::FED_PLACEHOLDER;
 
 pub(crate) fn invalid(what: &'static str, detail: String) -> DeviceError {
     DeviceError::Invalid { what, detail }
@@ -130,7 +130,7 @@ pub(crate) fn prefill<'a>(
     let (masks, host) = sink(shape, "Prefill", rows.len(), readback)?;
     for (i, (seq, &budget)) in rows.iter().zip(budgets).enumerate() {
         let id = seq.id;
-        crate::effects::check_tenure(inner, seq, "Prefill")?;
+        book::check_tenure(&inner.tenures, seq, "Prefill")?;
         if seq.failed {
             return Err(invalid(
                 "Prefill",
@@ -275,7 +275,7 @@ fn commit_prefill(
         let seq = &mut *rows[i];
         let mut report = PrefillReport::default();
         if let Some(NewRow { slot, attach, lora }) = new_row {
-            let tenure = crate::new_tenure();
+            let tenure = router_book::new_tenure();
             inner.tenures.insert(
                 tenure,
                 Tenure {
@@ -397,19 +397,9 @@ pub(crate) fn take_checkpoint(
     inner: &mut Inner,
     seq: &CpuSeq,
     ops: &mut Vec<Op>,
-) -> Option<crate::cache::CheckpointSlot> {
-    let Some(checkpoint) = inner.cache.take_checkpoint_slot(seq.pin.as_ref()) else {
-        tracing::debug!(
-            pos = seq.computed_len,
-            "no checkpoint slot free; checkpoint skipped"
-        );
-        return None;
-    };
-    let slot = seq.slot.expect("a computing row has a slot");
-    ops.push(Op::CopySlot {
-        from: slot,
-        to: shape.checkpoint_row(checkpoint.index()),
-    });
+) -> Option<router_book::CheckpointSlot> {
+    let (checkpoint, from, to) = book::take_checkpoint(&shape.book(), &mut inner.book(), seq)?;
+    ops.push(Op::CopySlot { from, to });
     Some(checkpoint)
 }
 
@@ -461,7 +451,7 @@ pub(crate) fn decode<'a>(
                 format!("row {i} (sequence {id}) failed in an earlier step; release it"),
             ));
         }
-        crate::effects::check_tenure(inner, seq, what)?;
+        book::check_tenure(&inner.tenures, seq, what)?;
         if seq.slot.is_none() {
             return Err(invalid(
                 what,

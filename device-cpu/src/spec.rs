@@ -32,8 +32,8 @@ use device_io::{DeviceError, Readback, Result};
 
 use crate::device::{Catchup, DraftJob, DraftJobRow, RunJobRow, StepJob};
 use crate::plans::{invalid, reserve_blocks, sink, Planned};
-use crate::seq::Reservation;
 use crate::{CpuSeq, Inner, RingEntry, Shape};
+use router_book::{book, Reservation};
 
 /// Refuses a row that cannot take a decode-like step: failed, foreign, without a slot, rolled
 /// back, with its prompt incomplete, or past the context after `extra` more positions.
@@ -52,7 +52,7 @@ fn check_row(
             format!("row {i} (sequence {id}) failed in an earlier step; release it"),
         ));
     }
-    crate::effects::check_tenure(inner, seq, what)?;
+    book::check_tenure(&inner.tenures, seq, what)?;
     if seq.slot.is_none() {
         return Err(invalid(
             what,

@@ -35,6 +35,7 @@ pub const ALONE: &[&str] = &[
     "workload-trace",
     "ssm-snapshot",
     "model",
+    "router-book",
     "device-cpu",
     "device-cuda",
     "scheduler",

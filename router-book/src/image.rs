@@ -40,15 +40,15 @@ const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 5 + 9 + 8;
 
 /// The longest image a router of `layout` can accept (a sequence of `max_context` tokens);
 /// readers stop there, so a runaway stream cannot exhaust memory.
-pub(crate) fn max_len(layout: &Layout) -> u64 {
+pub fn max_len(layout: &Layout) -> u64 {
     let blocks = layout.max_context.div_ceil(layout.block_size) as u64;
     let floats = blocks * layout.floats_per_block as u64 + layout.floats_per_slot as u64;
     HEADER_BYTES as u64 + 4 * layout.max_context as u64 + 4 * floats + 8
 }
 
 /// What the router must match for an image to be accepted.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Layout {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
     pub fingerprint: u64,
     pub block_size: usize,
     pub floats_per_block: usize,
@@ -59,7 +59,7 @@ pub(crate) struct Layout {
 
 /// The sequence-level fields of an image.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ImageHeader {
+pub struct ImageHeader {
     pub seq_id: u64,
     pub prompt_len: usize,
     pub computed_len: usize,
@@ -69,7 +69,7 @@ pub(crate) struct ImageHeader {
 
 /// A decoded, validated image.
 #[derive(Debug)]
-pub(crate) struct Image {
+pub struct Image {
     pub header: ImageHeader,
     pub tokens: Vec<u32>,
     /// `num_blocks * floats_per_block` floats.
@@ -80,7 +80,7 @@ pub(crate) struct Image {
 }
 
 /// Encodes an image. `kv` holds the blocks' floats back to back.
-pub(crate) fn encode(
+pub fn encode(
     layout: &Layout,
     header: &ImageHeader,
     tokens: &[u32],
@@ -182,7 +182,7 @@ fn expect_eq(field: &str, got: u64, want: u64) -> Result<(), String> {
 }
 
 /// Decodes and validates an image against `layout`; the error says exactly what is wrong.
-pub(crate) fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
+pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
     let mut cur = Cursor { bytes, at: 0 };
     let magic = cur.take(8, "magic")?;
     if magic != MAGIC {

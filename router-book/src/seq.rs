@@ -1,4 +1,9 @@
-//! `CpuSeq`: the host router's per-sequence bookkeeping, and `LogitsHandle`, its logits pointer.
+//! `RouterSeq`: a router's per-sequence bookkeeping (the host router's `RouterSeq`, the CUDA
+//! router's sequence), and `LogitsHandle`, a router's logits pointer.
+//!
+//! Its fields are public so that every router of the workspace keeps them the same way (the
+//! shared effects of [`crate::book`] change them); the engine core sees a sequence only through
+//! [`Sequence`], and only routers change it.
 //!
 //! # Invariants
 //!
@@ -49,49 +54,59 @@ pub struct Namespace {
     pub cache_salt: Option<u64>,
 }
 
-/// The host router's bookkeeping for one sequence. Create it with [`Sequence::create`]; only the router
+/// A router's bookkeeping for one sequence. Create it with [`Sequence::create`]; only the router
 /// changes it (through plans and effects).
 #[derive(Debug)]
-pub struct CpuSeq {
-    pub(crate) id: u64,
-    pub(crate) prompt_len: usize,
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) computed_len: usize,
-    pub(crate) blocks: Vec<u32>,
-    pub(crate) slot: Option<usize>,
-    pub(crate) tenure: Option<u64>,
-    pub(crate) namespace: Namespace,
+pub struct RouterSeq {
+    pub id: u64,
+    pub prompt_len: usize,
+    pub tokens: Vec<u32>,
+    pub computed_len: usize,
+    pub blocks: Vec<u32>,
+    pub slot: Option<usize>,
+    pub tenure: Option<u64>,
+    pub namespace: Namespace,
     /// The Marconi path this sequence pinned at its first chunk (released with the sequence).
-    pub(crate) pin: Option<crate::cache::PinHandle>,
+    pub pin: Option<crate::PinHandle>,
     /// Where the Marconi tree asked for a checkpoint during this sequence's prefill, if not taken yet.
-    pub(crate) branch_point: Option<usize>,
-    pub(crate) input_checkpoint: Option<(usize, crate::cache::CheckpointSlot)>,
-    pub(crate) output_checkpoint: Option<(usize, crate::cache::CheckpointSlot)>,
-    pub(crate) checkpoint_due: bool,
-    pub(crate) failed: bool,
+    pub branch_point: Option<usize>,
+    pub input_checkpoint: Option<(usize, crate::CheckpointSlot)>,
+    pub output_checkpoint: Option<(usize, crate::CheckpointSlot)>,
+    pub checkpoint_due: bool,
+    pub failed: bool,
     /// The open run-ahead, between `ReserveKv` and the next reservation, rollback or release.
-    pub(crate) reservation: Option<Reservation>,
+    pub reservation: Option<Reservation>,
     /// A rollback dropped a computed position: the live state is past `computed_len`.
-    pub(crate) state_ahead: bool,
+    pub state_ahead: bool,
     /// The loaded adapter the sequence computes with (bound when it takes router resources,
     /// dropped at release), when its namespace names one.
-    pub(crate) lora: Option<crate::lora::Binding>,
+    pub lora: Option<LoraBinding>,
+}
+
+/// What a sequence bound to a loaded LoRA adapter computes with.
+#[derive(Debug, Clone)]
+pub struct LoraBinding {
+    /// The load's serial, the sequence's cache namespace (entries computed with one loaded
+    /// adapter are never served to another load of it).
+    pub serial: u32,
+    /// The adapter's weights.
+    pub weights: std::sync::Arc<model::LoraAdapter>,
 }
 
 /// A reservation ledger entry (one per sequence: a new reservation commits the one before), opened
 /// by `ReserveKv` (one position) or by a `Verify` (its row's positions).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Reservation {
+pub struct Reservation {
     /// The position reserved (the sequence's `computed_len` when it was reserved).
     pub at: usize,
     /// The blocks the reservation added, in position order (at most one for `ReserveKv`).
     pub blocks: Vec<u32>,
     /// The output checkpoint a `MarconiCheckpoint` past `at` replaced, held until the run-ahead
     /// is kept (freed then) or rolled back (restored then).
-    pub superseded: Option<(usize, crate::cache::CheckpointSlot)>,
+    pub superseded: Option<(usize, crate::CheckpointSlot)>,
 }
 
-impl CpuSeq {
+impl RouterSeq {
     /// The tokens whose KV and state exist (`tokens()[..computed_len()]`), plus, before the prompt is
     /// complete, the rest of the prompt.
     pub fn tokens(&self) -> &[u32] {
@@ -128,9 +143,9 @@ impl CpuSeq {
     }
 
     /// The namespace the prefix cache keys this sequence by: its salt, and instead of the
-    /// adapter's id the serial of the adapter's load it is bound to (see the `lora` module), so
-    /// entries computed with one loaded adapter are never served to another.
-    pub(crate) fn cache_namespace(&self) -> Namespace {
+    /// adapter's id the serial of the adapter's load it is bound to, so entries computed with
+    /// one loaded adapter are never served to another.
+    pub fn cache_namespace(&self) -> Namespace {
         Namespace {
             adapter: self.lora.as_ref().map(|binding| binding.serial),
             cache_salt: self.namespace.cache_salt,
@@ -138,9 +153,9 @@ impl CpuSeq {
     }
 }
 
-impl Sequence for CpuSeq {
+impl Sequence for RouterSeq {
     fn create(spec: SeqSpec<'_>) -> Self {
-        CpuSeq {
+        RouterSeq {
             id: spec.id,
             prompt_len: spec.prompt.len(),
             tokens: spec.prompt.to_vec(),
@@ -187,4 +202,14 @@ impl Sequence for CpuSeq {
     fn checkpoint_due(&self) -> bool {
         self.checkpoint_due
     }
+}
+
+/// Tenure ids are unique in the process, not just per router, so a sequence handed to a router
+/// that does not hold it is recognised (its tenure is not in that router's table) instead of
+/// having its block ids released there.
+static NEXT_TENURE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A fresh tenure id, unique in the process.
+pub fn new_tenure() -> u64 {
+    NEXT_TENURE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }

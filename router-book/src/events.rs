@@ -83,8 +83,10 @@ fn convert(event: kv_cache::CacheEvent) -> CacheEvent {
 
 /// One block of the prefix cache's contents.
 #[derive(Debug)]
-pub(crate) struct Listed {
+pub struct Listed {
+    /// The block.
     pub block: BlockId,
+    /// Its chain key.
     pub hash: BlockHash,
     /// The `BlockStored` that describes it.
     pub event: CacheEvent,

@@ -25,16 +25,16 @@ use ssm_snapshot::{
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::events::{Adoption, Events, Listed};
-use crate::{CpuRouterConfig, Namespace, RouterError, Shape};
+use crate::{BookError, Namespace};
 
 /// The Marconi tree's hold on a running sequence's hit path.
-pub(crate) type PinHandle = Pin;
+pub type PinHandle = Pin;
 /// A checkpoint slot of the prefix cache's region.
-pub(crate) type CheckpointSlot = SlotId;
+pub type CheckpointSlot = SlotId;
 
 /// What a new sequence attaches on its first chunk.
 #[derive(Debug)]
-pub(crate) struct Attach {
+pub struct Attach {
     /// Tokens served from the cache (a multiple of the block size).
     pub len: usize,
     /// The blocks of `0..len`, each with one reference taken for the sequence.
@@ -102,8 +102,25 @@ enum Index {
     Marconi(Box<SnapshotStore>, Option<Box<AlphaTuner>>),
 }
 
-/// The pool and the prefix index.
-pub(crate) struct Caches {
+/// What the pool and the prefix index are built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Whether the model has Mamba layers (the Marconi tree indexes prefixes then).
+    pub hybrid: bool,
+    /// Checkpoint slots of the Marconi region (0: no hybrid prefix reuse).
+    pub checkpoint_slots: usize,
+    /// Whether finished sequences are offered to a prefix cache.
+    pub prefix_cache: bool,
+    /// On a hybrid model, whether the tuned Marconi policy evicts (else LRU).
+    pub marconi: bool,
+}
+
+/// The pool and the prefix index (see the module docs for who holds which reference).
+pub struct Caches {
     kv: KvCache,
     index: Index,
     delta: StoreDelta,
@@ -111,6 +128,16 @@ pub(crate) struct Caches {
     lookups: u64,
     hit_tokens: u64,
     events: Events,
+}
+
+impl std::fmt::Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caches")
+            .field("free_blocks", &self.free_blocks())
+            .field("cached_blocks", &self.cached_blocks())
+            .field("checkpoint_slots_used", &self.checkpoint_slots_used())
+            .finish_non_exhaustive()
+    }
 }
 
 fn extra_key(ns: Namespace) -> ExtraKey {
@@ -135,7 +162,7 @@ fn store_namespace(ns: Namespace) -> ssm_snapshot::Namespace {
 }
 
 /// The cost model of `config` as the host computes it (f32 values).
-pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
+pub fn cost_model(config: &Config) -> Result<CostModel, BookError> {
     let mlp = config.count(LayerKind::Mlp);
     let moe = config.count(LayerKind::Moe);
     let moe_width = config.num_experts_per_tok * config.moe_intermediate_size
@@ -163,7 +190,7 @@ pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
         elem_bytes: 4,
     };
     if dims.attention_layers > 0 {
-        return CostModel::from_dims(&dims).map_err(|err| RouterError::Cache(err.to_string()));
+        return CostModel::from_dims(&dims).map_err(|err| BookError::Cache(err.to_string()));
     }
     // `CostModel` insists on positive KV bytes per token, which a model without attention does
     // not have. Its checkpoint budget does not count KV here, and KV bytes only enter the
@@ -193,35 +220,32 @@ pub(crate) fn cost_model(config: &Config) -> Result<CostModel, RouterError> {
         kv_bytes_per_token: 1,
         checkpoint_bytes: u64::from(dims.mamba_layers) * state * dims.elem_bytes,
     })
-    .map_err(|err| RouterError::Cache(err.to_string()))
+    .map_err(|err| BookError::Cache(err.to_string()))
 }
 
 impl Caches {
-    pub fn new(
-        model: &Model,
-        config: &CpuRouterConfig,
-        shape: &Shape,
-    ) -> Result<Self, RouterError> {
-        let kv = KvCache::new(KvCacheConfig::new(shape.num_blocks, shape.block_size))
-            .map_err(|err| RouterError::Cache(err.to_string()))?;
+    /// The pool and the index `config` asks for, for `model`.
+    pub fn new(model: &Model, config: &CacheConfig) -> Result<Self, BookError> {
+        let kv = KvCache::new(KvCacheConfig::new(config.num_blocks, config.block_size))
+            .map_err(|err| BookError::Cache(err.to_string()))?;
         let index = if !config.prefix_cache {
             Index::Off
-        } else if !shape.hybrid {
+        } else if !config.hybrid {
             Index::HashChain
-        } else if shape.checkpoint_slots == 0 {
+        } else if config.checkpoint_slots == 0 {
             // A hybrid hit needs a checkpoint; with no region there is nothing to reuse.
             Index::Off
         } else {
             let cost = cost_model(model.config())?;
             let slots =
-                u32::try_from(shape.checkpoint_slots).map_err(|_| RouterError::BadConfig {
+                u32::try_from(config.checkpoint_slots).map_err(|_| BookError::BadConfig {
                     field: "checkpoints",
-                    value: shape.checkpoint_slots as u64,
+                    value: config.checkpoint_slots as u64,
                     limit: "at most u32::MAX - 1 slots".to_string(),
                 })?;
             let mut store_config = StoreConfig::engine(
                 cost.clone(),
-                shape.block_size as u32,
+                config.block_size as u32,
                 u64::from(slots) * cost.checkpoint_bytes(),
             );
             store_config.checkpoint_slots = slots;
@@ -229,7 +253,7 @@ impl Caches {
             // `marconi: true` starts there, the setting its tuner falls back to.
             store_config.alpha = 0.0;
             store_config.recency = ssm_snapshot::Recency::Path;
-            let cache_err = |err: ssm_snapshot::SnapshotError| RouterError::Cache(err.to_string());
+            let cache_err = |err: ssm_snapshot::SnapshotError| BookError::Cache(err.to_string());
             let store = SnapshotStore::new(store_config).map_err(cache_err)?;
             // `marconi: true` tunes the eviction the way `ssm-snapshot` measured best: shadow
             // stores over a grid of α, FLOP basis and guarded admission, following the leader.
@@ -242,7 +266,7 @@ impl Caches {
             Index::Marconi(Box::new(store), tuner)
         };
         let events = Events::new(match index {
-            Index::Marconi(..) => shape.num_blocks,
+            Index::Marconi(..) => config.num_blocks,
             _ => 0,
         });
         Ok(Caches {
