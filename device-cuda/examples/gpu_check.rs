@@ -1,5 +1,6 @@
 //! `cargo xtask gpu-check` runs this on a machine with an NVIDIA GPU: every kernel on the
-//! `CudaRuntime` against the same inputs on `SimRuntime`, the model's head on both, and the
+//! `CudaRuntime` against the same inputs on `SimRuntime`, the model's head on both, the router's
+//! effects on both from the same spill images (outcomes, images and state rows bit for bit), and the
 //! device-to-device bandwidth of the copies the effects make (slot compaction, snapshot copies,
 //! the spill gather) against one plain `cuMemcpyDtoDAsync` of the same bytes (target: at least
 //! 80%). Without a device it prints why and exits 0 having checked nothing (`skipped`).
@@ -292,8 +293,139 @@ fn head_check(gpu: CudaRuntime) -> bool {
         "gpu-check: router head (bf16 weights) vs SimRuntime {}",
         if ok { "ok" } else { "MISMATCH" }
     );
-    println!("gpu-check: effects vs SimRuntime: not built yet (the CUDA router has no DeviceIo effects in this build)");
     ok
+}
+
+/// An image of sequence `id` in the shared spill format, with random KV and state.
+fn random_image(router: &CudaRouter, model: &Model, id: u64, computed: usize) -> Vec<u8> {
+    let plan = router.plan();
+    let layout = router_book::image::Layout {
+        fingerprint: model.fingerprint(),
+        block_size: plan.block_size,
+        floats_per_block: (plan.kv_block_bytes / 4) as usize,
+        floats_per_slot: (plan.state_slot_bytes / 4) as usize,
+        max_context: router.router_config().max_context,
+        vocab_size: model.config().vocab_size,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(id);
+    let blocks = computed.div_ceil(plan.block_size);
+    let tokens: Vec<u32> = (0..computed).map(|_| rng.random_range(0..256)).collect();
+    let kv: Vec<f32> = (0..blocks * layout.floats_per_block)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let state: Vec<f32> = (0..layout.floats_per_slot)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let header = router_book::image::ImageHeader {
+        seq_id: id,
+        prompt_len: computed,
+        computed_len: computed,
+        adapter: None,
+        cache_salt: None,
+    };
+    router_book::image::encode(&layout, &header, &tokens, blocks, &kv, &state)
+}
+
+/// One script of effects; answers every outcome, the images saved and the state rows.
+fn effects_script(router: &CudaRouter, model: &Model) -> Vec<String> {
+    use device_io::{DeviceIo, Effect, SeqSpec, Sequence};
+    let mut log = Vec::new();
+    let mut seqs: Vec<device_cuda::CudaSeq> = (1..=3)
+        .map(|id| {
+            device_cuda::CudaSeq::create(SeqSpec {
+                id,
+                prompt: &[1],
+                adapter: None,
+                cache_salt: None,
+            })
+        })
+        .collect();
+    for (s, computed) in seqs.iter_mut().zip([37, 32, 5]) {
+        let image = random_image(router, model, s.id(), computed);
+        let outcome = router.apply(Effect::RestoreSequenceState {
+            seq: s,
+            reader: &mut &image[..],
+        });
+        log.push(format!("restore {}: {outcome:?}", s.id()));
+    }
+    let [a, b, c] = &mut seqs[..] else {
+        unreachable!("three sequences")
+    };
+    let ring = router.plan().live_slots + router.plan().checkpoint_slots;
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::SsmSnapshotSave { seq: a, slot: 0 })
+    ));
+    let zeros = vec![0u8; router.plan().state_slot_bytes as usize];
+    router.write_state_row(0, &zeros).expect("write a state row");
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::SsmSnapshotRestore { seq: a, slot: 0 })
+    ));
+    b.checkpoint_due = true;
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::MarconiCheckpoint { seq: b })
+    ));
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::ReleaseSeq { seq: a, cache: true, what: "finish" })
+    ));
+    log.push(format!("{:?}", router.apply(Effect::CompactSlot { seq: c, target: 0 })));
+    log.push(format!("{:?}", router.apply(Effect::DetachSlot { seq: b })));
+    log.push(format!("{:?}", router.apply(Effect::ReserveKv { seq: c })));
+    log.push(format!("{:?}", router.apply(Effect::Rollback { seq: c })));
+    log.push(format!("{:?}", router.apply(Effect::SyncSecondary)));
+    for stream in [0, 1] {
+        log.push(format!("{:?}", router.apply(Effect::Quiesce { stream })));
+    }
+    let mut image = Vec::new();
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::SaveSequenceState { seq: c, writer: &mut image })
+    ));
+    log.push(format!("image of c: {image:?}"));
+    for row in 0..ring + router.plan().snapshot_slots {
+        log.push(format!("row {row}: {:?}", router.read_state_row(row)));
+    }
+    log.push(format!("{:?}", router.facts()));
+    for s in [b, c] {
+        log.push(format!(
+            "{:?}",
+            router.apply(Effect::ReleaseSeq { seq: s, cache: false, what: "finish" })
+        ));
+    }
+    log
+}
+
+/// The router's effects on the GPU and on `SimRuntime`, from the same spill images: every
+/// outcome, the image saved and every state row must be the same bits.
+fn effects_check(gpu: Box<dyn Runtime>) -> bool {
+    use device_io::DeviceIo;
+    let model = Model::random(Config::tiny_demo(), 7).unwrap();
+    let config = CudaRouterConfig {
+        max_step_tokens: 64,
+        ..CudaRouterConfig::new(64 << 20, 4, 256)
+    };
+    let on_gpu = CudaRouter::new(&model, gpu, config.clone()).unwrap();
+    let on_sim = CudaRouter::sim(&model, config).unwrap();
+    let a = effects_script(&on_gpu, &model);
+    let b = effects_script(&on_sim, &model);
+    let ok = a == b;
+    println!(
+        "gpu-check: effects (restore, snapshots, checkpoint, release, compaction, detach, reserve/rollback, streams, spill) vs SimRuntime {}",
+        if ok { "ok" } else { "MISMATCH" }
+    );
+    if !ok {
+        for (x, y) in a.iter().zip(&b) {
+            if x != y {
+                println!("gpu-check:   GPU {}\n gpu-check:   sim {}", &x[..x.len().min(200)], &y[..y.len().min(200)]);
+                break;
+            }
+        }
+    }
+    let torn = Box::new(on_gpu).teardown().is_ok() && Box::new(on_sim).teardown().is_ok();
+    ok && torn
 }
 
 fn main() {
@@ -313,6 +445,13 @@ fn main() {
     let mut ok = kernel_checks(&gpu, &sim);
     ok &= bandwidth(&gpu);
     ok &= head_check(gpu);
+    match CudaRuntime::new() {
+        Ok(gpu) => ok &= effects_check(Box::new(gpu)),
+        Err(err) => {
+            println!("gpu-check: effects: could not open the device again: {err}");
+            ok = false;
+        }
+    }
     if ok {
         println!("gpu-check: all checks passed");
     } else {

@@ -5,22 +5,25 @@
 //! ([`MemoryPlan`]), the weights uploaded in the configured element type, every region
 //! allocated (KV pool, live / checkpoint / ring state rows, workspace, logits and per-row
 //! buffers, feed cells), the model's head on the device ([`CudaRouter::head`]: embedding gather,
-//! final RMSNorm, `lm_head` GEMM, argmax into the feed cells), [`CudaRouter::facts`] and
-//! [`CudaRouter::teardown`].
+//! final RMSNorm, `lm_head` GEMM, argmax into the feed cells), and `DeviceIo` with every effect
+//! real on the device and the bookkeeping of `router_book` (see the `io` module).
 //!
 //! What does not exist yet: the layer kernels (Mamba2, attention, MLP, MoE; part 2), so a model
 //! step answers [`DeviceError::Unsupported`] naming the first layer kind without kernels
-//! ([`CudaRouter::forward_support`]); and the `DeviceIo` implementation with its effects, which
-//! waits for the host router's bookkeeping (block tables, prefix cache, Marconi store, spill
-//! image format) to move where both routers can use it.
+//! ([`CudaRouter::forward_support`]).
 
-use device_io::{DeviceError, DeviceFacts};
+use std::sync::Mutex;
+
+use device_io::DeviceError;
 use model::{Config, LayerKind, Model};
+use router_book::image::Layout;
+use router_book::{BookShape, CacheConfig, Caches};
 
 use crate::error::CudaError;
+use crate::io::Inner;
 use crate::kernels;
 use crate::memory::{CudaRouterConfig, MemoryPlan, PlanError, ALIGN};
-use crate::runtime::{DType, DeviceBuffer, DeviceSlice, Gemm, Runtime, Stream};
+use crate::runtime::{DType, DeviceBuffer, DeviceSlice, Event, Gemm, Runtime, Stream};
 use crate::{CudaRuntime, SimRuntime};
 
 /// Why a CUDA router could not be built.
@@ -32,6 +35,9 @@ pub enum CudaRouterError {
     /// The budget or config does not give a usable plan.
     #[error("memory plan: {0}")]
     Plan(#[from] PlanError),
+    /// The prefix cache refused its sizes.
+    #[error("cache: {0}")]
+    Cache(#[from] router_book::BookError),
 }
 
 /// One weight tensor on the device.
@@ -49,13 +55,13 @@ pub struct TensorPlace {
 
 /// The device buffers of the plan.
 #[derive(Debug)]
-struct Buffers {
-    weights: DeviceBuffer,
-    kv: DeviceBuffer,
-    states: DeviceBuffer,
-    workspace: DeviceBuffer,
-    logits: DeviceBuffer,
-    io: DeviceBuffer,
+pub(crate) struct Buffers {
+    pub weights: DeviceBuffer,
+    pub kv: DeviceBuffer,
+    pub states: DeviceBuffer,
+    pub workspace: DeviceBuffer,
+    pub logits: DeviceBuffer,
+    pub io: DeviceBuffer,
 }
 
 /// The CUDA router. See the module docs.
@@ -68,6 +74,10 @@ pub struct CudaRouter {
     plan: MemoryPlan,
     tensors: Vec<TensorPlace>,
     buffers: Option<Buffers>,
+    book_shape: BookShape,
+    inner: Mutex<Inner>,
+    /// Recorded on one stream and waited on by the other, to order them.
+    join: Option<Event>,
 }
 
 fn align(bytes: usize) -> usize {
@@ -118,6 +128,34 @@ impl CudaRouter {
     ) -> Result<CudaRouter, CudaRouterError> {
         let (image, tensors) = weight_image(model, router.weights);
         let plan = MemoryPlan::from_budget(model.config(), image.len() as u64, &router)?;
+        let book_shape = BookShape {
+            block_size: plan.block_size,
+            max_seqs: plan.live_slots,
+            checkpoint_slots: plan.checkpoint_slots,
+            snapshot_slots: plan.snapshot_slots,
+            max_context: router.max_context,
+            max_depth: 2,
+            layout: Layout {
+                fingerprint: model.fingerprint(),
+                block_size: plan.block_size,
+                floats_per_block: (plan.kv_block_bytes / 4) as usize,
+                floats_per_slot: (plan.state_slot_bytes / 4) as usize,
+                max_context: router.max_context,
+                vocab_size: model.config().vocab_size,
+            },
+        };
+        let cache = Caches::new(
+            model,
+            &CacheConfig {
+                num_blocks: plan.num_blocks,
+                block_size: plan.block_size,
+                hybrid: plan.state_slot_bytes > 0,
+                checkpoint_slots: plan.checkpoint_slots,
+                prefix_cache: router.prefix_cache,
+                marconi: router.marconi,
+            },
+        )?;
+        let join = runtime.new_event()?;
         let mut built = CudaRouter {
             runtime,
             config: model.config().clone(),
@@ -126,6 +164,9 @@ impl CudaRouter {
             plan,
             tensors,
             buffers: None,
+            book_shape,
+            inner: Mutex::new(Inner::new(cache, plan.live_slots, plan.snapshot_slots)),
+            join: Some(join),
         };
         built.allocate(&image)?;
         tracing::info!(device = %built.runtime.device_name(), ?plan, "CUDA router ready");
@@ -200,28 +241,34 @@ impl CudaRouter {
         }
     }
 
-    /// The router's resources, as `DeviceIo::facts` reports them (nothing is held yet: no
-    /// sequence can run before the layer kernels exist).
-    pub fn facts(&self) -> DeviceFacts {
-        DeviceFacts {
-            block_size: self.plan.block_size,
-            vocab_size: self.config.vocab_size,
-            max_context: self.router.max_context,
-            kv_blocks_total: self.plan.num_blocks,
-            kv_blocks_free: self.plan.num_blocks,
-            kv_blocks_cached: 0,
-            live_slots_total: self.plan.live_slots,
-            live_slots_used: 0,
-            checkpoint_slots_total: self.plan.checkpoint_slots,
-            checkpoint_slots_used: 0,
-        }
+    pub(crate) fn buffers(&self) -> Result<&Buffers, CudaError> {
+        self.buffers
+            .as_ref()
+            .ok_or_else(|| CudaError::Sticky("the router was torn down".to_owned()))
+    }
+
+    pub(crate) fn book_shape(&self) -> &BookShape {
+        &self.book_shape
+    }
+
+    pub(crate) fn inner(&self) -> &Mutex<Inner> {
+        &self.inner
+    }
+
+    /// The model's config.
+    pub fn model_config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The event that orders one stream after the other.
+    pub(crate) fn join_event(&self) -> Result<&Event, CudaError> {
+        self.join
+            .as_ref()
+            .ok_or_else(|| CudaError::Sticky("the router was torn down".to_owned()))
     }
 
     fn tensor(&self, name: &str) -> Result<DeviceSlice, CudaError> {
-        let buffers = self
-            .buffers
-            .as_ref()
-            .ok_or_else(|| CudaError::Sticky("the router was torn down".to_owned()))?;
+        let buffers = self.buffers()?;
         let place = self
             .tensors
             .iter()
@@ -322,11 +369,14 @@ impl CudaRouter {
         ))
     }
 
-    /// Frees every region. Nothing can hold resources yet (no sequence runs before part 2), so
-    /// this reports only device errors.
-    pub fn teardown(mut self) -> Result<(), CudaError> {
+    /// Waits for both streams and frees every region and the event; answers the bookkeeping
+    /// (for teardown's report) and the first device error.
+    pub(crate) fn into_parts(mut self) -> (Result<Inner, String>, Result<(), CudaError>) {
+        let rt = self.runtime.as_ref();
+        let mut freed = Stream::ALL
+            .iter()
+            .try_for_each(|&stream| rt.sync_stream(stream));
         if let Some(buffers) = self.buffers.take() {
-            let rt = self.runtime.as_ref();
             for buffer in [
                 buffers.weights,
                 buffers.kv,
@@ -335,9 +385,18 @@ impl CudaRouter {
                 buffers.logits,
                 buffers.io,
             ] {
-                rt.free(buffer)?;
+                let done = rt.free(buffer);
+                freed = freed.and(done);
             }
         }
-        Ok(())
+        if let Some(event) = self.join.take() {
+            let done = rt.destroy_event(event);
+            freed = freed.and(done);
+        }
+        let inner = self
+            .inner
+            .into_inner()
+            .map_err(|_| "router state poisoned by a panic".to_owned());
+        (inner, freed)
     }
 }

@@ -245,9 +245,9 @@ mod cpu {
                 let device = router.runtime().device_name();
                 let reason = match router.forward_support() {
                     Err(err) => err.to_string(),
-                    Ok(()) => "its DeviceIo implementation is not built yet".to_owned(),
+                    Ok(()) => "its forward steps are not built yet".to_owned(),
                 };
-                if let Err(err) = router.teardown() {
+                if let Err(err) = device_io::DeviceIo::teardown(Box::new(router)) {
                     tracing::warn!(%err, "tearing the CUDA router down failed");
                 }
                 BackendError::Cuda(format!("opened on {device}, but cannot serve: {reason}"))

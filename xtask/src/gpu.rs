@@ -2,8 +2,9 @@
 //! an H200 with a cold build): the device-cuda tests in release mode (on a GPU machine the
 //! `CudaRuntime` tests open the device instead of reporting the missing driver), then the
 //! `gpu_check` example (every kernel on the GPU against `SimRuntime`, the model's head on both,
-//! and the copy bandwidth of the effects against a plain device-to-device memcpy), then the
-//! replay example with `--device cuda`, which must refuse with the CUDA router's reason, then the
+//! the router's effects on both compared bit for bit, and the copy bandwidth of the effects
+//! against a plain device-to-device memcpy), then the `replay` binary (`-p replay --features
+//! cuda`) with `--device cuda`, which must refuse with the CUDA router's reason, then the
 //! `forward_bench` example (the forward step's parity on the GPU and the NemotronH-8B-shape
 //! throughput figures).
 //! Without a GPU every step still runs and says that it skipped the device.
@@ -22,7 +23,7 @@ pub fn run() -> Result<(), Error> {
             vec!["test", "--release", "-p", "device-cuda"],
         ),
         (
-            "kernels, head and bandwidth on the GPU",
+            "kernels, head, effects and bandwidth on the GPU",
             vec![
                 "run",
                 "--release",
@@ -34,16 +35,7 @@ pub fn run() -> Result<(), Error> {
         ),
         (
             "build replay with the cuda feature",
-            vec![
-                "build",
-                "--release",
-                "-p",
-                "scheduler",
-                "--features",
-                "cuda",
-                "--example",
-                "replay",
-            ],
+            vec!["build", "--release", "-p", "replay", "--features", "cuda"],
         ),
     ];
     for (what, args) in steps {

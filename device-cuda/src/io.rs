@@ -1,0 +1,687 @@
+//! `DeviceIo` for [`CudaRouter`]: the effects, real on the device, with the bookkeeping of
+//! `router_book` that the host router shares, and the plans' seam with the forward kernels.
+//!
+//! # Device layout
+//!
+//! KV block `b` is bytes `b * kv_block_bytes ..` of the KV buffer, and state row `r` bytes
+//! `r * state_slot_bytes ..` of the state buffer, each a run of f32 in the host model's order
+//! (`model::KvPool::export_block`, `model::MambaStates::slot`), so a spill image is the same
+//! bytes on either router. State rows: live slot `i` is row `i`, checkpoint slot `c` row
+//! `max_seqs + c`, ring slot `r` row `max_seqs + checkpoint_slots + r` (`BookShape`).
+//!
+//! # Streams
+//!
+//! Steps run on the compute stream. Every effect's device work is ordered after the steps
+//! launched before it by running on the compute stream too (state-row copies, the KV gather of a
+//! spill, the KV scatter of a restore), and the host traffic goes through pinned buffers on the
+//! copy stream, joined to the compute stream by an event: a spill gathers on compute, records,
+//! and the copy stream waits for that record before it copies to pinned memory; a restore copies
+//! from pinned memory on the copy stream, records, and the compute stream waits before it
+//! scatters. `Quiesce { stream }` waits for stream `stream` (0 compute, 1 copy);
+//! `SyncSecondary` makes the copy stream wait for the compute stream's work so far.
+//!
+//! # Plans
+//!
+//! `launch` checks the depth and the plan's shape, then asks [`CudaRouter::forward_support`]:
+//! until the layer kernels exist (part 2) every plan answers [`DeviceError::Unsupported`] naming
+//! the first layer kind without kernels, and nothing changes. Part 2 adds, after that check, the
+//! plans' bookkeeping and the call into the forward kernels (see `launch`).
+//!
+//! # Effects this router has nothing for
+//!
+//! `SaveHiddenCatchup` (no MTP catch-up ring yet) and `EpShutdown` (no expert-parallel workers:
+//! one device) answer `Unit` and change nothing, as on the host router.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use device_io::{
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Phase,
+    Result, StepPlan, StepResult, Ticket,
+};
+use router_book::book::{self, BookMut};
+use router_book::image;
+use router_book::{Caches, LogitsHandle, PendingFeed, RingEntry, RouterSeq, SlotOwner, Tenure};
+
+use crate::error::CudaError;
+use crate::kernels::{self, BlockShape};
+use crate::router::CudaRouter;
+use crate::runtime::{DeviceBuffer, DeviceSlice, Runtime, Stream};
+
+/// The router's bookkeeping, behind one mutex.
+///
+/// Invariants: those of [`BookMut`]; `unsettled` lists the launched, unclaimed tickets in launch
+/// order (empty until part 2: no plan launches yet); `logits` names the steps whose logits the
+/// logits buffer holds, with their row count and half of the buffer.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub cache: Caches,
+    pub slots: Vec<Option<SlotOwner>>,
+    pub tenures: BTreeMap<u64, Tenure>,
+    pub ring: Vec<Option<RingEntry>>,
+    pub pending: BTreeMap<u64, Vec<PendingFeed>>,
+    pub resolved: BTreeMap<u64, Vec<(usize, u32)>>,
+    pub failed: BTreeSet<u64>,
+    pub unsettled: VecDeque<u64>,
+    pub logits: Vec<LogitsHeld>,
+}
+
+/// The logits of one step in the logits buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LogitsHeld {
+    pub step: u64,
+    pub rows: usize,
+    /// Which of the buffer's two halves (depth 2 keeps two steps).
+    pub half: usize,
+}
+
+impl Inner {
+    pub fn new(cache: Caches, live_slots: usize, snapshot_slots: usize) -> Self {
+        Inner {
+            cache,
+            slots: vec![None; live_slots],
+            tenures: BTreeMap::new(),
+            ring: vec![None; snapshot_slots],
+            pending: BTreeMap::new(),
+            resolved: BTreeMap::new(),
+            failed: BTreeSet::new(),
+            unsettled: VecDeque::new(),
+            logits: Vec::new(),
+        }
+    }
+
+    pub fn book(&mut self) -> BookMut<'_> {
+        BookMut {
+            cache: &mut self.cache,
+            slots: &mut self.slots,
+            tenures: &mut self.tenures,
+            ring: &mut self.ring,
+            pending: &mut self.pending,
+            resolved: &mut self.resolved,
+            failed: &mut self.failed,
+        }
+    }
+}
+
+/// A device call that failed inside an effect: a lost device when the runtime is gone (a
+/// failed driver call, a sticky error), else a router bug reported as `Failed`.
+pub(crate) fn device_error(phase: Phase, err: CudaError) -> DeviceError {
+    match err {
+        CudaError::Sticky(_)
+        | CudaError::Call { .. }
+        | CudaError::NoDriver { .. }
+        | CudaError::NoDevice(_)
+        | CudaError::DriverTooOld { .. }
+        | CudaError::MissingPtx { .. } => DeviceError::DeviceLost(err.to_string()),
+        CudaError::OutOfMemory { .. }
+        | CudaError::BadRange(_)
+        | CudaError::BadLaunch { .. }
+        | CudaError::UnknownEvent(_) => DeviceError::Failed {
+            phase,
+            message: err.to_string(),
+        },
+    }
+}
+
+fn effect_err(err: CudaError) -> DeviceError {
+    device_error(Phase::Effect, err)
+}
+
+fn invalid(what: &'static str, detail: String) -> DeviceError {
+    DeviceError::Invalid { what, detail }
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn bytes_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Device memory an effect borrows for its duration, freed (after both streams drained) however
+/// the effect ends.
+struct Scratch<'a> {
+    rt: &'a dyn Runtime,
+    buffers: Vec<DeviceBuffer>,
+    pinned: Vec<crate::runtime::PinnedBuffer>,
+}
+
+impl<'a> Scratch<'a> {
+    fn new(rt: &'a dyn Runtime) -> Self {
+        Scratch {
+            rt,
+            buffers: Vec::new(),
+            pinned: Vec::new(),
+        }
+    }
+
+    fn alloc(&mut self, bytes: usize) -> std::result::Result<DeviceSlice, CudaError> {
+        let buffer = self.rt.alloc(bytes)?;
+        let slice = buffer.all();
+        self.buffers.push(buffer);
+        Ok(slice)
+    }
+
+    fn pinned(&mut self, bytes: usize) -> std::result::Result<usize, CudaError> {
+        self.pinned.push(self.rt.alloc_pinned(bytes)?);
+        Ok(self.pinned.len() - 1)
+    }
+
+    /// Frees everything; the first error wins.
+    fn finish(mut self) -> std::result::Result<(), CudaError> {
+        let mut first = Ok(());
+        for pinned in std::mem::take(&mut self.pinned) {
+            let freed = self.rt.free_pinned(pinned);
+            first = first.and(freed);
+        }
+        for buffer in std::mem::take(&mut self.buffers) {
+            let freed = self.rt.free(buffer);
+            first = first.and(freed);
+        }
+        first
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        for pinned in std::mem::take(&mut self.pinned) {
+            if let Err(err) = self.rt.free_pinned(pinned) {
+                tracing::error!(%err, "freeing an effect's pinned buffer");
+            }
+        }
+        for buffer in std::mem::take(&mut self.buffers) {
+            if let Err(err) = self.rt.free(buffer) {
+                tracing::error!(%err, "freeing an effect's device buffer");
+            }
+        }
+    }
+}
+
+impl CudaRouter {
+    /// State row `row` (live, checkpoint or ring; see the module docs).
+    fn state_row(&self, row: usize) -> std::result::Result<DeviceSlice, CudaError> {
+        let bytes = self.plan().state_slot_bytes as usize;
+        self.buffers()?.states.range(row * bytes, bytes)
+    }
+
+    /// Queues the copy of state row `from` to row `to` on the compute stream, after the steps
+    /// launched before.
+    fn copy_row(&self, from: usize, to: usize) -> Result<()> {
+        if self.plan().state_slot_bytes == 0 {
+            return Ok(());
+        }
+        let run = || -> std::result::Result<(), CudaError> {
+            let src = self.state_row(from)?;
+            let dst = self.state_row(to)?;
+            self.runtime().copy(dst, src, Stream::Compute)
+        };
+        run().map_err(effect_err)
+    }
+
+    /// The bytes of state row `row`, read after the work queued before (for tests and checks).
+    pub fn read_state_row(&self, row: usize) -> std::result::Result<Vec<u8>, CudaError> {
+        let src = self.state_row(row)?;
+        let mut out = vec![0u8; src.bytes()];
+        self.runtime().download(&mut out, src, Stream::Compute)?;
+        Ok(out)
+    }
+
+    /// Overwrites state row `row` with `bytes` (its whole length), in stream order: for tests
+    /// that must tell a restored state from the one it replaced.
+    #[doc(hidden)]
+    pub fn write_state_row(&self, row: usize, bytes: &[u8]) -> std::result::Result<(), CudaError> {
+        let dst = self.state_row(row)?;
+        self.runtime().upload(dst, bytes, Stream::Compute)
+    }
+
+    /// The KV of `blocks` and the state of live slot `slot`, gathered on the compute stream and
+    /// copied to a pinned buffer on the copy stream.
+    fn export(
+        &self,
+        blocks: &[u32],
+        slot: usize,
+    ) -> std::result::Result<(Vec<f32>, Vec<f32>), CudaError> {
+        let rt = self.runtime();
+        let kv_block = self.plan().kv_block_bytes as usize;
+        let state_bytes = self.plan().state_slot_bytes as usize;
+        let kv_bytes = kv_block * blocks.len();
+        let mut scratch = Scratch::new(rt);
+        let total = kv_bytes + state_bytes;
+        let mut bytes = vec![0u8; total];
+        if total > 0 {
+            let staging = scratch.alloc(total)?;
+            if kv_bytes > 0 {
+                let ids = scratch.alloc(4 * blocks.len())?;
+                let id_bytes: Vec<u8> = blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
+                rt.upload(ids, &id_bytes, Stream::Compute)?;
+                kernels::gather_blocks(
+                    rt,
+                    Stream::Compute,
+                    staging.range(0, kv_bytes)?,
+                    self.buffers()?.kv.all(),
+                    ids,
+                    BlockShape {
+                        count: blocks.len(),
+                        words: kv_block / 4,
+                        pool_blocks: self.plan().num_blocks,
+                    },
+                )?;
+            }
+            if state_bytes > 0 {
+                rt.copy(
+                    staging.range(kv_bytes, state_bytes)?,
+                    self.state_row(slot)?,
+                    Stream::Compute,
+                )?;
+            }
+            let joined = self.join_event()?;
+            rt.record(joined, Stream::Compute)?;
+            rt.wait_event(Stream::Copy, joined)?;
+            let pinned = scratch.pinned(total)?;
+            rt.copy_to_pinned(&scratch.pinned[pinned], 0, staging, Stream::Copy)?;
+            rt.read_pinned(&scratch.pinned[pinned], 0, &mut bytes)?;
+        }
+        scratch.finish()?;
+        Ok((bytes_f32(&bytes[..kv_bytes]), bytes_f32(&bytes[kv_bytes..])))
+    }
+
+    /// Writes an image's KV into `blocks` and its state into live slot `slot`: host bytes into a
+    /// pinned buffer, to the device on the copy stream, scattered on the compute stream after
+    /// the steps launched before.
+    fn import(
+        &self,
+        blocks: &[u32],
+        kv: &[f32],
+        slot: usize,
+        state: &[f32],
+    ) -> std::result::Result<(), CudaError> {
+        let rt = self.runtime();
+        let kv_block = self.plan().kv_block_bytes as usize;
+        let state_bytes = self.plan().state_slot_bytes as usize;
+        let kv_bytes = kv_block * blocks.len();
+        let total = kv_bytes + state_bytes;
+        if total == 0 {
+            return Ok(());
+        }
+        let mut scratch = Scratch::new(rt);
+        let pinned = scratch.pinned(total)?;
+        rt.write_pinned(&scratch.pinned[pinned], 0, &f32_bytes(kv))?;
+        rt.write_pinned(&scratch.pinned[pinned], kv_bytes, &f32_bytes(state))?;
+        let staging = scratch.alloc(total)?;
+        rt.copy_from_pinned(staging, &scratch.pinned[pinned], 0, Stream::Copy)?;
+        let joined = self.join_event()?;
+        rt.record(joined, Stream::Copy)?;
+        rt.wait_event(Stream::Compute, joined)?;
+        if kv_bytes > 0 {
+            let ids = scratch.alloc(4 * blocks.len())?;
+            let id_bytes: Vec<u8> = blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
+            rt.upload(ids, &id_bytes, Stream::Compute)?;
+            kernels::scatter_blocks(
+                rt,
+                Stream::Compute,
+                self.buffers()?.kv.all(),
+                staging.range(0, kv_bytes)?,
+                ids,
+                BlockShape {
+                    count: blocks.len(),
+                    words: kv_block / 4,
+                    pool_blocks: self.plan().num_blocks,
+                },
+            )?;
+        }
+        if state_bytes > 0 {
+            rt.copy(
+                self.state_row(slot)?,
+                staging.range(kv_bytes, state_bytes)?,
+                Stream::Compute,
+            )?;
+        }
+        // Freeing waits for both streams, so the data has landed when this returns.
+        scratch.finish()
+    }
+
+    fn save(
+        &self,
+        inner: &mut Inner,
+        seq: &RouterSeq,
+        writer: &mut dyn std::io::Write,
+    ) -> Result<EffectOutcome> {
+        let shape = *self.book_shape();
+        let plan = book::save_plan(&shape, &inner.book(), seq)?;
+        let (kv, state) = self.export(&plan.blocks, plan.slot).map_err(effect_err)?;
+        let bytes = image::encode(
+            &shape.layout,
+            &plan.header,
+            &plan.tokens,
+            plan.blocks.len(),
+            &kv,
+            &state,
+        );
+        book::write_image(seq.id, &bytes, writer)?;
+        Ok(EffectOutcome::Unit)
+    }
+
+    fn restore(
+        &self,
+        inner: &mut Inner,
+        seq: &mut RouterSeq,
+        reader: &mut dyn std::io::Read,
+    ) -> Result<EffectOutcome> {
+        let shape = *self.book_shape();
+        let image = book::read_image(&shape, &inner.book(), seq, reader)?;
+        let (slot, blocks) = book::restore_reserve(&shape, &mut inner.book(), &image)?;
+        if let Err(err) = self.import(&blocks, &image.kv, slot, &image.state) {
+            book::restore_abort(&mut inner.book(), blocks);
+            return Err(effect_err(err));
+        }
+        book::restore_commit(&mut inner.book(), seq, image, slot, blocks);
+        Ok(EffectOutcome::Unit)
+    }
+
+    fn read_logits(
+        &self,
+        inner: &Inner,
+        handle: LogitsHandle,
+        rows: usize,
+        into: &mut Vec<u8>,
+    ) -> Result<EffectOutcome> {
+        let Some(held) = inner.logits.iter().find(|l| l.step == handle.step).copied() else {
+            let steps: Vec<String> = inner.logits.iter().map(|l| l.step.to_string()).collect();
+            return Err(invalid(
+                "ReadLogits",
+                if steps.is_empty() {
+                    format!(
+                        "the handle names step {}, the router holds no logits",
+                        handle.step
+                    )
+                } else {
+                    format!(
+                        "the handle names step {}, the router holds the logits of step {}",
+                        handle.step,
+                        steps.join(" and ")
+                    )
+                },
+            ));
+        };
+        if rows > held.rows {
+            return Err(invalid(
+                "ReadLogits",
+                format!("{rows} rows asked, step {} has {}", handle.step, held.rows),
+            ));
+        }
+        let row_bytes = 4 * self.model_config().vocab_size;
+        let half = (self.plan().logits_bytes / 2) as usize;
+        let bytes = rows * row_bytes;
+        let run = || -> std::result::Result<Vec<u8>, CudaError> {
+            let rt = self.runtime();
+            let mut out = vec![0u8; bytes];
+            if bytes == 0 {
+                return Ok(out);
+            }
+            let src = self.buffers()?.logits.range(held.half * half, bytes)?;
+            // The step's logits are complete once the compute stream has passed it.
+            let joined = self.join_event()?;
+            rt.record(joined, Stream::Compute)?;
+            rt.wait_event(Stream::Copy, joined)?;
+            let mut scratch = Scratch::new(rt);
+            let pinned = scratch.pinned(bytes)?;
+            rt.copy_to_pinned(&scratch.pinned[pinned], 0, src, Stream::Copy)?;
+            rt.read_pinned(&scratch.pinned[pinned], 0, &mut out)?;
+            scratch.finish()?;
+            Ok(out)
+        };
+        *into = run().map_err(|err| device_error(Phase::Readback, err))?;
+        Ok(EffectOutcome::HostLogits { elem_bytes: 4 })
+    }
+
+    fn quiesce(&self, stream: u64) -> Result<EffectOutcome> {
+        let Some(which) = Stream::from_index(stream) else {
+            return Err(invalid(
+                "Quiesce",
+                format!("stream {stream}: this router has streams 0 (compute) and 1 (copy)"),
+            ));
+        };
+        self.runtime().sync_stream(which).map_err(effect_err)?;
+        Ok(EffectOutcome::Unit)
+    }
+
+    fn sync_secondary(&self) -> Result<EffectOutcome> {
+        let run = || -> std::result::Result<(), CudaError> {
+            let joined = self.join_event()?;
+            self.runtime().record(joined, Stream::Compute)?;
+            self.runtime().wait_event(Stream::Copy, joined)
+        };
+        run().map_err(effect_err)?;
+        Ok(EffectOutcome::Unit)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Inner>> {
+        self.inner()
+            .lock()
+            .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_owned()))
+    }
+
+    /// Checks a plan's per-row slices against its rows, as every router must before anything
+    /// else; the row count must fit the live slots.
+    fn check_plan(&self, plan: &StepPlan<'_>, rows: usize) -> Result<()> {
+        let what = match plan {
+            StepPlan::Prefill { .. } => "Prefill",
+            StepPlan::Decode { .. } => "Decode",
+            StepPlan::DecodeFed { .. } => "DecodeFed",
+        };
+        if plan.rows() != rows {
+            return Err(invalid(
+                what,
+                format!("the plan has {} rows, {rows} sequences were given", plan.rows()),
+            ));
+        }
+        if rows == 0 || rows > self.plan().live_slots {
+            return Err(invalid(
+                what,
+                format!(
+                    "{rows} rows: a step has 1..={} rows",
+                    self.plan().live_slots
+                ),
+            ));
+        }
+        if let StepPlan::DecodeFed { sources, masks } = plan {
+            if !masks.is_empty() && masks.len() != sources.len() {
+                return Err(invalid(
+                    what,
+                    format!("{} masks for {} rows", masks.len(), sources.len()),
+                ));
+            }
+            let vocab = self.model_config().vocab_size;
+            for source in sources.iter() {
+                if let Feed::Host(token) = source {
+                    if *token as usize >= vocab {
+                        return Err(invalid(
+                            what,
+                            format!("host token {token} is outside the vocabulary of {vocab}"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceIo for CudaRouter {
+    type Seq = RouterSeq;
+    type Ptr = LogitsHandle;
+    /// The CUDA router keeps the weights on the device only; the host keeps the config.
+    type Model = model::Config;
+    type LoraCmd = LoraCommand;
+    type LoraAck = ();
+
+    fn model(&self) -> &model::Config {
+        self.model_config()
+    }
+
+    fn facts(&self) -> DeviceFacts {
+        let Ok(inner) = self.lock() else {
+            return DeviceFacts::default();
+        };
+        let plan = self.plan();
+        DeviceFacts {
+            block_size: plan.block_size,
+            vocab_size: self.model_config().vocab_size,
+            max_context: self.router_config().max_context,
+            kv_blocks_total: plan.num_blocks,
+            kv_blocks_free: inner.cache.free_blocks(),
+            kv_blocks_cached: inner.cache.cached_blocks(),
+            live_slots_total: plan.live_slots,
+            live_slots_used: inner.slots.iter().filter(|s| s.is_some()).count(),
+            checkpoint_slots_total: plan.checkpoint_slots,
+            checkpoint_slots_used: inner.cache.checkpoint_slots_used(),
+        }
+    }
+
+    fn max_depth(&self) -> usize {
+        2
+    }
+
+    /// Checks the depth and the plan's shape, then the forward kernels. Part 2 continues after
+    /// `forward_support` passes: the plans' bookkeeping (attach cached prefixes, reserve blocks
+    /// and slots, resolve feeds; the host router's `plans` module, to be shared through
+    /// `router_book`), then `crate::forward` enqueues the step on the compute stream (embedding
+    /// or feed-cell gather, the layers, the head, argmax into the feed cells, logits into the
+    /// step's half of the logits buffer), records the step's event, and the ticket joins
+    /// `unsettled`; `await_result` then syncs on that event and reads the argmax back.
+    fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut RouterSeq]) -> Result<Ticket> {
+        let inner = self.lock()?;
+        if inner.unsettled.len() >= self.max_depth() {
+            return Err(invalid(
+                "launch",
+                format!(
+                    "ticket {} is not awaited yet and max_depth is {}",
+                    inner.unsettled.front().copied().unwrap_or_default(),
+                    self.max_depth()
+                ),
+            ));
+        }
+        self.check_plan(&plan, rows.len())?;
+        self.forward_support()?;
+        Err(DeviceError::Unsupported {
+            what: "a CUDA forward step (part 2 of the CUDA router)",
+        })
+    }
+
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<LogitsHandle>> {
+        let inner = self.lock()?;
+        match inner.unsettled.front() {
+            Some(&oldest) if oldest != ticket.0 && inner.unsettled.contains(&ticket.0) => {
+                Err(invalid(
+                    "await_result",
+                    format!("{ticket} awaited before ticket {oldest}"),
+                ))
+            }
+            // No plan launches before part 2, so no ticket was ever issued.
+            _ => Err(DeviceError::UnknownTicket(ticket)),
+        }
+    }
+
+    fn apply(&self, effect: Effect<'_, RouterSeq, LogitsHandle>) -> Result<EffectOutcome> {
+        let mut inner = self.lock()?;
+        let shape = *self.book_shape();
+        let mut copy = |from: usize, to: usize| self.copy_row(from, to);
+        match effect {
+            Effect::ReleaseSeq { seq, cache, what } => {
+                book::sync(&mut inner.book(), seq);
+                book::release(&shape, &mut inner.book(), seq, cache, what)?;
+                Ok(EffectOutcome::Unit)
+            }
+            Effect::CompactSlot { seq, target } => {
+                book::sync(&mut inner.book(), seq);
+                book::compact(&shape, &mut inner.book(), seq, target, &mut copy)
+            }
+            Effect::DetachSlot { seq } => {
+                book::sync(&mut inner.book(), seq);
+                book::detach(&mut inner.book(), seq)
+            }
+            Effect::SaveSequenceState { seq, writer } => self.save(&mut inner, seq, writer),
+            Effect::RestoreSequenceState { seq, reader } => self.restore(&mut inner, seq, reader),
+            Effect::ReadLogits { logits, rows, into } => {
+                self.read_logits(&inner, logits, rows, into)
+            }
+            Effect::MarconiCheckpoint { seq } => {
+                book::sync(&mut inner.book(), seq);
+                book::marconi_checkpoint(&shape, &mut inner.book(), seq, &mut copy)
+            }
+            Effect::SsmSnapshotSave { seq, slot } => {
+                book::snapshot_save(&shape, &mut inner.book(), seq, slot, &mut copy)
+            }
+            Effect::SsmSnapshotRestore { seq, slot } => {
+                book::snapshot_restore(&shape, &mut inner.book(), seq, slot, &mut copy)
+            }
+            Effect::ReserveKv { seq } => {
+                book::sync(&mut inner.book(), seq);
+                book::reserve_kv(&shape, &mut inner.book(), seq)
+            }
+            Effect::Rollback { seq } => {
+                book::sync(&mut inner.book(), seq);
+                book::rollback(&shape, &mut inner.book(), seq)
+            }
+            Effect::Quiesce { stream } => self.quiesce(stream),
+            Effect::SyncSecondary => self.sync_secondary(),
+            // No catch-up ring and no expert workers yet: see the module docs.
+            Effect::SaveHiddenCatchup { .. } | Effect::EpShutdown => Ok(EffectOutcome::Unit),
+        }
+    }
+
+    fn clear_prefix_cache(&self) -> Result<()> {
+        self.lock()?.cache.clear();
+        Ok(())
+    }
+
+    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {
+        Err(format!(
+            "LoRA is not supported yet by the CUDA router (command {cmd:?})"
+        ))
+    }
+
+    /// Waits for both streams, frees every region, and reports the sequences that still held
+    /// resources and the steps never awaited (as the host router does), and any device error.
+    fn teardown(self: Box<Self>) -> Result<()> {
+        let (inner, freed) = self.into_parts();
+        let mut problems = Vec::new();
+        if let Err(err) = freed {
+            problems.push(format!("freeing device memory: {err}"));
+        }
+        match inner {
+            Ok(mut inner) => {
+                let holders = book::holders(&inner.tenures);
+                inner.cache.clear();
+                if !holders.is_empty() {
+                    problems.push(format!(
+                        "{} sequence(s) still held resources at teardown: {}",
+                        holders.len(),
+                        holders.join(", ")
+                    ));
+                }
+                if !inner.unsettled.is_empty() {
+                    let unclaimed: Vec<String> =
+                        inner.unsettled.iter().map(u64::to_string).collect();
+                    problems.push(format!(
+                        "{} launched step(s) were never awaited: ticket {}",
+                        unclaimed.len(),
+                        unclaimed.join(", ticket ")
+                    ));
+                }
+            }
+            Err(message) => problems.push(message),
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(DeviceError::Failed {
+                phase: Phase::Teardown,
+                message: problems.join("; "),
+            })
+        }
+    }
+}
