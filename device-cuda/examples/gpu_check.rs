@@ -357,7 +357,9 @@ fn effects_script(router: &CudaRouter, model: &Model) -> Vec<String> {
         router.apply(Effect::SsmSnapshotSave { seq: a, slot: 0 })
     ));
     let zeros = vec![0u8; router.plan().state_slot_bytes as usize];
-    router.write_state_row(0, &zeros).expect("write a state row");
+    router
+        .write_state_row(0, &zeros)
+        .expect("write a state row");
     log.push(format!(
         "{:?}",
         router.apply(Effect::SsmSnapshotRestore { seq: a, slot: 0 })
@@ -369,9 +371,16 @@ fn effects_script(router: &CudaRouter, model: &Model) -> Vec<String> {
     ));
     log.push(format!(
         "{:?}",
-        router.apply(Effect::ReleaseSeq { seq: a, cache: true, what: "finish" })
+        router.apply(Effect::ReleaseSeq {
+            seq: a,
+            cache: true,
+            what: "finish"
+        })
     ));
-    log.push(format!("{:?}", router.apply(Effect::CompactSlot { seq: c, target: 0 })));
+    log.push(format!(
+        "{:?}",
+        router.apply(Effect::CompactSlot { seq: c, target: 0 })
+    ));
     log.push(format!("{:?}", router.apply(Effect::DetachSlot { seq: b })));
     log.push(format!("{:?}", router.apply(Effect::ReserveKv { seq: c })));
     log.push(format!("{:?}", router.apply(Effect::Rollback { seq: c })));
@@ -382,7 +391,10 @@ fn effects_script(router: &CudaRouter, model: &Model) -> Vec<String> {
     let mut image = Vec::new();
     log.push(format!(
         "{:?}",
-        router.apply(Effect::SaveSequenceState { seq: c, writer: &mut image })
+        router.apply(Effect::SaveSequenceState {
+            seq: c,
+            writer: &mut image
+        })
     ));
     log.push(format!("image of c: {image:?}"));
     for row in 0..ring + router.plan().snapshot_slots {
@@ -392,7 +404,11 @@ fn effects_script(router: &CudaRouter, model: &Model) -> Vec<String> {
     for s in [b, c] {
         log.push(format!(
             "{:?}",
-            router.apply(Effect::ReleaseSeq { seq: s, cache: false, what: "finish" })
+            router.apply(Effect::ReleaseSeq {
+                seq: s,
+                cache: false,
+                what: "finish"
+            })
         ));
     }
     log
@@ -419,7 +435,11 @@ fn effects_check(gpu: Box<dyn Runtime>) -> bool {
     if !ok {
         for (x, y) in a.iter().zip(&b) {
             if x != y {
-                println!("gpu-check:   GPU {}\n gpu-check:   sim {}", &x[..x.len().min(200)], &y[..y.len().min(200)]);
+                println!(
+                    "gpu-check:   GPU {}\n gpu-check:   sim {}",
+                    &x[..x.len().min(200)],
+                    &y[..y.len().min(200)]
+                );
                 break;
             }
         }

@@ -35,8 +35,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Phase,
-    Result, StepPlan, StepResult, Ticket,
+    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand,
+    Phase, Result, StepPlan, StepResult, Ticket,
 };
 use router_book::book::{self, BookMut};
 use router_book::image;
@@ -475,7 +475,10 @@ impl CudaRouter {
         if plan.rows() != rows {
             return Err(invalid(
                 what,
-                format!("the plan has {} rows, {rows} sequences were given", plan.rows()),
+                format!(
+                    "the plan has {} rows, {rows} sequences were given",
+                    plan.rows()
+                ),
             ));
         }
         if rows == 0 || rows > self.plan().live_slots {
@@ -635,6 +638,13 @@ impl DeviceIo for CudaRouter {
 
     fn clear_prefix_cache(&self) -> Result<()> {
         self.lock()?.cache.clear();
+        Ok(())
+    }
+
+    /// The prefix cache's events, as the host router publishes them (`router_book::events`: the
+    /// same bookkeeping, so the same events).
+    fn subscribe_cache_events(&self, sink: Box<dyn CacheEventSink>) -> Result<()> {
+        self.lock()?.cache.subscribe(sink);
         Ok(())
     }
 

@@ -36,10 +36,10 @@ pub use forward::{
 };
 pub use memory::{widest_activation, CudaRouterConfig, MemoryPlan, PlanError, ALIGN};
 pub use router::{CudaRouter, CudaRouterError, TensorPlace};
+pub use router_book::LogitsHandle;
 /// The CUDA router's per-sequence bookkeeping: the record every router keeps
 /// (`router_book::RouterSeq`), so the host and CUDA routers decide alike.
 pub use router_book::RouterSeq as CudaSeq;
-pub use router_book::LogitsHandle;
 pub use runtime::cuda::{ptx_modules, CudaRuntime};
 pub use runtime::sim::{Schedule, SimRuntime};
 pub use runtime::{

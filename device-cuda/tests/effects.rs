@@ -215,9 +215,7 @@ fn snapshots_and_checkpoints_copy_the_live_state() {
         .unwrap();
     assert_eq!(router.read_state_row(ring(1)).unwrap(), sx);
     // Overwrite the live row; the restore brings the snapshot back.
-    router
-        .write_state_row(0, &vec![0xab; sx.len()])
-        .unwrap();
+    router.write_state_row(0, &vec![0xab; sx.len()]).unwrap();
     router
         .apply(Effect::SsmSnapshotRestore { seq: &x, slot: 1 })
         .unwrap();
@@ -250,14 +248,14 @@ fn snapshots_and_checkpoints_copy_the_live_state() {
         panic!("no output checkpoint: {:?}", x.checkpoints_held());
     };
     let slot = x.output_checkpoint.unwrap().1.index();
-    assert_eq!(
-        router.read_state_row(plan.live_slots + slot).unwrap(),
-        sx
-    );
+    assert_eq!(router.read_state_row(plan.live_slots + slot).unwrap(), sx);
     assert_eq!(router.facts().checkpoint_slots_used, 1);
     release(&router, &mut x, true);
     let facts = router.facts();
-    assert_eq!((facts.kv_blocks_cached, facts.checkpoint_slots_used), (2, 1));
+    assert_eq!(
+        (facts.kv_blocks_cached, facts.checkpoint_slots_used),
+        (2, 1)
+    );
     // The cached checkpoint row is untouched by what comes next.
     router
         .apply(Effect::CompactSlot {
@@ -265,13 +263,13 @@ fn snapshots_and_checkpoints_copy_the_live_state() {
             target: 0,
         })
         .unwrap();
-    assert_eq!(
-        router.read_state_row(plan.live_slots + slot).unwrap(),
-        sx
-    );
+    assert_eq!(router.read_state_row(plan.live_slots + slot).unwrap(), sx);
     router.clear_prefix_cache().unwrap();
     let facts = router.facts();
-    assert_eq!((facts.kv_blocks_cached, facts.checkpoint_slots_used), (0, 0));
+    assert_eq!(
+        (facts.kv_blocks_cached, facts.checkpoint_slots_used),
+        (0, 0)
+    );
     release(&router, &mut y, false);
     Box::new(router).teardown().unwrap();
 }
@@ -294,7 +292,11 @@ fn the_reservation_ledger_adds_and_returns_blocks() {
         EffectOutcome::Reserved { blocks: 0 }
     );
     router.apply(Effect::Rollback { seq: &mut x }).unwrap();
-    assert_eq!(used_blocks(&router.facts()), used + 1, "the committed block stays");
+    assert_eq!(
+        used_blocks(&router.facts()),
+        used + 1,
+        "the committed block stays"
+    );
     assert!(matches!(
         router.apply(Effect::Rollback { seq: &mut x }),
         Err(DeviceError::Invalid { .. })
@@ -327,7 +329,10 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
         ("empty", Vec::new()),
     ] {
         assert!(
-            matches!(restore(&router, &mut other, &bad), Err(DeviceError::BadImage(_))),
+            matches!(
+                restore(&router, &mut other, &bad),
+                Err(DeviceError::BadImage(_))
+            ),
             "{what}"
         );
         assert_eq!(router.facts(), facts, "{what}");
@@ -349,14 +354,24 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
     ));
     // A sequence holding resources of this router is refused by another one, and vice versa.
     assert!(matches!(
-        foreign_router.apply(Effect::CompactSlot { seq: &mut x, target: 1 }),
+        foreign_router.apply(Effect::CompactSlot {
+            seq: &mut x,
+            target: 1
+        }),
         Err(DeviceError::Invalid { .. })
     ));
     assert!(matches!(
-        foreign_router.apply(Effect::ReleaseSeq { seq: &mut x, cache: true, what: "finish" }),
+        foreign_router.apply(Effect::ReleaseSeq {
+            seq: &mut x,
+            cache: true,
+            what: "finish"
+        }),
         Err(DeviceError::Invalid { .. })
     ));
-    assert!(matches!(restore(&router, &mut x, &ix), Err(DeviceError::Invalid { .. })));
+    assert!(matches!(
+        restore(&router, &mut x, &ix),
+        Err(DeviceError::Invalid { .. })
+    ));
 
     // Slots: a taken or missing target, a sequence without a slot, all slots in use.
     let (iz, _) = image_of(&router, 3, 4, 4, 9);
@@ -365,7 +380,10 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
     let facts = router.facts();
     for target in [1, SLOTS] {
         assert!(matches!(
-            router.apply(Effect::CompactSlot { seq: &mut x, target }),
+            router.apply(Effect::CompactSlot {
+                seq: &mut x,
+                target
+            }),
             Err(DeviceError::Invalid { .. })
         ));
     }
@@ -376,9 +394,15 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
             1 => Effect::ReserveKv { seq: &mut fresh },
             _ => Effect::MarconiCheckpoint { seq: &mut fresh },
         };
-        assert!(matches!(router.apply(effect), Err(DeviceError::Invalid { .. })));
+        assert!(matches!(
+            router.apply(effect),
+            Err(DeviceError::Invalid { .. })
+        ));
     }
-    assert!(matches!(save(&router, &fresh), Err(DeviceError::Invalid { .. })));
+    assert!(matches!(
+        save(&router, &fresh),
+        Err(DeviceError::Invalid { .. })
+    ));
     assert_eq!(router.facts(), facts);
     let mut more: Vec<CudaSeq> = (10..12).map(seq).collect();
     for s in &mut more {
@@ -446,10 +470,9 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
     // Teardown names the sequences that still hold resources.
     release(&router, &mut z, false);
     match Box::new(router).teardown() {
-        Err(DeviceError::Failed { message, .. }) => assert_eq!(
-            message,
-            "1 sequence(s) still held resources at teardown: 1"
-        ),
+        Err(DeviceError::Failed { message, .. }) => {
+            assert_eq!(message, "1 sequence(s) still held resources at teardown: 1")
+        }
         other => panic!("teardown answered {other:?}"),
     }
 }

@@ -2,8 +2,8 @@
 //! sequence states computed by the host router move into the CUDA router through the shared
 //! spill image and back, and the same script of effects (restore, snapshots, release with the
 //! cache offer, compaction, detaching, a Marconi checkpoint, reservations and rollbacks up to a
-//! dry pool, misuse) leaves both routers with the same answers, the same facts and the same
-//! images, bit for bit. Both routers have the same pool and checkpoint region, so even block
+//! dry pool, misuse) leaves both routers with the same answers, the same facts, the same cache
+//! events and the same images, bit for bit. Both routers have the same pool and checkpoint region, so even block
 //! counts must agree. (The CUDA router computes no step before its layer kernels exist, so the
 //! states come from the host router.)
 
@@ -40,8 +40,8 @@ fn cuda_config(budget: u64) -> CudaRouterConfig {
 /// same pool, slots, checkpoint region and ring.
 fn pair() -> (CpuRouter, CudaRouter) {
     let model = fixture();
-    let probe = device_cuda::MemoryPlan::from_budget(model.config(), 0, &cuda_config(1 << 40))
-        .unwrap();
+    let probe =
+        device_cuda::MemoryPlan::from_budget(model.config(), 0, &cuda_config(1 << 40)).unwrap();
     let kv = probe.kv_block_bytes;
     let needed = match CudaRouter::sim(model, cuda_config(0)) {
         Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => needed,
@@ -50,7 +50,10 @@ fn pair() -> (CpuRouter, CudaRouter) {
     let fixed = needed - (CONTEXT / 16) as u64 * kv;
     let cuda = CudaRouter::sim(model, cuda_config(fixed + 22 * kv)).unwrap();
     let plan = *cuda.plan();
-    assert!(plan.checkpoint_slots >= 1 && plan.num_blocks < 20, "{plan:?}");
+    assert!(
+        plan.checkpoint_slots >= 1 && plan.num_blocks < 20,
+        "{plan:?}"
+    );
     let cpu = CpuRouter::new(
         model.clone(),
         CpuRouterConfig {
@@ -209,15 +212,28 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
 ) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut log = Vec::new();
     let mut saved = Vec::new();
+    // Every cache event, in order, goes into the log too.
+    let (events_tx, events) = std::sync::mpsc::channel();
+    router
+        .subscribe_cache_events(Box::new(Forward(events_tx)))
+        .unwrap();
     let facts = |log: &mut Vec<String>, what: &str, outcome: String| {
         let f: DeviceFacts = router.facts();
         log.push(format!("{what}: {outcome} | {f:?}"));
     };
     let [(ia, pa, a_img), (ib, pb, b_img), (ic, pc, c_img)] = images;
     let (mut a, mut b, mut c) = (seq(*ia, pa), seq(*ib, pb), seq(*ic, pc));
-    for (name, s, image) in [("a", &mut a, a_img), ("b", &mut b, b_img), ("c", &mut c, c_img)] {
+    for (name, s, image) in [
+        ("a", &mut a, a_img),
+        ("b", &mut b, b_img),
+        ("c", &mut c, c_img),
+    ] {
         let outcome = restore(router, s, image);
-        facts(&mut log, &format!("restore {name}"), format!("{outcome:?} slot {:?}", s.slot()));
+        facts(
+            &mut log,
+            &format!("restore {name}"),
+            format!("{outcome:?} slot {:?}", s.slot()),
+        );
     }
     // A restore into a sequence that holds resources, and a corrupt image, are refused.
     let outcome = restore(router, &mut a, a_img);
@@ -232,7 +248,11 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
     let outcome = router.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 });
     facts(&mut log, "snapshot a", format!("{outcome:?}"));
     let outcome = router.apply(Effect::SsmSnapshotRestore { seq: &b, slot: 0 });
-    facts(&mut log, "snapshot restore b from a's", format!("{outcome:?}"));
+    facts(
+        &mut log,
+        "snapshot restore b from a's",
+        format!("{outcome:?}"),
+    );
     let outcome = router.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 });
     facts(&mut log, "snapshot restore a", format!("{outcome:?}"));
     saved.push(save(router, &a).unwrap());
@@ -240,7 +260,11 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
     // b sits at a block boundary: the checkpoint a decode step would have asked for.
     b.checkpoint_due = true;
     let outcome = router.apply(Effect::MarconiCheckpoint { seq: &mut b });
-    facts(&mut log, "checkpoint b", format!("{outcome:?} {:?}", b.checkpoints_held()));
+    facts(
+        &mut log,
+        "checkpoint b",
+        format!("{outcome:?} {:?}", b.checkpoints_held()),
+    );
 
     let outcome = router.apply(Effect::ReleaseSeq {
         seq: &mut a,
@@ -257,7 +281,11 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
         seq: &mut c,
         target: 0,
     });
-    facts(&mut log, "compact c to 0", format!("{outcome:?} slot {:?}", c.slot()));
+    facts(
+        &mut log,
+        "compact c to 0",
+        format!("{outcome:?} slot {:?}", c.slot()),
+    );
     saved.push(save(router, &c).unwrap());
     let outcome = router.apply(Effect::DetachSlot { seq: &mut c });
     facts(&mut log, "detach c", format!("{outcome:?}"));
@@ -265,7 +293,11 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
         seq: &mut b,
         target: 0,
     });
-    facts(&mut log, "compact b into c's old slot", format!("{outcome:?}"));
+    facts(
+        &mut log,
+        "compact b into c's old slot",
+        format!("{outcome:?}"),
+    );
     let outcome = router.apply(Effect::ReleaseSeq {
         seq: &mut c,
         cache: false,
@@ -287,13 +319,21 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
     for round in 0..40 {
         let mut s = seq(*ic, pc);
         let outcome = restore(router, &mut s, c_img);
-        facts(&mut log, &format!("restore c #{round}"), format!("{outcome:?}"));
+        facts(
+            &mut log,
+            &format!("restore c #{round}"),
+            format!("{outcome:?}"),
+        );
         if outcome.is_err() {
             break;
         }
         loop {
             let outcome = router.apply(Effect::ReserveKv { seq: &mut s });
-            facts(&mut log, "reserve", format!("{outcome:?} len {}", s.blocks().len()));
+            facts(
+                &mut log,
+                "reserve",
+                format!("{outcome:?} len {}", s.blocks().len()),
+            );
             match outcome {
                 Ok(EffectOutcome::Reserved { .. }) => {
                     // As if a step had computed up to the end of the reserved block: the next
@@ -327,7 +367,41 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
     facts(&mut log, "release b (cached)", format!("{outcome:?}"));
     let outcome = router.clear_prefix_cache();
     facts(&mut log, "clear", format!("{outcome:?}"));
+    // Keys are seeded per cache instance (kv-cache draws a seed), so they are compared by the
+    // order they first appear in.
+    let mut keys: Vec<String> = Vec::new();
+    for event in events.try_iter() {
+        let text = format!("{event:?}");
+        let mut out = String::new();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("BlockKey(") {
+            let (head, tail) = rest.split_at(at + "BlockKey(".len());
+            let end = tail.find(')').unwrap();
+            let key = tail[..end].to_owned();
+            let index = match keys.iter().position(|k| *k == key) {
+                Some(index) => index,
+                None => {
+                    keys.push(key);
+                    keys.len() - 1
+                }
+            };
+            out.push_str(head);
+            out.push_str(&format!("#{index}"));
+            rest = &tail[end..];
+        }
+        out.push_str(rest);
+        log.push(out);
+    }
     (log, saved)
+}
+
+/// A cache-event sink that forwards to a channel.
+struct Forward(std::sync::mpsc::Sender<device_io::CacheEvent>);
+
+impl device_io::CacheEventSink for Forward {
+    fn deliver(&mut self, event: device_io::CacheEvent) -> bool {
+        self.0.send(event).is_ok()
+    }
 }
 
 #[test]
@@ -340,9 +414,19 @@ fn the_same_effects_leave_the_same_state_on_both_routers() {
         assert_eq!(h, c, "line {i}");
     }
     assert_eq!(host_log.len(), cuda_log.len());
-    assert!(host_log.iter().any(|l| l.contains("Ok(Exhausted)")), "{host_log:#?}");
-    assert!(host_log.iter().any(|l| l.contains("over max_context")), "{host_log:#?}");
+    assert!(
+        host_log.iter().any(|l| l.contains("Ok(Exhausted)")),
+        "{host_log:#?}"
+    );
+    assert!(
+        host_log.iter().any(|l| l.contains("over max_context")),
+        "{host_log:#?}"
+    );
     assert!(host_log.iter().any(|l| l.contains("BadImage")));
+    assert!(
+        host_log.iter().any(|l| l.starts_with("BlockStored")),
+        "{host_log:#?}"
+    );
     assert_eq!(host_saved.len(), 3);
     for (i, (h, c)) in host_saved.iter().zip(&cuda_saved).enumerate() {
         assert!(h == c, "image {i} differs");
