@@ -9,7 +9,7 @@
 //!   sequence) is stored under the chain key of its position in that sequence; a block it gives
 //!   back (`release_blocks`) is removed under the key it was stored with.
 //!
-//! A new subscription first gets the cache's contents, parents first (see [`contents`]).
+//! A new subscription first gets the cache's contents, parents first (see `contents`).
 //!
 //! Invariants: `tree_extra[b]` is the namespace of block `b` whenever the tree holds `b` (written
 //! at every adoption, subscribed or not: the contents of a later subscription need it; 16 bytes
