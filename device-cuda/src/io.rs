@@ -29,8 +29,9 @@
 //!
 //! # Effects this router has nothing for
 //!
-//! `SaveHiddenCatchup` (no MTP catch-up ring yet) and `EpShutdown` (no expert-parallel workers:
-//! one device) answer `Unit` and change nothing, as on the host router.
+//! `SaveHiddenCatchup` (no MTP catch-up ring: no `Draft` here) and `EpShutdown` (no
+//! expert-parallel workers: one device) answer `Unit` and change nothing; `Verify` and `Draft`
+//! answer `Unsupported`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -471,6 +472,8 @@ impl CudaRouter {
             StepPlan::Prefill { .. } => "Prefill",
             StepPlan::Decode { .. } => "Decode",
             StepPlan::DecodeFed { .. } => "DecodeFed",
+            StepPlan::Verify { .. } => "Verify",
+            StepPlan::Draft { .. } => "Draft",
         };
         if plan.rows() != rows {
             return Err(invalid(
@@ -568,6 +571,12 @@ impl DeviceIo for CudaRouter {
             ));
         }
         self.check_plan(&plan, rows.len())?;
+        // Speculative decoding (verification, the MTP head's drafts) is not built here.
+        match plan {
+            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
+            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
+            _ => {}
+        }
         self.forward_support()?;
         Err(DeviceError::Unsupported {
             what: "a CUDA forward step (part 2 of the CUDA router)",
@@ -619,7 +628,18 @@ impl DeviceIo for CudaRouter {
                 book::snapshot_save(&shape, &mut inner.book(), seq, slot, &mut copy)
             }
             Effect::SsmSnapshotRestore { seq, slot } => {
-                book::snapshot_restore(&shape, &mut inner.book(), seq, slot, &mut copy)
+                book::sync(&mut inner.book(), seq);
+                // Only a `Verify` writes a main-layers-only snapshot, and this router has none.
+                let mut copy_ring = |from: usize, to: usize, main_only: bool| {
+                    if main_only {
+                        Err(DeviceError::Unsupported {
+                            what: "a Verify snapshot on the CUDA router",
+                        })
+                    } else {
+                        self.copy_row(from, to)
+                    }
+                };
+                book::snapshot_restore(&shape, &mut inner.book(), seq, slot, &mut copy_ring)
             }
             Effect::ReserveKv { seq } => {
                 book::sync(&mut inner.book(), seq);
@@ -627,7 +647,11 @@ impl DeviceIo for CudaRouter {
             }
             Effect::Rollback { seq } => {
                 book::sync(&mut inner.book(), seq);
-                book::rollback(&shape, &mut inner.book(), seq)
+                book::rollback(&shape, &mut inner.book(), seq).map(|_| EffectOutcome::Unit)
+            }
+            Effect::TruncateKv { seq, len } => {
+                book::sync(&mut inner.book(), seq);
+                book::truncate_kv(&shape, &mut inner.book(), seq, len).map(|_| EffectOutcome::Unit)
             }
             Effect::Quiesce { stream } => self.quiesce(stream),
             Effect::SyncSecondary => self.sync_secondary(),

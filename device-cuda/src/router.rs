@@ -135,6 +135,7 @@ impl CudaRouter {
             snapshot_slots: plan.snapshot_slots,
             max_context: router.max_context,
             max_depth: 2,
+            hybrid: plan.state_slot_bytes > 0,
             layout: Layout {
                 fingerprint: model.fingerprint(),
                 block_size: plan.block_size,

@@ -217,11 +217,17 @@ fn snapshots_and_checkpoints_copy_the_live_state() {
     // Overwrite the live row; the restore brings the snapshot back.
     router.write_state_row(0, &vec![0xab; sx.len()]).unwrap();
     router
-        .apply(Effect::SsmSnapshotRestore { seq: &x, slot: 1 })
+        .apply(Effect::SsmSnapshotRestore {
+            seq: &mut x,
+            slot: 1,
+        })
         .unwrap();
     assert_eq!(router.read_state_row(0).unwrap(), sx);
     assert!(matches!(
-        router.apply(Effect::SsmSnapshotRestore { seq: &y, slot: 1 }),
+        router.apply(Effect::SsmSnapshotRestore {
+            seq: &mut y,
+            slot: 1
+        }),
         Err(DeviceError::Invalid { .. })
     ));
     assert!(matches!(

@@ -247,13 +247,19 @@ fn script<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>>(
 
     let outcome = router.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 });
     facts(&mut log, "snapshot a", format!("{outcome:?}"));
-    let outcome = router.apply(Effect::SsmSnapshotRestore { seq: &b, slot: 0 });
+    let outcome = router.apply(Effect::SsmSnapshotRestore {
+        seq: &mut b,
+        slot: 0,
+    });
     facts(
         &mut log,
         "snapshot restore b from a's",
         format!("{outcome:?}"),
     );
-    let outcome = router.apply(Effect::SsmSnapshotRestore { seq: &a, slot: 0 });
+    let outcome = router.apply(Effect::SsmSnapshotRestore {
+        seq: &mut a,
+        slot: 0,
+    });
     facts(&mut log, "snapshot restore a", format!("{outcome:?}"));
     saved.push(save(router, &a).unwrap());
 
