@@ -66,6 +66,8 @@ fn pair() -> (CpuRouter, CudaRouter) {
             marconi: true,
             max_context: Some(CONTEXT),
             max_depth: 2,
+            threads: 1,
+            expert_workers: 0,
         },
     )
     .unwrap();
