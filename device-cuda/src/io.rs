@@ -36,8 +36,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use device_io::{
-    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand,
-    Phase, Result, StepPlan, StepResult, Ticket,
+    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraAck,
+    LoraCommand, LoraError, Phase, Result, StepPlan, StepResult, Ticket,
 };
 use router_book::book::{self, BookMut};
 use router_book::image;
@@ -373,12 +373,22 @@ impl CudaRouter {
     ) -> Result<EffectOutcome> {
         let shape = *self.book_shape();
         let image = book::read_image(&shape, &inner.book(), seq, reader)?;
+        if let Some(adapter) = image.header.adapter {
+            return Err(invalid(
+                "RestoreSequenceState",
+                format!(
+                    "sequence {}: the image was computed with LoRA adapter {adapter}, and the \
+                     CUDA router has no adapter slots",
+                    seq.id
+                ),
+            ));
+        }
         let (slot, blocks) = book::restore_reserve(&shape, &mut inner.book(), &image)?;
         if let Err(err) = self.import(&blocks, &image.kv, slot, &image.state) {
             book::restore_abort(&mut inner.book(), blocks);
             return Err(effect_err(err));
         }
-        book::restore_commit(&mut inner.book(), seq, image, slot, blocks);
+        book::restore_commit(&mut inner.book(), seq, image, slot, blocks, None);
         Ok(EffectOutcome::Unit)
     }
 
@@ -522,7 +532,7 @@ impl DeviceIo for CudaRouter {
     /// The CUDA router keeps the weights on the device only; the host keeps the config.
     type Model = model::Config;
     type LoraCmd = LoraCommand;
-    type LoraAck = ();
+    type LoraAck = LoraAck;
 
     fn model(&self) -> &model::Config {
         self.model_config()
@@ -672,10 +682,11 @@ impl DeviceIo for CudaRouter {
         Ok(())
     }
 
-    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<(), String> {
-        Err(format!(
-            "LoRA is not supported yet by the CUDA router (command {cmd:?})"
-        ))
+    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<LoraAck, LoraError> {
+        drop(cmd);
+        Err(LoraError::Unsupported {
+            what: "LoRA (the CUDA router has no adapter slots yet)",
+        })
     }
 
     /// Waits for both streams, frees every region, and reports the sequences that still held

@@ -58,8 +58,6 @@ fn pair() -> (CpuRouter, CudaRouter) {
         model.clone(),
         CpuRouterConfig {
             block_size: plan.block_size,
-            num_blocks: plan.num_blocks,
-            max_seqs: plan.live_slots,
             checkpoints: CheckpointBudget::Slots(plan.checkpoint_slots),
             snapshot_slots: plan.snapshot_slots,
             prefix_cache: true,
@@ -67,7 +65,7 @@ fn pair() -> (CpuRouter, CudaRouter) {
             max_context: Some(CONTEXT),
             max_depth: 2,
             threads: 1,
-            expert_workers: 0,
+            ..CpuRouterConfig::new(plan.num_blocks, plan.live_slots)
         },
     )
     .unwrap();
