@@ -23,10 +23,14 @@
 //! # Plans
 //!
 //! `launch` checks the depth and the plan's shape, then asks [`CudaRouter::forward_support`]:
-//! until the layer kernels exist (part 2) every plan answers [`DeviceError::Unsupported`] naming
-//! the first layer kind without kernels, and nothing changes. Part 2 adds, after that check, the
-//! plans' bookkeeping and the call into the forward kernels (see `launch`).
-//!
+//! until the router calls its forward kernels, every plan answers [`DeviceError::Unsupported`]
+//! naming the first layer kind, and nothing changes. The seam (see `launch`): the plans'
+//! bookkeeping (today in the host router's `plans` module, to move to `router_book` as the
+//! effects' did) gives each row's positions, slot and block table, which become the
+//! `StepRun`s of `DeviceModel::forward` over this router's KV buffer and state rows (the
+//! `DeviceState` layout is the one above: blocks of `kv_block_bytes`, rows of
+//! `state_slot_bytes`).
+
 //! # Effects this router has nothing for
 //!
 //! `SaveHiddenCatchup` (no MTP catch-up ring: no `Draft` here) and `EpShutdown` (no
@@ -561,13 +565,15 @@ impl DeviceIo for CudaRouter {
         2
     }
 
-    /// Checks the depth and the plan's shape, then the forward kernels. Part 2 continues after
+    /// Checks the depth and the plan's shape, then the forward step. What comes after
     /// `forward_support` passes: the plans' bookkeeping (attach cached prefixes, reserve blocks
     /// and slots, resolve feeds; the host router's `plans` module, to be shared through
-    /// `router_book`), then `crate::forward` enqueues the step on the compute stream (embedding
-    /// or feed-cell gather, the layers, the head, argmax into the feed cells, logits into the
-    /// step's half of the logits buffer), records the step's event, and the ticket joins
-    /// `unsettled`; `await_result` then syncs on that event and reads the argmax back.
+    /// `router_book`), then `DeviceModel::forward` enqueues the step on the compute stream (its
+    /// tokens from the host or, for `Feed::Row`, gathered from the feed cells by
+    /// `kernels::feed_inputs`), the argmax kernel writes the outputs and the feed cells, the
+    /// logits land in the step's half of the logits buffer, the step's event is recorded, and
+    /// the ticket joins `unsettled`; `await_result` then syncs on that event and reads the
+    /// argmax back.
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut RouterSeq]) -> Result<Ticket> {
         let inner = self.lock()?;
         if inner.unsettled.len() >= self.max_depth() {

@@ -8,9 +8,9 @@
 //! final RMSNorm, `lm_head` GEMM, argmax into the feed cells), and `DeviceIo` with every effect
 //! real on the device and the bookkeeping of `router_book` (see the `io` module).
 //!
-//! What does not exist yet: the layer kernels (Mamba2, attention, MLP, MoE; part 2), so a model
-//! step answers [`DeviceError::Unsupported`] naming the first layer kind without kernels
-//! ([`CudaRouter::forward_support`]).
+//! What does not exist yet: the plans' bookkeeping and the call into the forward kernels
+//! (`DeviceModel::forward`, part 2), so a model step answers [`DeviceError::Unsupported`] naming
+//! the first layer kind ([`CudaRouter::forward_support`]).
 
 use std::sync::Mutex;
 
@@ -108,13 +108,14 @@ fn weight_image(model: &Model, dtype: DType) -> (Vec<u8>, Vec<TensorPlace>) {
     (bytes, places)
 }
 
-/// What a layer kind needs that part 1 does not have.
+/// What a layer kind needs that the router does not do yet: its forward kernels exist
+/// (`DeviceModel::forward`), but the plans do not call them.
 fn missing_kernels(kind: LayerKind) -> &'static str {
     match kind {
-        LayerKind::Mamba => "CUDA forward of a Mamba2 layer (its kernels are part 2)",
-        LayerKind::Attention => "CUDA forward of an attention layer (its kernels are part 2)",
-        LayerKind::Mlp => "CUDA forward of an MLP layer (its kernels are part 2)",
-        LayerKind::Moe => "CUDA forward of a MoE layer (its kernels are part 2)",
+        LayerKind::Mamba => "CUDA forward of a Mamba2 layer (the CUDA router does not run its forward kernels yet)",
+        LayerKind::Attention => "CUDA forward of an attention layer (the CUDA router does not run its forward kernels yet)",
+        LayerKind::Mlp => "CUDA forward of an MLP layer (the CUDA router does not run its forward kernels yet)",
+        LayerKind::Moe => "CUDA forward of a MoE layer (the CUDA router does not run its forward kernels yet)",
     }
 }
 

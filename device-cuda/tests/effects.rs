@@ -459,7 +459,7 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
     assert_eq!(
         router.launch(plan, &mut [&mut x]),
         Err(DeviceError::Unsupported {
-            what: "CUDA forward of a Mamba2 layer (its kernels are part 2)"
+            what: "CUDA forward of a Mamba2 layer (the CUDA router does not run its forward kernels yet)"
         })
     );
     let plan = StepPlan::Decode {

@@ -158,7 +158,7 @@ fn a_model_step_names_the_missing_layer_kernels() {
     assert_eq!(
         router.forward_support(),
         Err(DeviceError::Unsupported {
-            what: "CUDA forward of a Mamba2 layer (its kernels are part 2)"
+            what: "CUDA forward of a Mamba2 layer (the CUDA router does not run its forward kernels yet)"
         })
     );
     let facts = router.facts();
