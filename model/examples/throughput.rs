@@ -9,8 +9,11 @@
 //!                      seed 0, the replay's default)
 //!   --save DIR         write the model as a checkpoint (config.json + model.safetensors) and exit
 //!   --threads N        threads of the forward pass (default 1)
-//!   --work LIST        comma-separated `prefill:N` and `decode:B` items
-//!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32)
+//!   --work LIST        comma-separated `prefill:N`, `decode:B` and `chunk:S` items
+//!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32);
+//!                      `chunk:S` prefills one 128-token chunk at positions S..S+128 over a
+//!                      zeroed KV cache and Mamba state (the cost of a long prompt's chunk at
+//!                      context S, without prefilling the S tokens first: for profilers)
 //!   --steps S          decode steps per measurement (default 32)
 //!   --repeat R         measurements per item; the best is reported (default 3)
 //!   --logits FILE      also write the last prefill's final-position logits (f32 little-endian),
@@ -27,11 +30,13 @@ use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
 const BLOCK_SIZE: usize = 16;
 const DECODE_CONTEXT: usize = 128;
+const CHUNK: usize = 128;
 
 #[derive(Debug, Clone, Copy)]
 enum Item {
     Prefill(usize),
     Decode(usize),
+    Chunk(usize),
 }
 
 #[derive(Debug)]
@@ -54,14 +59,15 @@ fn parse_work(text: &str) -> Result<Vec<Item>, String> {
             let n: usize = n
                 .parse()
                 .map_err(|e| format!("--work item {item:?}: {e}"))?;
-            if n == 0 {
+            if n == 0 && kind != "chunk" {
                 return Err(format!("--work item {item:?}: must be at least 1"));
             }
             match kind {
                 "prefill" => Ok(Item::Prefill(n)),
                 "decode" => Ok(Item::Decode(n)),
+                "chunk" => Ok(Item::Chunk(n)),
                 _ => Err(format!(
-                    "--work item {item:?}: expected prefill:N or decode:B"
+                    "--work item {item:?}: expected prefill:N, decode:B or chunk:S"
                 )),
             }
         })
@@ -129,6 +135,28 @@ fn prefill_rate(model: &Model, scratch: &mut Scratch, n: usize, logits: &mut Vec
     n as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Tokens per second of one `CHUNK`-token prefill chunk at positions `start..start + CHUNK`, the
+/// earlier positions' keys and values and the Mamba state being zeros.
+fn chunk_rate(model: &Model, scratch: &mut Scratch, start: usize, logits: &mut Vec<f32>) -> f64 {
+    let config = model.config();
+    let blocks = (start + CHUNK).div_ceil(BLOCK_SIZE);
+    let mut kv = KvPool::new(config, blocks, BLOCK_SIZE).expect("pool");
+    let mut states = MambaStates::new(config, 1).expect("states");
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let tokens = prompt(CHUNK, 0, config.vocab_size);
+    let row = PrefillRow {
+        tokens: &tokens,
+        start_pos: start,
+        blocks: &table,
+        slot: 0,
+    };
+    let started = Instant::now();
+    model
+        .prefill(scratch, &mut kv, &mut states, row, false, logits)
+        .expect("prefill");
+    CHUNK as f64 / started.elapsed().as_secs_f64()
+}
+
 fn decode_rate(model: &Model, scratch: &mut Scratch, batch: usize, steps: usize) -> f64 {
     let config = model.config();
     let per_seq = (DECODE_CONTEXT + steps).div_ceil(BLOCK_SIZE);
@@ -194,11 +222,13 @@ fn run() -> Result<(), String> {
             .map(|_| match *item {
                 Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
                 Item::Decode(b) => decode_rate(&model, &mut scratch, b, args.steps),
+                Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
             })
             .fold(0.0f64, f64::max);
         match item {
             Item::Prefill(n) => println!("prefill {n} tok/s {best:.1}"),
             Item::Decode(b) => println!("decode {b} tok/s {best:.1}"),
+            Item::Chunk(s) => println!("chunk {s} tok/s {best:.1}"),
         }
     }
     if let Some(path) = &args.logits {

@@ -862,36 +862,16 @@ fn mamba(
         }
     }
     let kernels = scratch.mm.kernels;
+    let ctx = ScanContext {
+        w,
+        proj,
+        conv_out,
+        clamp,
+        dims: (p, n, g, inner, conv_dim, proj_dim),
+        heads_per_group,
+    };
     kernels.for_each_task(&mut tasks, |task| {
-        let ScanTask {
-            first,
-            head,
-            state,
-            out,
-            snapshots,
-        } = task;
-        let (first, head) = (*first, *head);
-        let group = head / heads_per_group;
-        let mut snapshots = snapshots.iter_mut().peekable();
-        for (t, y) in out.chunks_exact_mut(p).enumerate() {
-            let i = first + t;
-            let raw = proj[i * proj_dim + inner + conv_dim + head];
-            let mut dt = softplus(raw + w.dt_bias[head]);
-            if let Some(min) = clamp {
-                dt = dt.max(min);
-            }
-            let decay = (dt * w.a[head]).exp();
-            let row = &conv_out[i * conv_dim..(i + 1) * conv_dim];
-            let x = &row[head * p..(head + 1) * p];
-            let b = &row[inner + group * n..inner + (group + 1) * n];
-            let c = &row[inner + (g + group) * n..inner + (g + group + 1) * n];
-            for ((yv, &xv), s) in y.iter_mut().zip(x).zip(state.chunks_exact_mut(n)) {
-                *yv = ssm_step(s, decay, dt, b, xv, c) + w.d[head] * xv;
-            }
-            if let Some((_, snapshot)) = snapshots.next_if(|(at, _)| *at == t) {
-                snapshot.copy_from_slice(state);
-            }
-        }
+        kernels.arch.dispatch(ScanRun { ctx: &ctx, task });
     });
     drop(tasks);
 
@@ -951,29 +931,120 @@ struct ScanTask<'s> {
     snapshots: Vec<(usize, &'s mut [f32])>,
 }
 
+/// What every task of one layer's Mamba scan reads (see [`mamba`]).
+struct ScanContext<'a> {
+    w: &'a MambaWeights,
+    proj: &'a [f32],
+    conv_out: &'a [f32],
+    clamp: Option<f32>,
+    /// (head_dim P, state size N, groups, inner, conv_dim, in_proj dim).
+    dims: (usize, usize, usize, usize, usize, usize),
+    heads_per_group: usize,
+}
+
+/// One (run, head) task of the scan as a [`pulp::WithSimd`] operation, so the state update is
+/// compiled for the CPU's vector instructions (the same operations in the same order whatever
+/// the instruction set: see [`ssm_step`]).
+struct ScanRun<'c, 't, 's> {
+    ctx: &'c ScanContext<'c>,
+    task: &'t mut ScanTask<'s>,
+}
+
+impl pulp::WithSimd for ScanRun<'_, '_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let ScanContext {
+            w,
+            proj,
+            conv_out,
+            clamp,
+            dims: (p, n, g, inner, conv_dim, proj_dim),
+            heads_per_group,
+        } = *self.ctx;
+        let ScanTask {
+            first,
+            head,
+            state,
+            out,
+            snapshots,
+        } = self.task;
+        let (first, head) = (*first, *head);
+        let group = head / heads_per_group;
+        let mut snapshots = snapshots.iter_mut().peekable();
+        // `dt * B` of the current token, shared by the head's P channels.
+        let mut dtb = vec![0.0f32; n];
+        for (t, y) in out.chunks_exact_mut(p).enumerate() {
+            let i = first + t;
+            let raw = proj[i * proj_dim + inner + conv_dim + head];
+            let mut dt = softplus(raw + w.dt_bias[head]);
+            if let Some(min) = clamp {
+                dt = dt.max(min);
+            }
+            let decay = (dt * w.a[head]).exp();
+            let row = &conv_out[i * conv_dim..(i + 1) * conv_dim];
+            let x = &row[head * p..(head + 1) * p];
+            let b = &row[inner + group * n..inner + (group + 1) * n];
+            let c = &row[inner + (g + group) * n..inner + (g + group + 1) * n];
+            for (d, &bv) in dtb.iter_mut().zip(b) {
+                *d = dt * bv;
+            }
+            for ((yv, &xv), s) in y.iter_mut().zip(x).zip(state.chunks_exact_mut(n)) {
+                *yv = ssm_step(simd, s, decay, &dtb, xv, c) + w.d[head] * xv;
+            }
+            if let Some((_, snapshot)) = snapshots.next_if(|(at, _)| *at == t) {
+                snapshot.copy_from_slice(state);
+            }
+        }
+    }
+}
+
 /// One channel's SSM step, fused so the state is read and written once:
-/// `s = s * decay + (dt * B) * x`, returning `s · C` (the same lanes and fold order as `dot`).
+/// `s = s * decay + dtb * x` (`dtb = dt * B`), returning `s · C` (the same lanes and fold order
+/// as `dot`). With 8-lane vectors (AVX2) each lane is one register lane; the operations and
+/// their order are the same either way, so are the bits.
 #[inline(always)]
-fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: f32, c: &[f32]) -> f32 {
+fn ssm_step<S: pulp::Simd>(
+    simd: S,
+    s: &mut [f32],
+    decay: f32,
+    dtb: &[f32],
+    x: f32,
+    c: &[f32],
+) -> f32 {
     const LANES: usize = 8;
     let mut acc = [0.0f32; LANES];
-    let mut s_chunks = s.chunks_exact_mut(LANES);
-    let mut b_chunks = b.chunks_exact(LANES);
-    let mut c_chunks = c.chunks_exact(LANES);
-    for ((sv, bv), cv) in (&mut s_chunks).zip(&mut b_chunks).zip(&mut c_chunks) {
-        for l in 0..LANES {
-            sv[l] = sv[l] * decay + (dt * bv[l]) * x;
-            acc[l] += sv[l] * cv[l];
+    let split = s.len() / LANES * LANES;
+    let (s_body, rest) = s.split_at_mut(split);
+    if S::F32_LANES == LANES {
+        let (sv, _) = S::as_mut_simd_f32s(s_body);
+        let (bv, _) = S::as_simd_f32s(&dtb[..split]);
+        let (cv, _) = S::as_simd_f32s(&c[..split]);
+        let (vdecay, vx) = (simd.splat_f32s(decay), simd.splat_f32s(x));
+        let mut vacc = simd.splat_f32s(0.0);
+        for ((sv, &bv), &cv) in sv.iter_mut().zip(bv).zip(cv) {
+            *sv = simd.add_f32s(simd.mul_f32s(*sv, vdecay), simd.mul_f32s(bv, vx));
+            vacc = simd.add_f32s(vacc, simd.mul_f32s(*sv, cv));
+        }
+        acc.copy_from_slice(bytemuck::cast_slice::<S::f32s, f32>(std::slice::from_ref(
+            &vacc,
+        )));
+    } else {
+        for ((sv, bv), cv) in s_body
+            .chunks_exact_mut(LANES)
+            .zip(dtb.chunks_exact(LANES))
+            .zip(c.chunks_exact(LANES))
+        {
+            for l in 0..LANES {
+                sv[l] = sv[l] * decay + bv[l] * x;
+                acc[l] += sv[l] * cv[l];
+            }
         }
     }
     let mut tail = 0.0f32;
-    let rest = s_chunks.into_remainder();
-    for ((sv, &bv), &cv) in rest
-        .iter_mut()
-        .zip(b_chunks.remainder())
-        .zip(c_chunks.remainder())
-    {
-        *sv = *sv * decay + (dt * bv) * x;
+    for ((sv, &bv), &cv) in rest.iter_mut().zip(&dtb[split..]).zip(&c[split..]) {
+        *sv = *sv * decay + bv * x;
         tail += *sv * cv;
     }
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
