@@ -602,9 +602,11 @@ fn stack(
         lora.layer = i;
         let normed = take(&mut scratch.normed, m * d);
         let hidden = &scratch.hidden[..m * d];
-        for (h, n) in hidden.chunks_exact(d).zip(normed.chunks_exact_mut(d)) {
-            rms_norm(h, &layer.norm, eps, n);
-        }
+        let kernels = scratch.mm.kernels;
+        // Row-wise work runs on the threads too (one row per chunk: the same bits).
+        kernels.for_each_chunk(normed, d, |i, n| {
+            rms_norm(&hidden[i * d..(i + 1) * d], &layer.norm, eps, n);
+        });
         match &layer.mixer {
             Mixer::Mamba(w) => {
                 mamba(config, w, scratch, states, rows, mamba_index, lora);
@@ -629,9 +631,11 @@ fn stack(
             Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i, lora)?,
         }
         let out = &scratch.out[..m * d];
-        for (h, o) in scratch.hidden[..m * d].iter_mut().zip(out) {
-            *h += o;
-        }
+        kernels.for_each_chunk(&mut scratch.hidden[..m * d], d, |i, h| {
+            for (h, o) in h.iter_mut().zip(&out[i * d..(i + 1) * d]) {
+                *h += o;
+            }
+        });
     }
     Ok(())
 }
@@ -809,7 +813,8 @@ fn mamba(
             if let Some(bias) = &w.conv_bias {
                 acc += bias[c];
             }
-            *o = silu(acc);
+            // The activation is applied below, on the threads.
+            *o = acc;
         }
         if k > 1 {
             conv_hist.copy_within(conv_dim.., 0);
@@ -819,6 +824,14 @@ fn mamba(
             states.copy_conv(rows.slot(i), snapshot, layer);
         }
     }
+    scratch
+        .mm
+        .kernels
+        .for_each_chunk(&mut scratch.conv_out[..m * conv_dim], conv_dim, |_, row| {
+            for v in row.iter_mut() {
+                *v = silu(*v);
+            }
+        });
     let conv_out = &scratch.conv_out[..m * conv_dim];
 
     // Runs of rows that share a state slot, as (first row, length): a prefill chunk is one run,
