@@ -445,44 +445,7 @@ pub(crate) fn decode<'a>(
     let mut job_inputs = Vec::with_capacity(rows.len());
     for (i, seq) in rows.iter().enumerate() {
         let id = seq.id;
-        if seq.failed {
-            return Err(invalid(
-                what,
-                format!("row {i} (sequence {id}) failed in an earlier step; release it"),
-            ));
-        }
-        book::check_tenure(&inner.tenures, seq, what)?;
-        if seq.slot.is_none() {
-            return Err(invalid(
-                what,
-                format!("row {i} (sequence {id}) holds no live slot"),
-            ));
-        }
-        if seq.state_ahead {
-            return Err(invalid(
-                what,
-                format!("row {i} (sequence {id}) was rolled back; its state is past its length"),
-            ));
-        }
-        if seq.computed_len < seq.prompt_len {
-            return Err(invalid(
-                what,
-                format!(
-                    "row {i} (sequence {id}) has computed {} of its {} prompt tokens",
-                    seq.computed_len, seq.prompt_len
-                ),
-            ));
-        }
-        if seq.computed_len + 1 > shape.max_context {
-            return Err(invalid(
-                what,
-                format!(
-                    "row {i} (sequence {id}) would reach {} tokens, over max_context {}",
-                    seq.computed_len + 1,
-                    shape.max_context
-                ),
-            ));
-        }
+        check_row(shape, inner, what, i, seq, 1)?;
         let input = match &inputs {
             Inputs::Tokens(tokens) => Input::Token(tokens[i]),
             Inputs::Fed(sources) => match sources[i] {
@@ -598,4 +561,56 @@ pub(crate) fn decode<'a>(
         job.tenures.push(tenure);
     }
     Ok((job, host))
+}
+
+/// Refuses a row that cannot take a decode-like step: failed, foreign, without a slot, rolled
+/// back, with its prompt incomplete, or past the context after `extra` more positions.
+pub(crate) fn check_row(
+    shape: &Shape,
+    inner: &Inner,
+    what: &'static str,
+    i: usize,
+    seq: &CpuSeq,
+    extra: usize,
+) -> Result<()> {
+    let id = seq.id;
+    if seq.failed {
+        return Err(invalid(
+            what,
+            format!("row {i} (sequence {id}) failed in an earlier step; release it"),
+        ));
+    }
+    book::check_tenure(&inner.tenures, seq, what)?;
+    if seq.slot.is_none() {
+        return Err(invalid(
+            what,
+            format!("row {i} (sequence {id}) holds no live slot"),
+        ));
+    }
+    if seq.state_ahead {
+        return Err(invalid(
+            what,
+            format!("row {i} (sequence {id}) was rolled back; its state is past its length"),
+        ));
+    }
+    if seq.computed_len < seq.prompt_len {
+        return Err(invalid(
+            what,
+            format!(
+                "row {i} (sequence {id}) has computed {} of its {} prompt tokens",
+                seq.computed_len, seq.prompt_len
+            ),
+        ));
+    }
+    if seq.computed_len + extra > shape.max_context {
+        return Err(invalid(
+            what,
+            format!(
+                "row {i} (sequence {id}) would reach {} tokens, over max_context {}",
+                seq.computed_len + extra,
+                shape.max_context
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -31,61 +31,9 @@
 use device_io::{DeviceError, Readback, Result};
 
 use crate::device::{Catchup, DraftJob, DraftJobRow, RunJobRow, StepJob};
-use crate::plans::{invalid, reserve_blocks, sink, Planned};
+use crate::plans::{check_row, invalid, reserve_blocks, sink, Planned};
 use crate::{CpuSeq, Inner, RingEntry, Shape};
-use router_book::{book, Reservation};
-
-/// Refuses a row that cannot take a decode-like step: failed, foreign, without a slot, rolled
-/// back, with its prompt incomplete, or past the context after `extra` more positions.
-fn check_row(
-    shape: &Shape,
-    inner: &Inner,
-    what: &'static str,
-    i: usize,
-    seq: &CpuSeq,
-    extra: usize,
-) -> Result<()> {
-    let id = seq.id;
-    if seq.failed {
-        return Err(invalid(
-            what,
-            format!("row {i} (sequence {id}) failed in an earlier step; release it"),
-        ));
-    }
-    book::check_tenure(&inner.tenures, seq, what)?;
-    if seq.slot.is_none() {
-        return Err(invalid(
-            what,
-            format!("row {i} (sequence {id}) holds no live slot"),
-        ));
-    }
-    if seq.state_ahead {
-        return Err(invalid(
-            what,
-            format!("row {i} (sequence {id}) was rolled back; its state is past its length"),
-        ));
-    }
-    if seq.computed_len < seq.prompt_len {
-        return Err(invalid(
-            what,
-            format!(
-                "row {i} (sequence {id}) has computed {} of its {} prompt tokens",
-                seq.computed_len, seq.prompt_len
-            ),
-        ));
-    }
-    if seq.computed_len + extra > shape.max_context {
-        return Err(invalid(
-            what,
-            format!(
-                "row {i} (sequence {id}) would reach {} tokens, over max_context {}",
-                seq.computed_len + extra,
-                shape.max_context
-            ),
-        ));
-    }
-    Ok(())
-}
+use router_book::Reservation;
 
 fn check_token(shape: &Shape, what: &'static str, i: usize, token: u32) -> Result<()> {
     if token as usize >= shape.vocab_size {
