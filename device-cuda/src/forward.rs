@@ -11,7 +11,10 @@
 //! them; the Mamba2 conv and SSM walk each run in order (the chunked scan for runs of two tokens or
 //! more, the single-step recurrence for one token), continuing from the slot's state; attention
 //! writes every row's K/V first, then each row attends keys `0..=pos` of its table, so rows of a
-//! prefill chunk see the chunk's earlier rows and any cached or earlier-computed blocks.
+//! prefill chunk see the chunk's earlier rows and any cached or earlier-computed blocks. Prefill
+//! runs attend in flash-style query tiles (`kernels::attention_tiled`: keys and values staged in
+//! shared memory, read once per tile of up to 16 queries), decode rows by the split kernel; both
+//! split long contexts across thread blocks and merge.
 //!
 //! # Weights
 //! GEMM matrices (embeddings, projections, experts stacked `[E, out, in]`, `lm_head`) are in the
@@ -33,7 +36,8 @@ use model::{Config, DtClamp, LayerKind, Model};
 
 use crate::error::{CudaError, Result};
 use crate::kernels::{
-    self, AttentionShape, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows,
+    self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
+    StateSlots, StepRows,
 };
 use crate::runtime::{DType, DeviceBuffer, DeviceSlice, Gemm, Runtime, Stream};
 
@@ -602,7 +606,9 @@ impl Workspace {
             cursor = align(cursor + bytes.max(1));
             r
         };
-        let desc_words = 2 * m + 6 * limits.max_runs + limits.max_table + m;
+        // Row positions and runs, runs, tables, logit rows, and the attention plan (tiles of two
+        // words and single rows: at most two words a row).
+        let desc_words = 2 * m + 6 * limits.max_runs + limits.max_table + m + 2 * m;
         let ws = Workspace {
             limits,
             partial_entries,
@@ -677,6 +683,19 @@ pub struct DeviceState {
     pub num_slots: usize,
     /// Floats per slot (at least `model::MambaLayout::state_floats`).
     pub slot_floats: usize,
+}
+
+/// A checked step's descriptor (see [`DeviceModel::describe`]).
+struct Described {
+    /// Row positions, row runs, runs (six words each), block tables, logit rows, attention
+    /// tiles (two words each), attention single rows.
+    words: Vec<u32>,
+    /// Each run's length.
+    lens: Vec<usize>,
+    rows: usize,
+    table_len: usize,
+    num_tiles: usize,
+    num_singles: usize,
 }
 
 /// The model on the device: its weights (see [`WeightImage`]) and config.
@@ -895,14 +914,15 @@ impl DeviceModel {
     }
 
     /// Checks a step against the model, the state and the workspace; answers the words of its
-    /// descriptor (row positions, row runs, runs, tables, logit rows) and the run lengths.
+    /// descriptor (row positions, row runs, runs, tables, logit rows, attention tiles and single
+    /// rows) and the run lengths.
     fn describe(
         &self,
         ws: &Workspace,
         state: &DeviceState,
         runs: &[StepRun<'_>],
         out: &StepOutput<'_>,
-    ) -> Result<(Vec<u32>, Vec<usize>, usize, usize)> {
+    ) -> Result<Described> {
         let bad = |detail: String| Err(CudaError::BadRange(format!("forward step: {detail}")));
         let limits = ws.limits;
         let rows: usize = runs.iter().map(|r| r.len).sum();
@@ -1005,13 +1025,28 @@ impl DeviceModel {
             return bad(format!("logit row {r} of {rows} rows"));
         }
         let table_len = tables.len();
+        let lens: Vec<usize> = runs.iter().map(|r| r.len).collect();
+        let (tiles, singles) = if attention {
+            kernels::attention_plan(&lens, kernels::attention_tile_rows(self.config.head_dim))
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mut words = row_pos;
         words.extend(row_run);
         words.extend(run_words);
         words.extend(tables);
         words.extend_from_slice(out.logit_rows);
-        let lens = runs.iter().map(|r| r.len).collect();
-        Ok((words, lens, rows, table_len))
+        let (num_tiles, num_singles) = (tiles.len() / 2, singles.len());
+        words.extend(tiles);
+        words.extend(singles);
+        Ok(Described {
+            words,
+            lens,
+            rows,
+            table_len,
+            num_tiles,
+            num_singles,
+        })
     }
 
     /// `out [m, mat.rows] = x [m, mat.cols] · matᵀ`, then the bias and ReLU² when asked.
@@ -1079,7 +1114,13 @@ impl DeviceModel {
                 ws.total
             )));
         }
-        let (words, lens, m, table_len) = self.describe(ws, state, runs, out)?;
+        let described = self.describe(ws, state, runs, out)?;
+        let (words, lens, m, table_len) = (
+            &described.words,
+            &described.lens,
+            described.rows,
+            described.table_len,
+        );
         let logit_count = out.logit_rows.len();
         if out.logits.bytes() != logit_count * vocab * 4 {
             return Err(CudaError::BadRange(format!(
@@ -1096,7 +1137,7 @@ impl DeviceModel {
         let s = Stream::Compute;
         let region = |r: &Region, bytes: usize| r.slice(workspace, bytes);
         let desc = region(&ws.desc, words.len() * 4)?;
-        rt.upload(desc, bytemuck::cast_slice(&words), s)?;
+        rt.upload(desc, bytemuck::cast_slice(words), s)?;
         let num_runs = runs.len();
         let step = StepRows {
             row_pos: desc.range(0, m * 4)?,
@@ -1106,7 +1147,18 @@ impl DeviceModel {
             rows: m,
             num_runs,
         };
-        let logit_idx = desc.range(8 * m + num_runs * 24 + table_len * 4, logit_count * 4)?;
+        let logit_at = 8 * m + num_runs * 24 + table_len * 4;
+        let logit_idx = desc.range(logit_at, logit_count * 4)?;
+        let tiles_at = logit_at + logit_count * 4;
+        let (num_tiles, num_singles) = (described.num_tiles, described.num_singles);
+        let tile_rows = kernels::attention_tile_rows(c.head_dim);
+        let attention_work = AttentionWork {
+            tiles: desc.range(tiles_at, num_tiles * 8)?,
+            num_tiles,
+            tile_rows,
+            singles: desc.range(tiles_at + num_tiles * 8, num_singles * 4)?,
+            num_singles,
+        };
         let eps = c.layer_norm_epsilon as f32;
         let hidden = region(&ws.hidden, m * d * 4)?;
         let normed = region(&ws.normed, m * d * 4)?;
@@ -1184,7 +1236,7 @@ impl DeviceModel {
                         rt,
                         s,
                         &step,
-                        &lens,
+                        lens,
                         &slots,
                         &mamba_shape,
                         y,
@@ -1234,8 +1286,18 @@ impl DeviceModel {
                         m * shape.heads * splits * (shape.head_dim + 2) * 4,
                     )?;
                     let y = region(&ws.y, m * shape.heads * shape.head_dim * 4)?;
-                    kernels::attention(
-                        rt, s, &step, &pool, &shape, proj, partial, y, splits, split_keys,
+                    kernels::attention_tiled(
+                        rt,
+                        s,
+                        &step,
+                        &attention_work,
+                        &pool,
+                        &shape,
+                        proj,
+                        partial,
+                        y,
+                        splits,
+                        split_keys,
                     )?;
                     self.linear(rt, workspace, ws, y, m, o_proj, block_out, false)?;
                 }

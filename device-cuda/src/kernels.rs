@@ -14,9 +14,10 @@ use crate::runtime::{DType, DeviceSlice, KernelArg, LaunchDims, Runtime, Stream}
 mod layers;
 
 pub use layers::{
-    add_into, attention, bias_act, kv_write, mamba_conv, mamba_gated_norm, mamba_ssm, moe_combine,
-    moe_dispatch, moe_gemm, moe_route, residual_rmsnorm, rmsnorm_select, AttentionShape, KvPool,
-    MambaShape, MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows, MOE_TILE_ROWS,
+    add_into, attention, attention_plan, attention_tile_rows, attention_tiled, bias_act, kv_write,
+    mamba_conv, mamba_gated_norm, mamba_ssm, moe_combine, moe_dispatch, moe_gemm, moe_route,
+    residual_rmsnorm, rmsnorm_select, AttentionShape, AttentionWork, KvPool, MambaShape,
+    MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows, MOE_TILE_ROWS,
 };
 
 /// Threads per block of the row kernels (RMSNorm, argmax): a multiple of 32.
@@ -61,8 +62,12 @@ pub enum Kernel {
     KvWrite,
     /// `attention.cu`: attention of each row over its block table, split across blocks.
     AttentionSplit,
-    /// `attention.cu`: merges the splits of [`Kernel::AttentionSplit`].
+    /// `attention.cu`: merges the splits of [`Kernel::AttentionSplit`] and
+    /// [`Kernel::AttentionTile`].
     AttentionCombine,
+    /// `attention.cu`: flash-style attention of a tile of a prefill chunk's rows, keys staged in
+    /// shared memory.
+    AttentionTile,
     /// `moe.cu`: the router of each token.
     MoeRoute,
     /// `moe.cu`: assignments per expert.
@@ -87,7 +92,7 @@ pub enum Kernel {
 
 impl Kernel {
     /// Every kernel, in discriminant order.
-    pub const ALL: [Kernel; 27] = [
+    pub const ALL: [Kernel; 28] = [
         Kernel::FeedInputs,
         Kernel::EmbeddingGatherF32,
         Kernel::EmbeddingGatherBf16,
@@ -105,6 +110,7 @@ impl Kernel {
         Kernel::KvWrite,
         Kernel::AttentionSplit,
         Kernel::AttentionCombine,
+        Kernel::AttentionTile,
         Kernel::MoeRoute,
         Kernel::MoeCount,
         Kernel::MoePlace,
@@ -137,6 +143,7 @@ impl Kernel {
             Kernel::KvWrite => "kv_write",
             Kernel::AttentionSplit => "attention_split",
             Kernel::AttentionCombine => "attention_combine",
+            Kernel::AttentionTile => "attention_tile",
             Kernel::MoeRoute => "moe_route",
             Kernel::MoeCount => "moe_count",
             Kernel::MoePlace => "moe_place",
@@ -163,7 +170,10 @@ impl Kernel {
             | Kernel::MambaSsmChunked
             | Kernel::MambaSsmStep
             | Kernel::MambaGatedNorm => "mamba",
-            Kernel::KvWrite | Kernel::AttentionSplit | Kernel::AttentionCombine => "attention",
+            Kernel::KvWrite
+            | Kernel::AttentionSplit
+            | Kernel::AttentionCombine
+            | Kernel::AttentionTile => "attention",
             Kernel::MoeRoute
             | Kernel::MoeCount
             | Kernel::MoePlace

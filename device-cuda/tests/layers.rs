@@ -5,7 +5,8 @@
 //! and combine (ties, group limits, padding). Odd sizes and one-row cases throughout.
 
 use device_cuda::kernels::{
-    self, AttentionShape, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows,
+    self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
+    StateSlots, StepRows,
 };
 use device_cuda::{DType, DeviceBuffer, DeviceSlice, Runtime, SimRuntime, Stream};
 use rand::{Rng, SeedableRng};
@@ -307,51 +308,64 @@ fn mamba_conv_scan_step_and_gated_norm() {
     }
 }
 
-/// Attention over a paged pool: GQA (6 query heads on 2 KV heads), head sizes 10 and 40,
-/// scattered blocks of 3 tokens, runs starting after earlier positions, a single row, and
-/// splits of 4 keys or none; against softmax in f64.
-#[test]
-fn paged_attention_split_and_unsplit() {
-    for (head_dim, split_keys) in [(10usize, 4usize), (40, 1000), (40, 4)] {
-        let rt = SimRuntime::new().unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(5 + head_dim as u64);
-        let shape = AttentionShape {
-            heads: 6,
-            kv_heads: 2,
-            head_dim,
-        };
-        let (block_size, num_blocks, layers) = (3usize, 20usize, 2usize);
-        let layer_floats = 2 * block_size * 2 * head_dim;
-        let block_floats = layers * layer_floats;
-        let mut pool = random(&mut rng, num_blocks * block_floats, 1.0);
-        // (start, len, slot, table): a prefill after 4 cached positions, a one-token decode at
-        // position 13, a first chunk of 5.
-        let runs = vec![
-            (4usize, 6usize, 0usize, vec![7u32, 2, 11, 5]),
-            (13, 1, 1, vec![19, 0, 3, 8, 14]),
-            (0, 5, 2, vec![1, 9]),
-        ];
-        let st = step(&rt, &runs);
-        let rows = st.step.rows;
-        let qkv_dim = shape.qkv_dim();
-        let qkv = random(&mut rng, rows * qkv_dim, 1.0);
-        let b_pool = upload(&rt, &pool);
-        let b_qkv = upload(&rt, &qkv);
-        let view = KvPool {
-            kv: b_pool.all(),
-            num_blocks,
-            block_size,
-            block_floats,
-            layer_offset: layer_floats,
-        };
-        let longest: usize = 14;
-        let splits = longest.div_ceil(split_keys);
-        let b_partial = rt
-            .alloc(rows * shape.heads * splits * (head_dim + 2) * 4)
-            .unwrap();
-        let b_out = rt.alloc(rows * shape.heads * head_dim * 4).unwrap();
-        kernels::kv_write(&rt, S, &st.step, &view, &shape, b_qkv.all()).unwrap();
-        kernels::attention(
+/// Which attention launcher a case runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Path {
+    /// `kernels::attention`: every row by the split kernel.
+    Split,
+    /// `kernels::attention_tiled`: prefill runs in query tiles, decode rows by the split kernel.
+    Tiled,
+}
+
+/// One attention case: writes the runs' K/V into a random pool (block size `block_size`, 6 query
+/// heads on 2 KV heads of `head_dim`, the layer second of two in each block), attends with
+/// `path`, and checks the pool after the write exactly and the output against softmax in f64.
+fn check_attention(
+    head_dim: usize,
+    block_size: usize,
+    runs: &[(usize, usize, usize, Vec<u32>)],
+    split_keys: usize,
+    path: Path,
+) {
+    let rt = SimRuntime::new().unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(5 + head_dim as u64 + block_size as u64);
+    let shape = AttentionShape {
+        heads: 6,
+        kv_heads: 2,
+        head_dim,
+    };
+    let layers = 2usize;
+    let num_blocks = runs
+        .iter()
+        .flat_map(|r| r.3.iter())
+        .max()
+        .map_or(1, |&b| b as usize + 1);
+    let layer_floats = 2 * block_size * 2 * head_dim;
+    let block_floats = layers * layer_floats;
+    let mut pool = random(&mut rng, num_blocks * block_floats, 1.0);
+    let st = step(&rt, runs);
+    let rows = st.step.rows;
+    let qkv_dim = shape.qkv_dim();
+    let qkv = random(&mut rng, rows * qkv_dim, 1.0);
+    let b_pool = upload(&rt, &pool);
+    let b_qkv = upload(&rt, &qkv);
+    let view = KvPool {
+        kv: b_pool.all(),
+        num_blocks,
+        block_size,
+        block_floats,
+        layer_offset: layer_floats,
+    };
+    let longest = runs.iter().map(|r| r.0 + r.1).max().unwrap();
+    let splits = longest.div_ceil(split_keys);
+    let b_partial = rt
+        .alloc(rows * shape.heads * splits * (head_dim + 2) * 4)
+        .unwrap();
+    let b_out = rt.alloc(rows * shape.heads * head_dim * 4).unwrap();
+    kernels::kv_write(&rt, S, &st.step, &view, &shape, b_qkv.all()).unwrap();
+    let mut plan_bufs = Vec::new();
+    match path {
+        Path::Split => kernels::attention(
             &rt,
             S,
             &st.step,
@@ -363,65 +377,151 @@ fn paged_attention_split_and_unsplit() {
             splits,
             split_keys.min(longest),
         )
-        .unwrap();
-        let got_pool: Vec<f32> = download(&rt, b_pool.all());
-        let got: Vec<f32> = download(&rt, b_out.all());
-        // Reference: write K/V, then attend.
-        let key_at = |table: &[u32], pos: usize, kvh: usize| {
-            table[pos / block_size] as usize * block_floats
-                + layer_floats
-                + ((pos % block_size) * 2 + kvh) * head_dim
-        };
-        let kv_off = shape.heads * head_dim;
-        let mut row = 0;
-        for (start, len, _, table) in &runs {
-            for j in 0..*len {
-                for kvh in 0..2 {
-                    let at = key_at(table, start + j, kvh);
-                    for c in 0..head_dim {
-                        pool[at + c] = qkv[row * qkv_dim + kv_off + kvh * head_dim + c];
-                        pool[at + block_size * 2 * head_dim + c] =
-                            qkv[row * qkv_dim + kv_off + 2 * head_dim + kvh * head_dim + c];
-                    }
-                }
-                row += 1;
-            }
+        .unwrap(),
+        Path::Tiled => {
+            let tile_rows = kernels::attention_tile_rows(head_dim);
+            let lens: Vec<usize> = runs.iter().map(|r| r.1).collect();
+            let (tiles, singles) = kernels::attention_plan(&lens, tile_rows);
+            assert_eq!(
+                tiles.chunks(2).map(|t| t[1] as usize).sum::<usize>() + singles.len(),
+                rows,
+                "the plan names every row once"
+            );
+            let b_tiles = upload(&rt, &tiles);
+            let b_singles = upload(&rt, &singles);
+            let work = AttentionWork {
+                tiles: b_tiles.range(0, tiles.len() * 4).unwrap(),
+                num_tiles: tiles.len() / 2,
+                tile_rows,
+                singles: b_singles.range(0, singles.len() * 4).unwrap(),
+                num_singles: singles.len(),
+            };
+            kernels::attention_tiled(
+                &rt,
+                S,
+                &st.step,
+                &work,
+                &view,
+                &shape,
+                b_qkv.all(),
+                b_partial.all(),
+                b_out.all(),
+                splits,
+                split_keys.min(longest),
+            )
+            .unwrap();
+            plan_bufs.extend([b_tiles, b_singles]);
         }
-        assert_eq!(got_pool, pool, "the pool after the K/V write");
-        let mut want = vec![0.0f64; rows * shape.heads * head_dim];
-        let scale = 1.0 / (head_dim as f64).sqrt();
-        row = 0;
-        for (start, len, _, table) in &runs {
-            for j in 0..*len {
-                let pos = start + j;
-                for head in 0..shape.heads {
-                    let kvh = head / 3;
-                    let q = &qkv[row * qkv_dim + head * head_dim..][..head_dim];
-                    let scores: Vec<f64> = (0..=pos)
+    }
+    let got_pool: Vec<f32> = download(&rt, b_pool.all());
+    let got: Vec<f32> = download(&rt, b_out.all());
+    // Reference: write K/V, then attend.
+    let key_at = |table: &[u32], pos: usize, kvh: usize| {
+        table[pos / block_size] as usize * block_floats
+            + layer_floats
+            + ((pos % block_size) * 2 + kvh) * head_dim
+    };
+    let kv_off = shape.heads * head_dim;
+    let mut row = 0;
+    for (start, len, _, table) in runs {
+        for j in 0..*len {
+            for kvh in 0..2 {
+                let at = key_at(table, start + j, kvh);
+                for c in 0..head_dim {
+                    pool[at + c] = qkv[row * qkv_dim + kv_off + kvh * head_dim + c];
+                    pool[at + block_size * 2 * head_dim + c] =
+                        qkv[row * qkv_dim + kv_off + 2 * head_dim + kvh * head_dim + c];
+                }
+            }
+            row += 1;
+        }
+    }
+    assert_eq!(got_pool, pool, "the pool after the K/V write");
+    let mut want = vec![0.0f64; rows * shape.heads * head_dim];
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    row = 0;
+    for (start, len, _, table) in runs {
+        for j in 0..*len {
+            let pos = start + j;
+            for head in 0..shape.heads {
+                let kvh = head / 3;
+                let q = &qkv[row * qkv_dim + head * head_dim..][..head_dim];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|s| {
+                        let at = key_at(table, s, kvh);
+                        (0..head_dim)
+                            .map(|c| f64::from(q[c]) * f64::from(pool[at + c]))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let top = scores.iter().copied().fold(f64::MIN, f64::max);
+                let sum: f64 = scores.iter().map(|s| (s - top).exp()).sum();
+                for c in 0..head_dim {
+                    want[(row * shape.heads + head) * head_dim + c] = (0..=pos)
                         .map(|s| {
-                            let at = key_at(table, s, kvh);
-                            (0..head_dim)
-                                .map(|c| f64::from(q[c]) * f64::from(pool[at + c]))
-                                .sum::<f64>()
-                                * scale
+                            let at = key_at(table, s, kvh) + block_size * 2 * head_dim;
+                            (scores[s] - top).exp() / sum * f64::from(pool[at + c])
                         })
-                        .collect();
-                    let top = scores.iter().copied().fold(f64::MIN, f64::max);
-                    let sum: f64 = scores.iter().map(|s| (s - top).exp()).sum();
-                    for c in 0..head_dim {
-                        want[(row * shape.heads + head) * head_dim + c] = (0..=pos)
-                            .map(|s| {
-                                let at = key_at(table, s, kvh) + block_size * 2 * head_dim;
-                                (scores[s] - top).exp() / sum * f64::from(pool[at + c])
-                            })
-                            .sum();
-                    }
+                        .sum();
                 }
-                row += 1;
             }
+            row += 1;
         }
-        close("attention", &got, &want, 1e-5);
-        drop(st.bufs);
+    }
+    let what = format!("attention {path:?} head_dim {head_dim} split {split_keys}");
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(&g, &w)| (f64::from(g) - w).abs() / (1.0 + w.abs()))
+        .fold(0.0, f64::max);
+    eprintln!("{what}: max |got - f64| / (1 + |f64|) = {worst:.3e}");
+    // The tolerance: a score is an f32 dot of head_dim ≤ 256 products, rounded at each add
+    // (about √head_dim · 2⁻²⁴ ≈ 1e-6 of the score's size ≤ √head_dim when the errors add like a
+    // random walk), and exp turns an absolute score error into the same relative error of its
+    // weight; the output, a convex combination of values < 1, carries that and one more rounding
+    // per key. 1e-5 covers it with room; measured worst (printed above): 1.6e-7 at head_dim 256.
+    close(&what, &got, &want, 1e-5);
+    drop(st.bufs);
+}
+
+/// Attention over a paged pool: GQA (6 query heads on 2 KV heads), head sizes 10 and 40,
+/// scattered blocks of 3 tokens, runs starting after earlier positions, a single row, and
+/// splits of 4 keys or none; against softmax in f64; both launchers.
+#[test]
+fn paged_attention_split_and_unsplit() {
+    // (start, len, slot, table): a prefill after 4 cached positions, a one-token decode at
+    // position 13, a first chunk of 5.
+    let runs = vec![
+        (4usize, 6usize, 0usize, vec![7u32, 2, 11, 5]),
+        (13, 1, 1, vec![19, 0, 3, 8, 14]),
+        (0, 5, 2, vec![1, 9]),
+    ];
+    for path in [Path::Split, Path::Tiled] {
+        for (head_dim, split_keys) in [(10usize, 4usize), (40, 1000), (40, 4)] {
+            check_attention(head_dim, 3, &runs, split_keys, path);
+        }
+    }
+}
+
+/// The tiled (flash-style) prefill attention across its tile boundaries: a chunk of 40 rows
+/// after 37 cached positions (query tiles of 16, 16 and 8; key tiles of 32 straddling the cache
+/// boundary and the blocks of 5), a first chunk of 17 (one row past a tile), a two-row run, a
+/// decode row at position 90 (the split kernel's row list); splits of 24 keys (not a multiple
+/// of the key tile), of 7 and none; head sizes 40, 128 and 256 (tiles of 8 rows).
+#[test]
+fn tiled_prefill_attention_across_tiles_and_splits() {
+    let table = |first: u32, n: u32| (0..n).map(|i| (first + 7 * i) % 61).collect::<Vec<u32>>();
+    let runs = vec![
+        (37usize, 40usize, 0usize, table(3, 16)),
+        (0, 17, 1, table(4, 4)),
+        (90, 1, 2, table(5, 19)),
+        (11, 2, 3, table(6, 3)),
+    ];
+    assert_eq!(kernels::attention_tile_rows(128), 16);
+    assert_eq!(kernels::attention_tile_rows(256), 8);
+    for (head_dim, split_keys) in [(40usize, 24usize), (40, 7), (128, 1000), (256, 24)] {
+        check_attention(head_dim, 5, &runs, split_keys, Path::Tiled);
     }
 }
 

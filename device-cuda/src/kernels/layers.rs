@@ -589,6 +589,8 @@ pub fn attention(
         KernelArg::U32(to_u32(k, "splits", splits)?),
         KernelArg::U32(to_u32(k, "split keys", split_keys)?),
         KernelArg::F32(scale),
+        KernelArg::Null,
+        KernelArg::U32(0),
     ];
     let warps = (LAYER_THREADS / 32) as usize;
     let dims = LaunchDims {
@@ -610,7 +612,31 @@ pub fn attention(
     // checked above, the pool num_blocks blocks with the layer inside each; the kernel checks
     // runs, table offsets and block ids; the shared memory holds warps x head_dim floats.
     unsafe { rt.launch(k, dims, &args, stream)? };
+    attention_combine(rt, stream, step, shape, partial, out, splits)
+}
+
+/// Merges the splits' partials into `out [rows, heads * head_dim]`.
+fn attention_combine(
+    rt: &dyn Runtime,
+    stream: Stream,
+    step: &StepRows,
+    shape: &AttentionShape,
+    partial: DeviceSlice,
+    out: DeviceSlice,
+    splits: usize,
+) -> Result<()> {
+    let (h, hd) = (shape.heads, shape.head_dim);
     let k = Kernel::AttentionCombine;
+    expect_bytes(
+        k,
+        "partial",
+        partial,
+        step.rows
+            .saturating_mul(h)
+            .saturating_mul(splits)
+            .saturating_mul(hd + 2),
+        4,
+    )?;
     let args = [
         f32_slice(k, "out", out, step.rows.saturating_mul(h * hd))?,
         KernelArg::Ptr(partial),
@@ -627,6 +653,214 @@ pub fn attention(
     // SAFETY: the arguments match `attention_combine`'s parameters; out holds rows x heads x
     // head_dim floats and partial the size checked for the split launch.
     unsafe { rt.launch(k, dims, &args, stream) }
+}
+
+/// Warps of an [`attention_tiled`] block (`ATTN_TILE_WARPS`).
+const TILE_WARPS: usize = 4;
+/// Query rows each warp of a tile block owns (`ATTN_ROWS_PER_WARP`).
+const TILE_ROWS_PER_WARP: usize = 4;
+/// Keys staged in shared memory at a time (`ATTN_TILE_KEYS`).
+const TILE_KEYS: usize = 32;
+
+/// Dynamic shared memory of an `attention_tile` block: the tile's queries and one key tile
+/// (rows padded by one float).
+fn tile_shared_bytes(tile_rows: usize, head_dim: usize) -> usize {
+    (tile_rows * head_dim + TILE_KEYS * (head_dim + 1)) * 4
+}
+
+/// The most query rows of one tile of [`attention_tiled`] for heads of `head_dim`: 16 where the
+/// queries and a key tile fit the 48 KiB every device gives a block (head_dim ≤ 254), else 8.
+pub fn attention_tile_rows(head_dim: usize) -> usize {
+    let most = TILE_WARPS * TILE_ROWS_PER_WARP;
+    // Static shared memory: the key tile's KV offsets.
+    let limit = SHARED_LIMIT - TILE_KEYS * 8;
+    let mut rows = most;
+    while rows > 1 && tile_shared_bytes(rows, head_dim) > limit {
+        rows /= 2;
+    }
+    rows
+}
+
+/// How a step's rows go to the attention kernels: tiles of consecutive rows of one prefill run
+/// (`num_tiles` pairs of u32: first row, row count ≤ [`attention_tile_rows`]) to the tiled
+/// kernel, and single rows (`num_singles` u32 row indices, the decode rows) to the split kernel.
+/// Together they must name every row of the step once; a row named by neither keeps stale
+/// partials (memory-safe, but wrong).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionWork {
+    /// `2 * num_tiles` u32.
+    pub tiles: DeviceSlice,
+    /// Tiles.
+    pub num_tiles: usize,
+    /// Row count bound of every tile (at most [`attention_tile_rows`] of the head size).
+    pub tile_rows: usize,
+    /// `num_singles` u32.
+    pub singles: DeviceSlice,
+    /// Single rows.
+    pub num_singles: usize,
+}
+
+/// The tiles and singles of a step's runs (start position, length) for [`AttentionWork`], as
+/// host words: runs of two rows or more are cut into tiles of at most `tile_rows` rows, runs of
+/// one row are singles. Answers `(tiles, singles)`.
+pub fn attention_plan(run_lens: &[usize], tile_rows: usize) -> (Vec<u32>, Vec<u32>) {
+    let tile_rows = tile_rows.max(1);
+    let (mut tiles, mut singles) = (Vec::new(), Vec::new());
+    let mut row = 0usize;
+    for &len in run_lens {
+        if len == 1 {
+            singles.push(row as u32);
+        } else {
+            let mut done = 0;
+            while done < len {
+                let count = (len - done).min(tile_rows);
+                tiles.extend([(row + done) as u32, count as u32]);
+                done += count;
+            }
+        }
+        row += len;
+    }
+    (tiles, singles)
+}
+
+/// Causal GQA attention like [`attention`], with the prefill rows in flash-style query tiles
+/// (see `attention_tile` in `attention.cu`): each tile block stages its keys and values in shared
+/// memory, tile by tile, so a prefill chunk reads each key once per tile of queries instead of
+/// once per query. Decode rows (`work.singles`) go to the split kernel as in [`attention`]; both
+/// write the same partials, merged by one combine.
+#[allow(clippy::too_many_arguments)] // The step, its plan, the pool, the shape, the split and three buffers.
+pub fn attention_tiled(
+    rt: &dyn Runtime,
+    stream: Stream,
+    step: &StepRows,
+    work: &AttentionWork,
+    pool: &KvPool,
+    shape: &AttentionShape,
+    qkv: DeviceSlice,
+    partial: DeviceSlice,
+    out: DeviceSlice,
+    splits: usize,
+    split_keys: usize,
+) -> Result<()> {
+    let k = Kernel::AttentionTile;
+    step.check(k)?;
+    shape.check(k, pool)?;
+    let bad = |detail: String| CudaError::BadLaunch {
+        kernel: k.name(),
+        detail,
+    };
+    if splits == 0 || split_keys == 0 {
+        return Err(bad(format!("{splits} splits of {split_keys} keys")));
+    }
+    let (h, hd) = (shape.heads, shape.head_dim);
+    let tile_cap = attention_tile_rows(hd);
+    if work.tile_rows == 0 || work.tile_rows > tile_cap {
+        return Err(bad(format!(
+            "tiles of {} rows (1..={tile_cap} for heads of {hd})",
+            work.tile_rows
+        )));
+    }
+    expect_bytes(k, "tiles", work.tiles, work.num_tiles.saturating_mul(2), 4)?;
+    expect_bytes(k, "single rows", work.singles, work.num_singles, 4)?;
+    expect_aligned(k, "tiles", work.tiles, 4)?;
+    expect_aligned(k, "single rows", work.singles, 4)?;
+    let partial_floats = step
+        .rows
+        .saturating_mul(h)
+        .saturating_mul(splits)
+        .saturating_mul(hd + 2);
+    let partial_arg = f32_slice(k, "partial", partial, partial_floats)?;
+    let qkv_arg = f32_slice(k, "qkv", qkv, step.rows.saturating_mul(shape.qkv_dim()))?;
+    let [p0, p1, p2, p3] = pool_args(k, pool)?;
+    let scale = (hd as f64).powf(-0.5) as f32;
+    let common = |k: Kernel| -> Result<Vec<KernelArg>> {
+        Ok(vec![
+            partial_arg,
+            qkv_arg,
+            KernelArg::Ptr(pool.kv),
+            KernelArg::Ptr(step.row_pos),
+            KernelArg::Ptr(step.row_run),
+            KernelArg::Ptr(step.runs),
+            KernelArg::Ptr(step.tables),
+            KernelArg::U32(to_u32(k, "tables", step.tables.bytes() / 4)?),
+        ])
+    };
+    let shape_args = |k: Kernel| -> Result<Vec<KernelArg>> {
+        Ok(vec![
+            KernelArg::U32(to_u32(k, "rows", step.rows)?),
+            KernelArg::U32(to_u32(k, "runs", step.num_runs)?),
+            KernelArg::U32(to_u32(k, "heads", h)?),
+            KernelArg::U32(to_u32(k, "kv heads", shape.kv_heads)?),
+            KernelArg::U32(to_u32(k, "head dim", hd)?),
+            KernelArg::U32(to_u32(k, "qkv dim", shape.qkv_dim())?),
+            p0,
+            p1,
+            p2,
+            p3,
+            KernelArg::U32(to_u32(k, "splits", splits)?),
+            KernelArg::U32(to_u32(k, "split keys", split_keys)?),
+            KernelArg::F32(scale),
+        ])
+    };
+    if work.num_tiles > 0 {
+        if work.num_tiles > 65535 {
+            return Err(bad(format!(
+                "{} tiles (at most 65535 a launch)",
+                work.num_tiles
+            )));
+        }
+        let mut args = common(k)?;
+        args.extend([
+            KernelArg::Ptr(work.tiles),
+            KernelArg::U32(to_u32(k, "tiles", work.num_tiles)?),
+        ]);
+        args.extend(shape_args(k)?);
+        args.push(KernelArg::U32(to_u32(k, "tile rows", work.tile_rows)?));
+        let dims = LaunchDims {
+            grid: [
+                to_u32(k, "splits", splits)?,
+                to_u32(k, "heads", h)?,
+                to_u32(k, "tiles", work.num_tiles)?,
+            ],
+            block: [(TILE_WARPS * 32) as u32, 1, 1],
+            shared_bytes: to_u32(k, "shared bytes", tile_shared_bytes(work.tile_rows, hd))?,
+        };
+        // SAFETY: the arguments match `attention_tile`'s parameters; partial and qkv hold the
+        // sizes checked above, the pool num_blocks blocks with the layer inside each, tiles
+        // 2 * num_tiles words; the kernel checks each tile's rows against `rows` and `tile_rows`,
+        // and runs, table offsets and block ids against their lengths; the shared memory holds
+        // tile_rows queries and one key tile.
+        unsafe { rt.launch(k, dims, &args, stream)? };
+    }
+    if work.num_singles > 0 {
+        let k = Kernel::AttentionSplit;
+        if work.num_singles > 65535 {
+            return Err(CudaError::BadLaunch {
+                kernel: k.name(),
+                detail: format!("{} rows (at most 65535 a launch)", work.num_singles),
+            });
+        }
+        let mut args = common(k)?;
+        args.extend(shape_args(k)?);
+        args.extend([
+            KernelArg::Ptr(work.singles),
+            KernelArg::U32(to_u32(k, "single rows", work.num_singles)?),
+        ]);
+        let warps = (LAYER_THREADS / 32) as usize;
+        let dims = LaunchDims {
+            grid: [
+                to_u32(k, "splits", splits)?,
+                to_u32(k, "heads", h)?,
+                to_u32(k, "single rows", work.num_singles)?,
+            ],
+            block: [LAYER_THREADS, 1, 1],
+            shared_bytes: to_u32(k, "shared bytes", warps * hd * 4)?,
+        };
+        // SAFETY: as in `attention`, with the row list of num_singles words checked above (the
+        // kernel checks each listed row against `rows`).
+        unsafe { rt.launch(k, dims, &args, stream)? };
+    }
+    attention_combine(rt, stream, step, shape, partial, out, splits)
 }
 
 /// The MoE router's settings (ARCH.md §6.1).
