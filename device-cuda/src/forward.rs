@@ -31,6 +31,7 @@
 //! the host logits with f32 weights; the bf16 bound is derived there.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use model::{Config, DtClamp, LayerKind, Model};
 
@@ -39,7 +40,9 @@ use crate::kernels::{
     self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
     StateSlots, StepRows,
 };
-use crate::runtime::{DType, DeviceBuffer, DeviceSlice, Gemm, Runtime, Stream};
+use crate::runtime::{
+    DType, DeviceBuffer, DeviceSlice, Event, Gemm, PinnedBuffer, Runtime, Stream,
+};
 
 /// Alignment of every tensor in the weight image and every workspace region.
 const ALIGN: usize = 256;
@@ -521,7 +524,8 @@ pub struct Workspace {
     limits: ForwardLimits,
     partial_entries: usize,
     pad_cap: usize,
-    desc: Region,
+    /// Bytes of the largest step's descriptor (the upload staging's size, see [`DeviceModel`]).
+    desc_bytes: usize,
     hidden: Region,
     normed: Region,
     out: Region,
@@ -613,7 +617,7 @@ impl Workspace {
             limits,
             partial_entries,
             pad_cap,
-            desc: region(4 * desc_words),
+            desc_bytes: 4 * desc_words,
             hidden: region(4 * m * d),
             normed: region(4 * m * d),
             out: region(4 * m * d),
@@ -685,6 +689,106 @@ pub struct DeviceState {
     pub slot_floats: usize,
 }
 
+/// The double-buffered upload of step descriptors: two pinned host buffers and two device
+/// buffers ("halves"), used alternately step by step, so the host prepares step `i + 1` while the
+/// device still runs step `i`, and no upload serialises the host with the device.
+///
+/// Step `i` uses half `k = i % 2`:
+/// 1. the host writes the descriptor into `pinned[k]` (the runtime first waits for the copy that
+///    step `i - 2` issued from it, so the host runs at most two steps ahead of the copies);
+/// 2. the copy stream waits for `consumed[k]` (recorded on the compute stream after step `i - 2`,
+///    the last reader of `device[k]`), copies `pinned[k]` to `device[k]` and records
+///    `uploaded[k]`;
+/// 3. the compute stream waits for `uploaded[k]`, runs the step reading `device[k]`, and records
+///    `consumed[k]`.
+///
+/// Invariant: between the copy into `device[k]` and the next `consumed[k]` record, only the
+/// compute stream's step `i` reads `device[k]`. Without the wait of step 2, step `i + 2`'s copy
+/// could overwrite `device[k]` while step `i`'s kernels read it (the copy stream runs ahead of
+/// the compute stream wherever no event orders them); `tests/forward.rs` shows that race on
+/// `SimRuntime` under `Schedule::CopyFirst`.
+#[derive(Debug)]
+struct Staging {
+    pinned: [PinnedBuffer; 2],
+    device: [DeviceBuffer; 2],
+    uploaded: [Event; 2],
+    consumed: [Event; 2],
+    /// Bytes of each buffer.
+    bytes: usize,
+    /// The half the next step uses.
+    next: usize,
+}
+
+impl Staging {
+    fn new(rt: &dyn Runtime, bytes: usize) -> Result<Staging> {
+        let bytes = bytes.max(4);
+        Ok(Staging {
+            pinned: [rt.alloc_pinned(bytes)?, rt.alloc_pinned(bytes)?],
+            device: [rt.alloc(bytes)?, rt.alloc(bytes)?],
+            uploaded: [rt.new_event()?, rt.new_event()?],
+            consumed: [rt.new_event()?, rt.new_event()?],
+            bytes,
+            next: 0,
+        })
+    }
+
+    /// Frees everything once the streams are done with it.
+    fn free(self, rt: &dyn Runtime) -> Result<()> {
+        let Staging {
+            pinned,
+            device,
+            uploaded,
+            consumed,
+            ..
+        } = self;
+        for event in &consumed {
+            rt.sync_event(event)?;
+        }
+        for buffer in pinned {
+            rt.free_pinned(buffer)?;
+        }
+        for buffer in device {
+            rt.free(buffer)?;
+        }
+        for event in uploaded.into_iter().chain(consumed) {
+            rt.destroy_event(event)?;
+        }
+        Ok(())
+    }
+
+    /// Uploads `words` through the next half (made or grown to `capacity` bytes first) and makes
+    /// the compute stream wait for it; answers the device copy and the half.
+    fn upload(
+        slot: &mut Option<Staging>,
+        rt: &dyn Runtime,
+        capacity: usize,
+        words: &[u32],
+    ) -> Result<(DeviceSlice, usize)> {
+        let bytes: &[u8] = bytemuck::cast_slice(words);
+        let capacity = capacity.max(bytes.len());
+        if slot.as_ref().is_some_and(|s| s.bytes < capacity) {
+            if let Some(old) = slot.take() {
+                old.free(rt)?;
+            }
+        }
+        if slot.is_none() {
+            *slot = Some(Staging::new(rt, capacity)?);
+        }
+        let staging = slot
+            .as_mut()
+            .ok_or_else(|| CudaError::Sticky("the descriptor staging is missing".to_owned()))?;
+        let k = staging.next;
+        staging.next ^= 1;
+        let desc = staging.device[k].range(0, bytes.len())?;
+        rt.write_pinned(&staging.pinned[k], 0, bytes)?;
+        rt.wait_event(Stream::Copy, &staging.consumed[k])?;
+        rt.copy_from_pinned(desc, &staging.pinned[k], 0, Stream::Copy)?;
+        rt.record(&staging.uploaded[k], Stream::Copy)?;
+        rt.wait_event(Stream::Compute, &staging.uploaded[k])?;
+        Ok((desc, k))
+    }
+}
+
 /// A checked step's descriptor (see [`DeviceModel::describe`]).
 struct Described {
     /// Row positions, row runs, runs (six words each), block tables, logit rows, attention
@@ -706,6 +810,8 @@ pub struct DeviceModel {
     layout: Layout,
     weights: Option<DeviceBuffer>,
     split_keys: usize,
+    /// The descriptor upload's buffers and events, made by the first step.
+    staging: Mutex<Option<Staging>>,
 }
 
 /// What [`DeviceModel::forward`] writes.
@@ -729,6 +835,7 @@ impl DeviceModel {
             layout: image.layout.clone(),
             weights: Some(weights),
             split_keys: DEFAULT_SPLIT_KEYS,
+            staging: Mutex::new(None),
         })
     }
 
@@ -827,6 +934,7 @@ impl DeviceModel {
             layout,
             weights: Some(weights),
             split_keys: DEFAULT_SPLIT_KEYS,
+            staging: Mutex::new(None),
         })
     }
 
@@ -886,8 +994,16 @@ impl DeviceModel {
         self.dtype
     }
 
-    /// Frees the weights.
+    /// Frees the weights and the descriptor staging (after the steps that use them).
     pub fn free(mut self, rt: &dyn Runtime) -> Result<()> {
+        let staging = self
+            .staging
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take();
+        if let Some(staging) = staging {
+            staging.free(rt)?;
+        }
         match self.weights.take() {
             Some(buffer) => rt.free(buffer),
             None => Ok(()),
@@ -1093,7 +1209,10 @@ impl DeviceModel {
     /// Runs one step (see the module docs) on the compute stream: reads the rows' tokens from
     /// `tokens` (`rows` u32 on the device), reads and advances the KV pool and the state slots
     /// of `state`, and writes the logits of `out.logit_rows`. Everything is validated before
-    /// the first launch: a refused step has touched nothing.
+    /// the first launch: a refused step has touched nothing. It returns once the step is queued:
+    /// its descriptor goes up through pinned, double-buffered staging on the copy stream (two
+    /// halves alternating step by step, an event guarding each half's reuse), so the host can
+    /// prepare the next step while this one runs (it waits only when two uploads ahead).
     #[allow(clippy::too_many_arguments)] // The runtime, the workspace, the state, the step and its output.
     pub fn forward(
         &self,
@@ -1105,8 +1224,7 @@ impl DeviceModel {
         tokens: DeviceSlice,
         out: &StepOutput<'_>,
     ) -> Result<()> {
-        let c = &self.config;
-        let (d, vocab) = (c.hidden_size, c.vocab_size);
+        let vocab = self.config.vocab_size;
         if workspace.bytes() < ws.total {
             return Err(CudaError::BadRange(format!(
                 "forward workspace of {} bytes, the layout needs {}",
@@ -1115,12 +1233,7 @@ impl DeviceModel {
             )));
         }
         let described = self.describe(ws, state, runs, out)?;
-        let (words, lens, m, table_len) = (
-            &described.words,
-            &described.lens,
-            described.rows,
-            described.table_len,
-        );
+        let (words, m) = (&described.words, described.rows);
         let logit_count = out.logit_rows.len();
         if out.logits.bytes() != logit_count * vocab * 4 {
             return Err(CudaError::BadRange(format!(
@@ -1134,10 +1247,42 @@ impl DeviceModel {
                 tokens.bytes()
             )));
         }
+        let mut staging = self
+            .staging
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (desc, half) = Staging::upload(&mut staging, rt, ws.desc_bytes, words)?;
+        let result = self.step(
+            rt, workspace, ws, state, runs, tokens, out, &described, desc,
+        );
+        // The step's reads of the descriptor end here, in compute-stream order; the upload two
+        // steps on waits for this record before it overwrites the same half.
+        if let Some(staging) = staging.as_ref() {
+            rt.record(&staging.consumed[half], Stream::Compute)?;
+        }
+        result
+    }
+
+    /// [`DeviceModel::forward`] after its checks and the descriptor's upload to `desc`.
+    #[allow(clippy::too_many_arguments)] // forward's arguments, the checked step and its descriptor.
+    fn step(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        out: &StepOutput<'_>,
+        described: &Described,
+        desc: DeviceSlice,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (d, vocab) = (c.hidden_size, c.vocab_size);
+        let (lens, m, table_len) = (&described.lens, described.rows, described.table_len);
+        let logit_count = out.logit_rows.len();
         let s = Stream::Compute;
         let region = |r: &Region, bytes: usize| r.slice(workspace, bytes);
-        let desc = region(&ws.desc, words.len() * 4)?;
-        rt.upload(desc, bytemuck::cast_slice(words), s)?;
         let num_runs = runs.len();
         let step = StepRows {
             row_pos: desc.range(0, m * 4)?,

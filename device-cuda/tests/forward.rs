@@ -587,3 +587,144 @@ fn full_sweep() {
         check_bf16(&bf16_outcome);
     }
 }
+
+/// One sequence's step for [`back_to_back`]: its slot, block table, first position and tokens.
+type Job = (usize, Vec<u32>, usize, Vec<u32>);
+
+/// Runs `rounds` of steps over fresh state on a runtime with `schedule`: each round's jobs one
+/// after another, either waiting for each step's logits before issuing the next (`pipelined`
+/// false) or issuing every step of the round before reading any logits back. Answers the logits
+/// of every step, in order, as bits.
+fn back_to_back(
+    model: &Model,
+    schedule: device_cuda::Schedule,
+    rounds: &[Vec<Job>],
+    pipelined: bool,
+) -> Vec<Vec<u32>> {
+    let config = model.config().clone();
+    let (block_size, blocks, slots) = (4usize, 64usize, 4usize);
+    let host_kv = KvPool::new(&config, blocks, block_size).unwrap();
+    let host_states = MambaStates::new(&config, slots).unwrap();
+    let rt = SimRuntime::with_schedule(schedule).unwrap();
+    let image = WeightImage::new(model, DType::F32).unwrap();
+    let device = DeviceModel::upload(&rt, model, &image)
+        .unwrap()
+        .with_split_keys(16);
+    let ws = Workspace::new(
+        &config,
+        ForwardLimits {
+            max_rows: 64,
+            max_runs: 1,
+            max_table: blocks,
+        },
+    )
+    .unwrap();
+    let ws_buf = rt.alloc(ws.bytes()).unwrap();
+    let (block_floats, slot_floats) = (host_kv.floats_per_block(), host_states.floats_per_slot());
+    let kv = rt.alloc(blocks * block_floats * 4).unwrap();
+    let states = rt.alloc(slots * slot_floats * 4).unwrap();
+    let state = DeviceState {
+        kv: kv.all(),
+        num_blocks: blocks,
+        block_size,
+        block_floats,
+        states: states.all(),
+        num_slots: slots,
+        slot_floats,
+    };
+    let vocab = config.vocab_size;
+    let mut answers = Vec::new();
+    for round in rounds {
+        let mut pending = Vec::new();
+        for (slot, table, start, tokens) in round {
+            let rows = tokens.len();
+            let token_buf = rt.alloc(rows * 4).unwrap();
+            rt.upload(token_buf.all(), bytemuck::cast_slice(tokens), S)
+                .unwrap();
+            let logits = rt.alloc(rows * vocab * 4).unwrap();
+            let logit_rows: Vec<u32> = (0..rows as u32).collect();
+            device
+                .forward(
+                    &rt,
+                    ws_buf.all(),
+                    &ws,
+                    &state,
+                    &[StepRun {
+                        start_pos: *start,
+                        len: rows,
+                        slot: *slot,
+                        blocks: table,
+                    }],
+                    token_buf.all(),
+                    &StepOutput {
+                        logit_rows: &logit_rows,
+                        logits: logits.all(),
+                    },
+                )
+                .unwrap();
+            pending.push((token_buf, logits));
+            if !pipelined {
+                rt.sync_stream(S).unwrap();
+            }
+        }
+        for (token_buf, logits) in pending {
+            let mut bytes = vec![0u8; logits.bytes()];
+            rt.download(&mut bytes, logits.all(), S).unwrap();
+            answers.push(bytemuck::cast_slice::<u8, u32>(&bytes).to_vec());
+            rt.free(token_buf).unwrap();
+            rt.free(logits).unwrap();
+        }
+    }
+    device.free(&rt).unwrap();
+    answers
+}
+
+/// The descriptor upload is double-buffered (pinned staging, two halves, an event guarding each
+/// half's reuse): three sequences' steps issued back to back, so that the third reuses the first
+/// one's half while the first may still be running, give bit for bit the logits of the same
+/// steps run one at a time; prefill chunks of different lengths, slots and tables, then decode
+/// rows (the split kernel's row list), under every stream schedule. Without the guard (the copy
+/// stream's wait for the half's last reader), `Schedule::CopyFirst` lets the third step's upload
+/// overwrite the first step's descriptor mid-step and the logits differ.
+#[test]
+fn back_to_back_steps_match_separate_steps() {
+    let dir = fixture("nemotron-h-tiny");
+    let model = Model::load(&dir.join("model")).unwrap();
+    let prompt = &prompts(&dir)[0];
+    let token = |i: usize| prompt[i % prompt.len()];
+    let tokens = |from: usize, n: usize| (from..from + n).map(token).collect::<Vec<u32>>();
+    // Disjoint tables of 16 blocks per slot, in scattered order.
+    let table = |slot: usize| {
+        (0..16)
+            .map(|i| (slot * 16 + (i * 5) % 16) as u32)
+            .collect::<Vec<u32>>()
+    };
+    let rounds = vec![
+        vec![
+            (0, table(0), 0, tokens(0, 40)),
+            (1, table(1), 0, tokens(5, 23)),
+            (2, table(2), 0, tokens(9, 31)),
+        ],
+        vec![
+            (0, table(0), 40, tokens(3, 1)),
+            (1, table(1), 23, tokens(4, 1)),
+            (2, table(2), 31, tokens(6, 1)),
+            (0, table(0), 41, tokens(7, 1)),
+        ],
+    ];
+    let want = back_to_back(&model, device_cuda::Schedule::Fifo, &rounds, false);
+    for schedule in [
+        device_cuda::Schedule::Fifo,
+        device_cuda::Schedule::ComputeFirst,
+        device_cuda::Schedule::CopyFirst,
+    ] {
+        let got = back_to_back(&model, schedule, &rounds, true);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g == w,
+                "{schedule:?}: step {i}'s logits differ from the step run alone"
+            );
+        }
+        assert_eq!(got.len(), 7);
+    }
+}
