@@ -163,13 +163,8 @@ pub(crate) struct DraftJob {
     pub hidden: Vec<f32>,
 }
 
-/// Where a decode row's input token comes from.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Input {
-    Token(u32),
-    /// The feed cell of this row of the source step.
-    Feed(usize),
-}
+/// Where a decode row's input token comes from (the shared bookkeeping's).
+pub(crate) use router_book::plans::Input;
 
 /// One row of a batched decode.
 #[derive(Debug, Clone)]

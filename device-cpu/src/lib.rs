@@ -286,22 +286,13 @@ impl Inner {
                 argmax.clear();
                 argmax.extend_from_slice(&done.argmax);
                 self.last_argmax = Some((done.ticket, argmax));
-                for (row, (&tenure, token)) in done.tenures.iter().zip(&done.argmax).enumerate() {
-                    let Some(pending) = self.pending.get_mut(&tenure) else {
-                        continue;
-                    };
-                    let (hits, rest): (Vec<PendingFeed>, Vec<PendingFeed>) = pending
-                        .iter()
-                        .partition(|p| p.ticket == done.ticket && p.row == row);
-                    *pending = rest;
-                    if pending.is_empty() {
-                        self.pending.remove(&tenure);
-                    }
-                    if let Some(token) = token {
-                        let resolved = self.resolved.entry(tenure).or_default();
-                        resolved.extend(hits.iter().map(|p| (p.pos, *token)));
-                    }
-                }
+                let ticket = done.ticket;
+                router_book::plans::resolve_feeds(
+                    &mut self.book(),
+                    ticket,
+                    &done.tenures,
+                    &done.argmax,
+                );
             }
             Err(_) => {
                 for &tenure in &done.tenures {
@@ -377,10 +368,6 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    pub fn checkpoint_row(&self, slot: usize) -> usize {
-        self.max_seqs + slot
-    }
-
     pub fn ring_row(&self, slot: usize) -> usize {
         self.max_seqs + self.checkpoint_slots + slot
     }

@@ -118,7 +118,7 @@ fn a_marconi_checkpoint_is_due_exactly_at_a_block_boundary_a_decode_reaches() {
     assert_eq!(r.facts().checkpoint_slots_used, 1);
     // The checkpoint holds exactly the live state at 16.
     let (_, slot) = s.output_checkpoint.unwrap();
-    let row = r.shape.checkpoint_row(slot.index());
+    let row = r.shape.book().checkpoint_row(slot.index());
     assert_eq!(state_row(&r, row), live_state(&r, &s));
     // A boundary passed without the effect is gone: the effect then takes nothing.
     for t in 0..16 {

@@ -9,6 +9,9 @@
 //! - [`book`]: the effects' bookkeeping over a router's tables ([`BookMut`]): release with the
 //!   cache offer, compaction, detaching, the reservation ledger, the snapshot ring, Marconi
 //!   checkpoints, and the checks of a spill image; the device work stays the router's;
+//! - [`plans`]: the plans' bookkeeping (`Prefill` with the prefix cache's attach, Marconi
+//!   checkpoints restored and taken, chunking and blocks; `Decode` / `DecodeFed` with the fed
+//!   inputs; the row checks), turned into an ordered list of device work the router runs;
 //! - [`image`]: the spill image format, its writer and its validating reader;
 //! - [`events`]: the prefix cache's events (`device_io`'s cache event bus) in kv-cache's
 //!   hash-chain key scheme, whichever index holds the blocks.
@@ -20,6 +23,7 @@ pub mod book;
 pub mod cache;
 pub mod events;
 pub mod image;
+pub mod plans;
 pub mod seq;
 
 pub use book::{BookMut, BookShape, PendingFeed, RingEntry, SlotOwner, Tenure, FED_PLACEHOLDER};
