@@ -1,5 +1,5 @@
 //! `cargo xtask gpu-check` runs this on a machine with an NVIDIA GPU: every kernel on the
-//! `CudaRuntime` against the same inputs on `SimRuntime`, the model's head on both, the router's
+//! `CudaRuntime` against the same inputs on `SimRuntime`, a router step (prefill and decode) on both, the router's
 //! effects on both from the same spill images (outcomes, images and state rows bit for bit), and the
 //! device-to-device bandwidth of the copies the effects make (slot compaction, snapshot copies,
 //! the spill gather) against one plain `cuMemcpyDtoDAsync` of the same bytes (target: at least
@@ -274,23 +274,49 @@ fn bandwidth(rt: &dyn Runtime) -> bool {
     ok
 }
 
-fn head_check(gpu: CudaRuntime) -> bool {
+/// One router step on both runtimes: a 21-token prefill with host logits and a decode, bf16
+/// weights; the logits agree within 1e-3 relative and the tokens are the same.
+fn step_check(gpu: CudaRuntime) -> bool {
+    use device_io::{DeviceIo, Readback, SeqSpec, Sequence, StepPlan};
     let model = Model::random(Config::tiny_demo(), 7).unwrap();
     let config = CudaRouterConfig {
         max_step_tokens: 64,
         ..CudaRouterConfig::new(256 << 20, 4, 256)
     };
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 256).collect();
+    let run = |router: &CudaRouter| -> (Vec<f32>, Option<u32>) {
+        let mut seq = router_book::RouterSeq::create(SeqSpec {
+            id: 1,
+            prompt: &prompt,
+            adapter: None,
+            cache_salt: None,
+        });
+        let mut logits = Vec::new();
+        let plan = StepPlan::Prefill {
+            budgets: &[64],
+            readback: Readback::HostLogits { into: &mut logits },
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        router.await_result(ticket).unwrap();
+        let plan = StepPlan::Decode {
+            tokens: &[model::parity::argmax(&logits)],
+            readback: Readback::Argmax,
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        let token = router.await_result(ticket).unwrap().rows[0].token;
+        (logits, token)
+    };
     let on_gpu = CudaRouter::new(&model, Box::new(gpu), config.clone()).unwrap();
     let on_sim = CudaRouter::sim(&model, config).unwrap();
-    let tokens = [0, 1, 255, 42];
-    let (a, ta) = on_gpu.head(&tokens).unwrap();
-    let (b, tb) = on_sim.head(&tokens).unwrap();
+    let (a, ta) = run(&on_gpu);
+    let (b, tb) = run(&on_sim);
     let ok = ta == tb
+        && a.len() == b.len()
         && a.iter()
             .zip(&b)
             .all(|(x, y)| (x - y).abs() <= 1e-3 * (1.0 + y.abs()));
     println!(
-        "gpu-check: router head (bf16 weights) vs SimRuntime {}",
+        "gpu-check: router prefill + decode step (bf16 weights) vs SimRuntime {}",
         if ok { "ok" } else { "MISMATCH" }
     );
     ok
@@ -464,7 +490,7 @@ fn main() {
     let sim = SimRuntime::new().unwrap();
     let mut ok = kernel_checks(&gpu, &sim);
     ok &= bandwidth(&gpu);
-    ok &= head_check(gpu);
+    ok &= step_check(gpu);
     match CudaRuntime::new() {
         Ok(gpu) => ok &= effects_check(Box::new(gpu)),
         Err(err) => {

@@ -22,15 +22,9 @@
 //!
 //! # Plans
 //!
-//! `launch` checks the depth and the plan's shape, then asks [`CudaRouter::forward_support`]:
-//! until the router calls its forward kernels, every plan answers [`DeviceError::Unsupported`]
-//! naming the first layer kind, and nothing changes. The seam (see `launch`): the plans'
-//! bookkeeping (today in the host router's `plans` module, to move to `router_book` as the
-//! effects' did) gives each row's positions, slot and block table, which become the
-//! `StepRun`s of `DeviceModel::forward` over this router's KV buffer and state rows (the
-//! `DeviceState` layout is the one above: blocks of `kv_block_bytes`, rows of
-//! `state_slot_bytes`).
-
+//! `launch` and `await_result` are the `step` module's: the plans' bookkeeping of `router_book`
+//! (the host router's), then `DeviceModel::forward` on the compute stream.
+//!
 //! # Effects this router has nothing for
 //!
 //! `SaveHiddenCatchup` (no MTP catch-up ring: no `Draft` here) and `EpShutdown` (no
@@ -40,7 +34,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use device_io::{
-    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraAck,
+    CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck,
     LoraCommand, LoraError, Phase, Result, StepPlan, StepResult, Ticket,
 };
 use router_book::book::{self, BookMut};
@@ -55,8 +49,11 @@ use crate::runtime::{DeviceBuffer, DeviceSlice, Runtime, Stream};
 /// The router's bookkeeping, behind one mutex.
 ///
 /// Invariants: those of [`BookMut`]; `unsettled` lists the launched, unclaimed tickets in launch
-/// order (empty until part 2: no plan launches yet); `logits` names the steps whose logits the
-/// logits buffer holds, with their row count and half of the buffer.
+/// order (at most two), and `flights` their device records in the same order; `logits` names
+/// the steps whose logits the logits buffer holds, with their row count and half of the buffer;
+/// `last_rows` / `last_token_rows` describe the rows of the latest launched step (what a
+/// `Feed::Row` may name, and which feed cell holds its argmax); `last_argmax` is the argmax of
+/// each row of the latest step whose outputs the host has read.
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub cache: Caches,
@@ -68,6 +65,11 @@ pub(crate) struct Inner {
     pub failed: BTreeSet<u64>,
     pub unsettled: VecDeque<u64>,
     pub logits: Vec<LogitsHeld>,
+    pub next_step: u64,
+    pub flights: VecDeque<crate::step::Flight>,
+    pub last_rows: Vec<(u64, bool)>,
+    pub last_token_rows: Vec<Option<usize>>,
+    pub last_argmax: Option<(u64, Vec<Option<u32>>)>,
 }
 
 /// The logits of one step in the logits buffer.
@@ -91,6 +93,11 @@ impl Inner {
             failed: BTreeSet::new(),
             unsettled: VecDeque::new(),
             logits: Vec::new(),
+            next_step: 1,
+            flights: VecDeque::new(),
+            last_rows: Vec::new(),
+            last_token_rows: Vec::new(),
+            last_argmax: None,
         }
     }
 
@@ -355,6 +362,8 @@ impl CudaRouter {
         writer: &mut dyn std::io::Write,
     ) -> Result<EffectOutcome> {
         let shape = *self.book_shape();
+        // The fed tokens of the steps in flight go in: wait for them and resolve their feeds.
+        self.settle_flights(inner)?;
         let plan = book::save_plan(&shape, &inner.book(), seq)?;
         let (kv, state) = self.export(&plan.blocks, plan.slot).map_err(effect_err)?;
         let bytes = image::encode(
@@ -479,55 +488,6 @@ impl CudaRouter {
             .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_owned()))
     }
 
-    /// Checks a plan's per-row slices against its rows, as every router must before anything
-    /// else; the row count must fit the live slots.
-    fn check_plan(&self, plan: &StepPlan<'_>, rows: usize) -> Result<()> {
-        let what = match plan {
-            StepPlan::Prefill { .. } => "Prefill",
-            StepPlan::Decode { .. } => "Decode",
-            StepPlan::DecodeFed { .. } => "DecodeFed",
-            StepPlan::Verify { .. } => "Verify",
-            StepPlan::Draft { .. } => "Draft",
-        };
-        if plan.rows() != rows {
-            return Err(invalid(
-                what,
-                format!(
-                    "the plan has {} rows, {rows} sequences were given",
-                    plan.rows()
-                ),
-            ));
-        }
-        if rows == 0 || rows > self.plan().live_slots {
-            return Err(invalid(
-                what,
-                format!(
-                    "{rows} rows: a step has 1..={} rows",
-                    self.plan().live_slots
-                ),
-            ));
-        }
-        if let StepPlan::DecodeFed { sources, masks } = plan {
-            if !masks.is_empty() && masks.len() != sources.len() {
-                return Err(invalid(
-                    what,
-                    format!("{} masks for {} rows", masks.len(), sources.len()),
-                ));
-            }
-            let vocab = self.model_config().vocab_size;
-            for source in sources.iter() {
-                if let Feed::Host(token) = source {
-                    if *token as usize >= vocab {
-                        return Err(invalid(
-                            what,
-                            format!("host token {token} is outside the vocabulary of {vocab}"),
-                        ));
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 impl DeviceIo for CudaRouter {
@@ -565,52 +525,17 @@ impl DeviceIo for CudaRouter {
         2
     }
 
-    /// Checks the depth and the plan's shape, then the forward step. What comes after
-    /// `forward_support` passes: the plans' bookkeeping (attach cached prefixes, reserve blocks
-    /// and slots, resolve feeds; the host router's `plans` module, to be shared through
-    /// `router_book`), then `DeviceModel::forward` enqueues the step on the compute stream (its
-    /// tokens from the host or, for `Feed::Row`, gathered from the feed cells by
-    /// `kernels::feed_inputs`), the argmax kernel writes the outputs and the feed cells, the
-    /// logits land in the step's half of the logits buffer, the step's event is recorded, and
-    /// the ticket joins `unsettled`; `await_result` then syncs on that event and reads the
-    /// argmax back.
+    /// Runs the plans' shared bookkeeping, then enqueues the step on the compute stream and
+    /// returns at once (see the `step` module); `Verify` and `Draft` answer `Unsupported`.
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut RouterSeq]) -> Result<Ticket> {
-        let inner = self.lock()?;
-        if inner.unsettled.len() >= self.max_depth() {
-            return Err(invalid(
-                "launch",
-                format!(
-                    "ticket {} is not awaited yet and max_depth is {}",
-                    inner.unsettled.front().copied().unwrap_or_default(),
-                    self.max_depth()
-                ),
-            ));
-        }
-        self.check_plan(&plan, rows.len())?;
-        // Speculative decoding (verification, the MTP head's drafts) is not built here.
-        match plan {
-            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
-            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
-            _ => {}
-        }
-        self.forward_support()?;
-        Err(DeviceError::Unsupported {
-            what: "a CUDA forward step (part 2 of the CUDA router)",
-        })
+        let mut inner = self.lock()?;
+        self.launch_step(&mut inner, plan, rows)
     }
 
+    /// Waits for the step's event and reads its argmax back (see the `step` module).
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<LogitsHandle>> {
-        let inner = self.lock()?;
-        match inner.unsettled.front() {
-            Some(&oldest) if oldest != ticket.0 && inner.unsettled.contains(&ticket.0) => {
-                Err(invalid(
-                    "await_result",
-                    format!("{ticket} awaited before ticket {oldest}"),
-                ))
-            }
-            // No plan launches before part 2, so no ticket was ever issued.
-            _ => Err(DeviceError::UnknownTicket(ticket)),
-        }
+        let mut inner = self.lock()?;
+        self.await_step(&mut inner, ticket)
     }
 
     fn apply(&self, effect: Effect<'_, RouterSeq, LogitsHandle>) -> Result<EffectOutcome> {

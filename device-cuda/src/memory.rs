@@ -103,17 +103,78 @@ pub struct MemoryPlan {
     pub checkpoint_slots: usize,
     /// Snapshot ring slots.
     pub snapshot_slots: usize,
-    /// Activations of the largest step.
+    /// Activations of the largest step: the forward step's [`Workspace`](crate::Workspace) for
+    /// [`forward_limits`].
     pub workspace_bytes: u64,
     /// Logits of two steps in flight (depth 2), `max_seqs` rows each, f32.
     pub logits_bytes: u64,
-    /// Per-row inputs and outputs of two steps (tokens, feed sources, argmax outputs, masks) and
-    /// the feed cells.
+    /// Per-step inputs and outputs of two steps (tokens, host tokens and feed sources of a fed
+    /// step, argmax outputs, masks) and the feed cells: [`IoLayout`].
     pub io_bytes: u64,
 }
 
 fn align(bytes: u64) -> u64 {
     bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// The largest step of a router: `max_step_tokens` rows, one run per live slot, every run's
+/// block table as long as `max_context` needs.
+pub fn forward_limits(router: &CudaRouterConfig) -> ForwardLimits {
+    ForwardLimits {
+        max_rows: router.max_step_tokens,
+        max_runs: router.max_seqs,
+        max_table: router
+            .max_seqs
+            .saturating_mul(router.max_context.div_ceil(router.block_size.max(1))),
+    }
+}
+
+/// Byte offsets in the per-step buffer (`MemoryPlan::io_bytes`): two halves, one per step in
+/// flight (step `t` uses half `t % 2`), then the feed cells.
+///
+/// In a half: the step's tokens (`max_step_tokens` u32, what the forward step reads), the host
+/// tokens and the feed sources of a `DecodeFed` (`max_seqs` u32 / i32 each), the argmax outputs
+/// (`max_seqs` u32) and the masks (`max_seqs × vocab` bytes). The feed cells (`max_seqs` u32)
+/// hold the argmax of each token row of the latest step that took one; a `DecodeFed` reads
+/// them on the compute stream before its own argmax overwrites them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoLayout {
+    /// The step's tokens, from the start of a half.
+    pub tokens: u64,
+    /// A fed step's host tokens.
+    pub host_tokens: u64,
+    /// A fed step's sources (`-1`: the host token; else a feed cell).
+    pub sources: u64,
+    /// The argmax of each token row.
+    pub out: u64,
+    /// The masks of the token rows.
+    pub mask: u64,
+    /// Bytes of a half (the second half starts there).
+    pub half: u64,
+    /// The feed cells, after both halves.
+    pub feed: u64,
+    /// Bytes of the whole buffer.
+    pub total: u64,
+}
+
+impl IoLayout {
+    /// The layout for steps of up to `max_step_tokens` tokens over `max_seqs` rows of `vocab`.
+    pub fn new(max_step_tokens: usize, max_seqs: usize, vocab: usize) -> IoLayout {
+        let tokens = align(4 * max_step_tokens as u64);
+        let rows = align(4 * max_seqs as u64);
+        let masks = align(max_seqs as u64 * vocab as u64);
+        let half = tokens + 3 * rows + masks;
+        IoLayout {
+            tokens: 0,
+            host_tokens: tokens,
+            sources: tokens + rows,
+            out: tokens + 2 * rows,
+            mask: tokens + 3 * rows,
+            half,
+            feed: 2 * half,
+            total: 2 * half + rows,
+        }
+    }
 }
 
 /// The widest per-token activation of `config` (floats): a Mamba in_proj, the fused QKV, the
@@ -144,9 +205,8 @@ impl MemoryPlan {
     ///
     /// 1. Fixed regions first: the weights, `max_seqs` live slots and the snapshot ring, the
     ///    workspace (the forward step's [`Workspace`](crate::Workspace) for `max_step_tokens`
-    ///    rows of `max_seqs` sequences of up to `max_context` tokens; at least `max_step_tokens`
-    ///    tokens × (3 × hidden + the widest activation) f32 plus a bf16 copy of the widest input,
-    ///    the head's regions), the logits of two steps and the per-row buffers.
+    ///    rows of `max_seqs` sequences of up to `max_context` tokens), the logits of two steps
+    ///    and the per-step inputs and outputs ([`IoLayout`]).
     /// 2. Of the rest, a hybrid model gives a quarter to checkpoints and three quarters to KV; an
     ///    attention-only model everything to KV (as the host router does).
     /// 3. A model without attention has no KV bytes; its pool is bookkeeping only, with blocks
@@ -190,31 +250,15 @@ impl MemoryPlan {
         let state_slot_bytes = 4 * MambaStates::new(config, 0)
             .map_err(model_err)?
             .floats_per_slot() as u64;
-        let tokens = router.max_step_tokens as u64;
-        let hidden = config.hidden_size as u64;
-        let widest = widest_activation(config) as u64;
-        // The head's regions, or the forward step's workspace when larger (it always is for a
-        // model with layers).
-        let forward = Workspace::new(
-            config,
-            ForwardLimits {
-                max_rows: router.max_step_tokens,
-                max_runs: router.max_seqs,
-                max_table: router
-                    .max_seqs
-                    .saturating_mul(router.max_context.div_ceil(router.block_size)),
-            },
-        )
-        .map_err(|err| PlanError::Model(err.to_string()))?;
-        let workspace_bytes = (align(4 * tokens * (3 * hidden + widest))
-            + align(2 * tokens * widest.max(hidden)))
-        .max(align(forward.bytes() as u64));
+        // One workspace, the forward step's, for the largest step: `max_step_tokens` rows of
+        // `max_seqs` sequences of up to `max_context` tokens.
+        let forward = Workspace::new(config, forward_limits(router))
+            .map_err(|err| PlanError::Model(err.to_string()))?;
+        let workspace_bytes = align(forward.bytes() as u64);
         let rows = router.max_seqs as u64;
         let vocab = config.vocab_size as u64;
         let logits_bytes = 2 * align(4 * rows * vocab);
-        // Per step: host tokens, sources, resolved tokens, argmax out (4 x 4 bytes a row) and a
-        // mask (vocab bytes a row); plus one set of feed cells.
-        let io_bytes = 2 * (4 * align(4 * rows) + align(rows * vocab)) + align(4 * rows);
+        let io_bytes = IoLayout::new(router.max_step_tokens, router.max_seqs, config.vocab_size).total;
         let fixed = align(weight_bytes)
             + align(state_slot_bytes * (router.max_seqs + router.snapshot_slots) as u64)
             + workspace_bytes

@@ -1,13 +1,13 @@
-//! The CUDA router's memory plan and what part 1 runs of it on `SimRuntime`: the weights on the
-//! device, the model's head (embedding gather, final RMSNorm, lm_head GEMM, argmax) against a
-//! host reference, `Unsupported` naming the first layer kind without kernels, and a typed error
-//! where there is no GPU.
+//! The CUDA router's memory plan and a step of it on `SimRuntime`: a prefill through `DeviceIo`
+//! against the host model, `Unsupported` for the speculative plans, and a typed error where
+//! there is no GPU. (The whole router against the host router: `tests/tests/cuda_steps.rs`.)
 
 use device_cuda::{
     CudaError, CudaRouter, CudaRouterConfig, CudaRouterError, DType, MemoryPlan, PlanError,
 };
-use device_io::{DeviceError, DeviceIo};
-use model::{Config, Model};
+use device_io::{DeviceError, DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
+use router_book::RouterSeq;
 
 fn tiny() -> Model {
     Model::random(Config::tiny_demo(), 7).unwrap()
@@ -81,85 +81,96 @@ fn the_budget_is_split_as_documented() {
     );
 }
 
-/// The host's view of the head: rows of `embed[token]`, RMSNorm with `norm_f`, times `lm_headᵀ`,
-/// in f64, with the weights (and, for bf16, the GEMM input) rounded as the device rounds them.
-fn host_head(model: &Model, tokens: &[u32], dtype: DType) -> Vec<f64> {
+/// The host model's logits of the last position of `prompt` (one prefill from position 0).
+fn host_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let c = model.config();
-    let (h, v) = (c.hidden_size, c.vocab_size);
-    let round = |x: f32| match dtype {
-        DType::F32 => x,
-        DType::Bf16 => half::bf16::from_f32(x).to_f32(),
-    };
-    let mut tensors = std::collections::HashMap::new();
-    model.visit_tensors(&mut |name, _, data| {
-        tensors.insert(
-            name.to_owned(),
-            data.iter().map(|&x| round(x)).collect::<Vec<f32>>(),
-        );
-    });
-    let embed = &tensors["backbone.embeddings.weight"];
-    let norm = &tensors["backbone.norm_f.weight"];
-    let head = &tensors["lm_head.weight"];
-    let mut out = Vec::new();
-    for &t in tokens {
-        let x = &embed[t as usize * h..(t as usize + 1) * h];
-        let mean: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum::<f64>() / h as f64;
-        let inv = 1.0 / (mean + c.layer_norm_epsilon).sqrt();
-        let normed: Vec<f64> = x
-            .iter()
-            .zip(norm)
-            .map(|(&a, &w)| f64::from(round((f64::from(w) * f64::from(a) * inv) as f32)))
-            .collect();
-        for row in 0..v {
-            out.push(
-                (0..h)
-                    .map(|i| normed[i] * f64::from(head[row * h + i]))
-                    .sum(),
-            );
-        }
-    }
-    out
+    let mut kv = KvPool::new(c, 64, 16).unwrap();
+    let mut states = MambaStates::new(c, 1).unwrap();
+    let mut scratch = Scratch::new(c);
+    let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
+    let mut logits = Vec::new();
+    model
+        .prefill(
+            &mut scratch,
+            &mut kv,
+            &mut states,
+            PrefillRow {
+                tokens: prompt,
+                start_pos: 0,
+                blocks: &blocks,
+                slot: 0,
+            },
+            false,
+            &mut logits,
+        )
+        .unwrap();
+    logits
 }
 
+/// A prefill through `DeviceIo` on the router's own weights (the forward step's image, the
+/// only copy on the device) gives the host model's logits: within 1e-4 with f32 weights, and
+/// within the bf16 rounding of the weights' own size with bf16 ones, with the same argmax.
 #[test]
-fn the_head_runs_on_the_sim_as_on_the_host() {
+fn a_prefill_step_runs_on_the_sim_as_on_the_host() {
     let model = tiny();
-    let tokens = [0u32, 1, 255, 42];
-    for dtype in [DType::F32, DType::Bf16] {
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 256).collect();
+    let want = host_logits(&model, &prompt);
+    for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::Bf16, 2e-2)] {
         let router = CudaRouter::sim(&model, config(dtype)).unwrap();
-        let (logits, argmax) = router.head(&tokens).unwrap();
-        let want = host_head(&model, &tokens, dtype);
-        let v = model.config().vocab_size;
-        assert_eq!(logits.len(), tokens.len() * v);
-        for (i, (&got, &want)) in logits.iter().zip(&want).enumerate() {
-            assert!(
-                (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                "{dtype:?} logit {i}: {got} vs {want}"
-            );
-        }
-        for (r, &token) in argmax.iter().enumerate() {
-            assert_eq!(
-                token,
-                model::parity::argmax(&logits[r * v..(r + 1) * v]),
-                "{dtype:?} row {r}"
-            );
-        }
-        // One row, and a step wider than the live slots is refused.
-        let (one, _) = router.head(&tokens[..1]).unwrap();
-        assert_eq!(one, logits[..v].to_vec());
-        assert!(matches!(router.head(&[1; 5]), Err(CudaError::BadRange(_))));
+        let mut seq = RouterSeq::create(SeqSpec {
+            id: 1,
+            prompt: &prompt,
+            adapter: None,
+            cache_salt: None,
+        });
+        let mut logits = Vec::new();
+        let plan = StepPlan::Prefill {
+            budgets: &[64],
+            readback: Readback::HostLogits { into: &mut logits },
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        let step = router.await_result(ticket).unwrap();
+        assert_eq!(step.rows[0].logits_row, Some(0));
+        assert_eq!(logits.len(), want.len());
+        let worst = logits
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst <= tolerance, "{dtype:?}: max |device - host| {worst}");
+        let plan = StepPlan::Decode {
+            tokens: &[model::parity::argmax(&want)],
+            readback: Readback::Argmax,
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        assert!(router.await_result(ticket).unwrap().rows[0].token.is_some());
+        router
+            .apply(Effect::ReleaseSeq {
+                seq: &mut seq,
+                cache: false,
+                what: "done",
+            })
+            .unwrap();
         Box::new(router).teardown().unwrap();
     }
 }
 
 #[test]
-fn a_model_step_names_the_missing_layer_kernels() {
+fn speculative_plans_are_unsupported_and_facts_are_the_plans() {
     let router = CudaRouter::sim(&tiny(), config(DType::Bf16)).unwrap();
+    let mut seq = RouterSeq::create(SeqSpec {
+        id: 1,
+        prompt: &[1, 2, 3],
+        adapter: None,
+        cache_salt: None,
+    });
+    let plan = StepPlan::Draft {
+        tokens: &[1],
+        k: 2,
+    };
     assert_eq!(
-        router.forward_support(),
-        Err(DeviceError::Unsupported {
-            what: "CUDA forward of a Mamba2 layer (the CUDA router does not run its forward kernels yet)"
-        })
+        router.launch(plan, &mut [&mut seq]).unwrap_err(),
+        DeviceError::Unsupported { what: "Draft" }
     );
     let facts = router.facts();
     assert_eq!(facts.kv_blocks_total, router.plan().num_blocks);
@@ -167,10 +178,9 @@ fn a_model_step_names_the_missing_layer_kernels() {
     assert_eq!(facts.live_slots_total, 4);
     assert_eq!(facts.checkpoint_slots_total, router.plan().checkpoint_slots);
     assert_eq!(facts.vocab_size, 256);
-    // bf16 weights take half the bytes of f32 ones (each tensor 256-byte aligned).
+    // bf16 weights take fewer bytes than f32 ones (norms and the SSM's parameters stay f32).
     let f32_router = CudaRouter::sim(&tiny(), config(DType::F32)).unwrap();
     assert!(router.plan().weight_bytes < f32_router.plan().weight_bytes);
-    assert_eq!(router.tensors().len(), f32_router.tensors().len());
 }
 
 /// Here there is no NVIDIA driver: opening the router is a typed error, never a panic.

@@ -206,7 +206,7 @@ mod cpu {
 
     /// Opens the CUDA router for `model` with the sizes of `options`, and says why it cannot
     /// serve: the typed error of opening it (no driver, no device, a driver too old), or, on a
-    /// GPU, the layer kernels it does not have yet.
+    /// GPU, that the engine is not built on it yet.
     #[cfg(feature = "cuda")]
     fn open_cuda(model: &Model, options: &BackendOptions) -> BackendError {
         let c = model.config();
@@ -243,10 +243,9 @@ mod cpu {
             Err(err) => BackendError::Cuda(err.to_string()),
             Ok(router) => {
                 let device = router.runtime().device_name();
-                let reason = match router.forward_support() {
-                    Err(err) => err.to_string(),
-                    Ok(()) => "its forward steps are not built yet".to_owned(),
-                };
+                // The router runs its steps (prefill, decode, fed decode) but the engine is not
+                // built on it here yet.
+                let reason = "the engine is not built on the CUDA router yet";
                 if let Err(err) = device_io::DeviceIo::teardown(Box::new(router)) {
                     tracing::warn!(%err, "tearing the CUDA router down failed");
                 }

@@ -1,0 +1,464 @@
+//! The whole CUDA router (on `SimRuntime`) computing steps against the host router, through
+//! `DeviceIo` alone: both fixtures, every prompt case, prefill in chunks of several sizes with
+//! several rows a step, batched decode, depth 2 with fed inputs, a prefix-cache hit with the
+//! Marconi checkpoint restored through it, spill and restore mid-decode, and compaction between
+//! steps.
+//!
+//! Numbers: with f32 weights every logit is within [`F32_TOLERANCE`] of the host router's and
+//! the greedy ids are the same. With bf16 weights the device rounds the GEMM matrices and the
+//! GEMM inputs to bf16; the bound is derived from the weights' own rounding, as the forward
+//! step's test does (`device-cuda/tests/forward.rs`): a host router over the same model with
+//! its matrices rounded to bf16 (the shadow) differs from the f32 host router by δ (the largest
+//! such difference over the rows compared); the device must be within 2δ on at least 95% of
+//! the rows, within half the largest logit on every row, and give the same greedy ids.
+
+use std::path::PathBuf;
+
+use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
+use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_io::{
+    DeviceIo, Effect, Feed, PrefillReport, Readback, SeqSpec, Sequence, StepPlan, StepResult,
+};
+use model::Model;
+use router_book::{LogitsHandle, RouterSeq};
+
+const SLOTS: usize = 4;
+const CONTEXT: usize = 128;
+const F32_TOLERANCE: f32 = 1e-4;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures")
+        .join(name)
+}
+
+fn fixture(name: &str) -> Model {
+    Model::load(&fixture_dir(name).join("model")).unwrap()
+}
+
+fn prompts(name: &str) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(fixture_dir(name).join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            case["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+fn cuda_config(budget: u64, dtype: DType, caches: bool) -> CudaRouterConfig {
+    CudaRouterConfig {
+        max_step_tokens: 48,
+        weights: dtype,
+        prefix_cache: caches,
+        marconi: caches,
+        ..CudaRouterConfig::new(budget, SLOTS, CONTEXT)
+    }
+}
+
+/// A CUDA router with `blocks` KV blocks' worth of budget past its fixed regions.
+fn cuda(model: &Model, dtype: DType, caches: bool, blocks: u64) -> CudaRouter {
+    let needed = match CudaRouter::sim(model, cuda_config(0, dtype, caches)) {
+        Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => needed,
+        other => panic!("a zero budget answered {other:?}"),
+    };
+    let probe = device_cuda::MemoryPlan::from_budget(
+        model.config(),
+        0,
+        &cuda_config(1 << 40, dtype, caches),
+    )
+    .unwrap();
+    let kv = probe.kv_block_bytes;
+    let fixed = needed - (CONTEXT / 16) as u64 * kv;
+    CudaRouter::sim(model, cuda_config(fixed + blocks * kv, dtype, caches)).unwrap()
+}
+
+/// The host router with the CUDA router's pool, slots, checkpoint region and ring.
+fn host_like(model: &Model, cuda: &CudaRouter, caches: bool) -> CpuRouter {
+    let plan = *cuda.plan();
+    CpuRouter::new(
+        model.clone(),
+        CpuRouterConfig {
+            block_size: plan.block_size,
+            checkpoints: CheckpointBudget::Slots(plan.checkpoint_slots),
+            snapshot_slots: plan.snapshot_slots,
+            prefix_cache: caches,
+            marconi: caches,
+            max_context: Some(CONTEXT),
+            max_depth: 2,
+            threads: 1,
+            ..CpuRouterConfig::new(plan.num_blocks, plan.live_slots)
+        },
+    )
+    .unwrap()
+}
+
+fn seq(id: u64, prompt: &[u32]) -> RouterSeq {
+    RouterSeq::create(SeqSpec {
+        id,
+        prompt,
+        adapter: None,
+        cache_salt: None,
+    })
+}
+
+trait Router: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle> {}
+impl<D: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle>> Router for D {}
+
+/// A prefill step with host logits: each row's report, and a logits row per row that finished
+/// its prompt.
+fn prefill<D: Router>(
+    router: &D,
+    budgets: &[usize],
+    rows: &mut [&mut RouterSeq],
+) -> (Vec<PrefillReport>, Vec<f32>) {
+    let mut logits = Vec::new();
+    let plan = StepPlan::Prefill {
+        budgets,
+        readback: Readback::HostLogits { into: &mut logits },
+    };
+    let ticket = router.launch(plan, rows).unwrap();
+    let result = router.await_result(ticket).unwrap();
+    let reports = result.rows.iter().map(|row| row.prefill.unwrap()).collect();
+    (reports, logits)
+}
+
+/// A decode step with host logits.
+fn decode<D: Router>(router: &D, tokens: &[u32], rows: &mut [&mut RouterSeq]) -> Vec<f32> {
+    let mut logits = Vec::new();
+    let plan = StepPlan::Decode {
+        tokens,
+        readback: Readback::HostLogits { into: &mut logits },
+    };
+    let ticket = router.launch(plan, rows).unwrap();
+    router.await_result(ticket).unwrap();
+    logits
+}
+
+fn release<D: Router>(router: &D, s: &mut RouterSeq, cache: bool) {
+    router
+        .apply(Effect::ReleaseSeq {
+            seq: s,
+            cache,
+            what: "done",
+        })
+        .unwrap();
+}
+
+fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits.chunks(vocab).map(model::parity::argmax).collect()
+}
+
+/// What a comparison saw.
+#[derive(Debug, Default)]
+struct Compared {
+    rows: usize,
+    /// Largest |device - host| over every logit.
+    max_diff: f32,
+    /// Per row: max |device - host|, max |shadow - host| (bf16 runs), max |host|.
+    row_errors: Vec<(f32, f32, f32)>,
+}
+
+impl Compared {
+    /// Compares one step's logits rows; the greedy ids must be the same.
+    fn rows(&mut self, vocab: usize, host: &[f32], device: &[f32], shadow: Option<&[f32]>) {
+        assert_eq!(host.len(), device.len(), "logit rows differ");
+        assert_eq!(argmax_rows(host, vocab), argmax_rows(device, vocab), "greedy ids");
+        for (r, (h, d)) in host.chunks(vocab).zip(device.chunks(vocab)).enumerate() {
+            let diff = h.iter().zip(d).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let largest = h.iter().map(|a| a.abs()).fold(0.0, f32::max);
+            let shadow_diff = shadow.map_or(0.0, |s| {
+                s[r * vocab..(r + 1) * vocab]
+                    .iter()
+                    .zip(h)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max)
+            });
+            self.max_diff = self.max_diff.max(diff);
+            self.row_errors.push((diff, shadow_diff, largest));
+            self.rows += 1;
+        }
+    }
+}
+
+/// Every prompt case of `name`, prefilled in chunks of `chunk` tokens with up to three rows a
+/// step, then four batched greedy decode steps; the host router, the CUDA router and (bf16) the
+/// shadow host router run the same steps.
+fn run_cases(
+    name: &str,
+    cases: &[Vec<u32>],
+    chunk: usize,
+    routers: (&CpuRouter, &CudaRouter, Option<&CpuRouter>),
+    seen: &mut Compared,
+) {
+    let (host, device, shadow) = routers;
+    let vocab = host.facts().vocab_size;
+    for (group, prompts) in cases.chunks(3).enumerate() {
+        let make = |base: u64| -> Vec<RouterSeq> {
+            prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| seq(base + i as u64, p))
+                .collect()
+        };
+        let mut on_host = make(100 * group as u64);
+        let mut on_device = make(100 * group as u64);
+        let mut on_shadow = make(100 * group as u64);
+        let mut next: Vec<Option<u32>> = vec![None; prompts.len()];
+        while next.iter().any(Option::is_none) {
+            let open: Vec<usize> = (0..prompts.len()).filter(|&i| next[i].is_none()).collect();
+            let budgets = vec![chunk; open.len()];
+            let mut h: Vec<&mut RouterSeq> = select(&mut on_host, &open);
+            let (host_reports, host_logits) = prefill(host, &budgets, &mut h);
+            let mut d: Vec<&mut RouterSeq> = select(&mut on_device, &open);
+            let (device_reports, device_logits) = prefill(device, &budgets, &mut d);
+            assert_eq!(host_reports, device_reports, "{name} chunk {chunk}");
+            let shadow_logits = shadow.map(|shadow| {
+                let mut s: Vec<&mut RouterSeq> = select(&mut on_shadow, &open);
+                prefill(shadow, &budgets, &mut s).1
+            });
+            seen.rows(vocab, &host_logits, &device_logits, shadow_logits.as_deref());
+            let ids = argmax_rows(&host_logits, vocab);
+            let mut done = host_reports.iter().enumerate().filter(|(_, r)| r.done);
+            for id in ids {
+                let (k, _) = done.next().unwrap();
+                next[open[k]] = Some(id);
+            }
+        }
+        for _ in 0..4 {
+            let tokens: Vec<u32> = next.iter().map(|t| t.unwrap()).collect();
+            let host_logits = decode(host, &tokens, &mut on_host.iter_mut().collect::<Vec<_>>());
+            let device_logits =
+                decode(device, &tokens, &mut on_device.iter_mut().collect::<Vec<_>>());
+            let shadow_logits = shadow.map(|shadow| {
+                decode(shadow, &tokens, &mut on_shadow.iter_mut().collect::<Vec<_>>())
+            });
+            seen.rows(vocab, &host_logits, &device_logits, shadow_logits.as_deref());
+            for (slot, id) in next.iter_mut().zip(argmax_rows(&host_logits, vocab)) {
+                *slot = Some(id);
+            }
+        }
+        for s in &mut on_host {
+            release(host, s, false);
+        }
+        for s in &mut on_device {
+            release(device, s, false);
+        }
+        if let Some(shadow) = shadow {
+            for s in &mut on_shadow {
+                release(shadow, s, false);
+            }
+        }
+    }
+}
+
+fn select<'a>(seqs: &'a mut [RouterSeq], open: &[usize]) -> Vec<&'a mut RouterSeq> {
+    seqs.iter_mut()
+        .enumerate()
+        .filter(|(i, _)| open.contains(i))
+        .map(|(_, s)| s)
+        .collect()
+}
+
+/// Every case of both fixtures with f32 weights, in chunks of `chunks[fixture]` tokens.
+fn f32_sweep(chunks: [&[usize]; 2]) {
+    let started = std::time::Instant::now();
+    let mut seen = Compared::default();
+    for (name, chunks) in ["nemotron-h-tiny", "nemotron-h-alt"].into_iter().zip(chunks) {
+        let model = fixture(name);
+        let cases = prompts(name);
+        let device = cuda(&model, DType::F32, false, 64);
+        let host = host_like(&model, &device, false);
+        assert_eq!(host.facts(), device.facts());
+        for &chunk in chunks {
+            run_cases(name, &cases, chunk, (&host, &device, None), &mut seen);
+        }
+        assert_eq!(host.facts(), device.facts());
+        Box::new(device).teardown().unwrap();
+    }
+    eprintln!(
+        "f32: {} rows compared, max |device - host| {:e} ({:.1?})",
+        seen.rows,
+        seen.max_diff,
+        started.elapsed()
+    );
+    assert!(seen.max_diff <= F32_TOLERANCE, "{}", seen.max_diff);
+}
+
+/// CI's subset: the tiny fixture in chunks of 7 tokens, the alt fixture whole (a prompt longer
+/// than the step's 48 tokens is computed in two forward calls).
+#[test]
+fn f32_steps_match_the_host_router_on_both_fixtures() {
+    f32_sweep([&[7], &[CONTEXT]]);
+}
+
+/// Every chunk size on both fixtures (about 30 s in a debug build; CI runs the subset above):
+/// `cargo test -p tests --test cuda_steps -- --ignored`.
+#[test]
+#[ignore = "the full sweep, about 30 s; CI runs f32_steps_match_the_host_router_on_both_fixtures"]
+fn f32_steps_match_the_host_router_full_sweep() {
+    f32_sweep([&[CONTEXT, 16, 7], &[CONTEXT, 16, 7]]);
+}
+
+/// `model` with every GEMM matrix rounded to bf16 (the matrices the device keeps in bf16: every
+/// 2-D weight but the MoE gate), written to a scratch folder and loaded back.
+fn bf16_weights(model: &Model) -> Model {
+    let dir = tempfile::tempdir().unwrap();
+    model.save(dir.path()).unwrap();
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        let mut values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if view.shape().len() == 2 && !name.ends_with(".gate.weight") {
+            for v in &mut values {
+                *v = half::bf16::from_f32(*v).to_f32();
+            }
+        }
+        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name, view.shape().to_vec(), data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+    Model::load(dir.path()).unwrap()
+}
+
+/// bf16 weights on the device against the f32 host router, bounded by the shadow (see the
+/// module docs): both fixtures, the cases in chunks of 16 tokens.
+#[test]
+fn bf16_steps_are_within_the_rounding_of_the_weights() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let model = fixture(name);
+        let cases = prompts(name);
+        let device = cuda(&model, DType::Bf16, false, 64);
+        let host = host_like(&model, &device, false);
+        let shadow = host_like(&bf16_weights(&model), &device, false);
+        let mut seen = Compared::default();
+        run_cases(name, &cases, 16, (&host, &device, Some(&shadow)), &mut seen);
+        let delta = seen.row_errors.iter().map(|e| e.1).fold(0.0, f32::max);
+        let within = seen
+            .row_errors
+            .iter()
+            .filter(|e| e.0 <= 2.0 * delta)
+            .count();
+        let largest = seen.row_errors.iter().map(|e| e.2).fold(0.0, f32::max);
+        eprintln!(
+            "bf16 {name}: {} rows, max |device - host| {}, delta {delta}, {within} rows within \
+             2 delta, largest |logit| {largest}",
+            seen.rows, seen.max_diff
+        );
+        assert!(delta > 0.0, "the shadow must differ from the host");
+        assert!(20 * within >= 19 * seen.rows, "{within} of {}", seen.rows);
+        for (i, e) in seen.row_errors.iter().enumerate() {
+            assert!(e.0 <= 0.5 * e.2, "row {i}: {e:?}");
+        }
+        Box::new(device).teardown().unwrap();
+    }
+}
+
+/// Greedy tokens of `prompts` over `steps` decode steps after the prefill: serially (each step
+/// awaited before the next, host tokens) or pipelined (step t + 1, a `DecodeFed` reading the
+/// feed cells of step t, launched before t is awaited).
+fn greedy<D: Router>(router: &D, prompts: &[&[u32]], steps: usize, pipelined: bool) -> Vec<Vec<u32>> {
+    let mut seqs: Vec<RouterSeq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| seq(i as u64 + 1, p))
+        .collect();
+    let budgets = vec![CONTEXT; prompts.len()];
+    let plan = StepPlan::Prefill {
+        budgets: &budgets,
+        readback: Readback::Argmax,
+    };
+    let mut rows: Vec<&mut RouterSeq> = seqs.iter_mut().collect();
+    let ticket = router.launch(plan, &mut rows).unwrap();
+    let first: Vec<u32> = router
+        .await_result(ticket)
+        .unwrap()
+        .rows
+        .iter()
+        .map(|row| row.token.unwrap())
+        .collect();
+    let mut out: Vec<Vec<u32>> = first.iter().map(|&t| vec![t]).collect();
+    let tokens_of = |result: StepResult<LogitsHandle>| -> Vec<u32> {
+        result.rows.iter().map(|row| row.token.unwrap()).collect()
+    };
+    if pipelined {
+        let plan = StepPlan::Decode {
+            tokens: &first,
+            readback: Readback::Argmax,
+        };
+        let mut in_flight = router.launch(plan, &mut rows).unwrap();
+        let sources: Vec<Feed> = (0..prompts.len()).map(Feed::Row).collect();
+        for step in 1..=steps {
+            let next = (step < steps).then(|| {
+                let plan = StepPlan::DecodeFed {
+                    sources: &sources,
+                    masks: &[],
+                };
+                router.launch(plan, &mut rows).unwrap()
+            });
+            let tokens = tokens_of(router.await_result(in_flight).unwrap());
+            for (o, t) in out.iter_mut().zip(tokens) {
+                o.push(t);
+            }
+            match next {
+                Some(ticket) => in_flight = ticket,
+                None => break,
+            }
+        }
+    } else {
+        for _ in 0..steps {
+            let last: Vec<u32> = out.iter().map(|o| *o.last().unwrap()).collect();
+            let plan = StepPlan::Decode {
+                tokens: &last,
+                readback: Readback::Argmax,
+            };
+            let ticket = router.launch(plan, &mut rows).unwrap();
+            let tokens = tokens_of(router.await_result(ticket).unwrap());
+            for (o, t) in out.iter_mut().zip(tokens) {
+                o.push(t);
+            }
+        }
+    }
+    for s in rows {
+        release(router, s, true);
+    }
+    out
+}
+
+/// Depth 2: the fed steps give the same tokens as serial steps, on both routers.
+#[test]
+fn depth_two_with_fed_inputs_gives_the_serial_tokens() {
+    let model = fixture("nemotron-h-tiny");
+    let cases = prompts("nemotron-h-tiny");
+    let prompts: Vec<&[u32]> = vec![&cases[1], &cases[3], &cases[4]];
+    let device = cuda(&model, DType::F32, true, 64);
+    let host = host_like(&model, &device, true);
+    let serial = greedy(&device, &prompts, 6, false);
+    assert_eq!(greedy(&device, &prompts, 6, true), serial);
+    assert_eq!(greedy(&host, &prompts, 6, true), serial);
+    assert_eq!(greedy(&host, &prompts, 6, false), serial);
+    Box::new(device).teardown().unwrap();
+}
