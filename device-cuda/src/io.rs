@@ -487,7 +487,6 @@ impl CudaRouter {
             .lock()
             .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_owned()))
     }
-
 }
 
 impl DeviceIo for CudaRouter {

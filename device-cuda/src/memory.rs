@@ -258,7 +258,8 @@ impl MemoryPlan {
         let rows = router.max_seqs as u64;
         let vocab = config.vocab_size as u64;
         let logits_bytes = 2 * align(4 * rows * vocab);
-        let io_bytes = IoLayout::new(router.max_step_tokens, router.max_seqs, config.vocab_size).total;
+        let io_bytes =
+            IoLayout::new(router.max_step_tokens, router.max_seqs, config.vocab_size).total;
         let fixed = align(weight_bytes)
             + align(state_slot_bytes * (router.max_seqs + router.snapshot_slots) as u64)
             + workspace_bytes

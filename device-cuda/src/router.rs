@@ -261,7 +261,12 @@ impl CudaRouter {
                 freed = freed.and(done);
             }
         }
-        for event in self.join.take().into_iter().chain(self.step_events.drain(..)) {
+        for event in self
+            .join
+            .take()
+            .into_iter()
+            .chain(self.step_events.drain(..))
+        {
             let done = rt.destroy_event(event);
             freed = freed.and(done);
         }

@@ -278,13 +278,20 @@ impl CudaRouter {
                         "adapter {adapter}: the CUDA router has no LoRA adapter slots"
                     )),
                 };
-                let plan =
-                    plans::prefill(&shape, &mut inner.book(), budgets, &readback, rows, &mut bind)?;
+                let plan = plans::prefill(
+                    &shape,
+                    &mut inner.book(),
+                    budgets,
+                    &readback,
+                    rows,
+                    &mut bind,
+                )?;
                 let work = prefill_work(plan.ops, rows, max_rows);
                 (plan.step, work, Some(plan.reports), host_sink(readback))
             }
             StepPlan::Decode { tokens, readback } => {
-                let plan = self.decode_plan(inner, ticket, Inputs::Tokens(tokens), &readback, rows)?;
+                let plan =
+                    self.decode_plan(inner, ticket, Inputs::Tokens(tokens), &readback, rows)?;
                 let work = decode_work(&plan, &inner.last_token_rows);
                 (plan.step, work, None, host_sink(readback))
             }
@@ -294,7 +301,8 @@ impl CudaRouter {
                 } else {
                     Readback::ArgmaxMasked { masks }
                 };
-                let plan = self.decode_plan(inner, ticket, Inputs::Fed(sources), &readback, rows)?;
+                let plan =
+                    self.decode_plan(inner, ticket, Inputs::Fed(sources), &readback, rows)?;
                 let work = decode_work(&plan, &inner.last_token_rows);
                 (plan.step, work, None, None)
             }
@@ -502,10 +510,8 @@ impl CudaRouter {
                             blocks: &step.blocks[run.blocks.clone()],
                         })
                         .collect();
-                    let out_logits = logits.range(
-                        first_token_row * vocab * 4,
-                        call_rows.len() * vocab * 4,
-                    )?;
+                    let out_logits =
+                        logits.range(first_token_row * vocab * 4, call_rows.len() * vocab * 4)?;
                     model.forward(
                         rt,
                         buffers.workspace.all(),
@@ -650,7 +656,9 @@ impl CudaRouter {
         Ok(StepResult {
             ticket,
             rows,
-            logits: (flight.logit_rows > 0).then_some(LogitsHandle { step: flight.ticket }),
+            logits: (flight.logit_rows > 0).then_some(LogitsHandle {
+                step: flight.ticket,
+            }),
             tokens: Vec::new(),
         })
     }

@@ -452,15 +452,14 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
         DeviceError::UnknownTicket(Ticket(1))
     );
     let facts = router.facts();
-    let plan = StepPlan::Decode {
-        tokens: &[3],
+    let plan = StepPlan::Verify {
+        inputs: &[&[3]],
+        snapshots: &[],
         readback: Readback::Argmax,
     };
     assert_eq!(
         router.launch(plan, &mut [&mut x]),
-        Err(DeviceError::Unsupported {
-            what: "CUDA forward of a Mamba2 layer (the CUDA router does not run its forward kernels yet)"
-        })
+        Err(DeviceError::Unsupported { what: "Verify" })
     );
     let plan = StepPlan::Decode {
         tokens: &[3, 4],

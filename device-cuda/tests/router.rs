@@ -164,10 +164,7 @@ fn speculative_plans_are_unsupported_and_facts_are_the_plans() {
         adapter: None,
         cache_salt: None,
     });
-    let plan = StepPlan::Draft {
-        tokens: &[1],
-        k: 2,
-    };
+    let plan = StepPlan::Draft { tokens: &[1], k: 2 };
     assert_eq!(
         router.launch(plan, &mut [&mut seq]).unwrap_err(),
         DeviceError::Unsupported { what: "Draft" }

@@ -94,7 +94,7 @@ pub struct Args {
     pub seed: u64,
 
     /// The device to run on (cuda needs the `cuda` feature; the CUDA router says why it cannot
-    /// serve yet: no driver or device, or on a GPU its missing layer kernels)
+    /// serve yet: no driver or device, or on a GPU that the engine is not built on it yet)
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceName::Cpu)]
     pub device: DeviceName,
 

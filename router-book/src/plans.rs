@@ -353,10 +353,9 @@ pub fn prefill(
         // end-of-input checkpoint: the last block boundary before the prompt's last token, which
         // is the longest hit both a repeat of this prompt and a longer request can use (a hit
         // must leave the last prompt token to compute).
-        let input_boundary = (book.cache.wants_end_checkpoints()
-            && seq.input_checkpoint.is_none())
-        .then_some((seq.prompt_len - 1) / shape.block_size * shape.block_size)
-        .filter(|&b| b > 0);
+        let input_boundary = (book.cache.wants_end_checkpoints() && seq.input_checkpoint.is_none())
+            .then_some((seq.prompt_len - 1) / shape.block_size * shape.block_size)
+            .filter(|&b| b > 0);
         let mut pos = start;
         while pos < end {
             let mut stop = end;
@@ -695,12 +694,7 @@ pub fn check_row(
 /// The fed positions a finished step resolves: moves each tenure's pending positions of
 /// `ticket` (per row, `argmax[row]`, for the rows of `tenures`) to the resolved tokens, to be
 /// copied into the sequence when it is next seen ([`book::sync`]).
-pub fn resolve_feeds(
-    book: &mut BookMut<'_>,
-    ticket: u64,
-    tenures: &[u64],
-    argmax: &[Option<u32>],
-) {
+pub fn resolve_feeds(book: &mut BookMut<'_>, ticket: u64, tenures: &[u64], argmax: &[Option<u32>]) {
     for (row, (&tenure, token)) in tenures.iter().zip(argmax).enumerate() {
         let Some(pending) = book.pending.get_mut(&tenure) else {
             continue;

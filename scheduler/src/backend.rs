@@ -9,8 +9,8 @@
 //!   per run. Without the feature the switch is ignored (always off).
 //! - `cuda`: adds `Device::Cuda`, which opens `device_cuda::CudaRouter` on device 0 with the same
 //!   sizes. Where there is no driver or device that is [`BackendError::Cuda`] saying which; on a
-//!   GPU it is [`BackendError::Cuda`] too until the CUDA layer kernels exist (part 2 of the CUDA
-//!   router), naming the first layer kind without kernels.
+//!   GPU it is [`BackendError::Cuda`] too: the router computes steps, but the engine is not
+//!   built on it here yet.
 //!
 //! With `cpu`, this module also re-exports what a program needs to build an engine while
 //! depending on `scheduler` alone: the model's [`ModelConfig`], [`Model`] and [`LayerKind`], the

@@ -4,8 +4,8 @@
 //! cache offer, compaction, detaching, a Marconi checkpoint, reservations and rollbacks up to a
 //! dry pool, misuse) leaves both routers with the same answers, the same facts, the same cache
 //! events and the same images, bit for bit. Both routers have the same pool and checkpoint region, so even block
-//! counts must agree. (The CUDA router computes no step before its layer kernels exist, so the
-//! states come from the host router.)
+//! counts must agree. (The states come from the host router; the CUDA router's own steps against
+//! the host router's are `cuda_steps.rs`.)
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, PlanError};

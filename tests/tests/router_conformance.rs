@@ -1,13 +1,22 @@
 //! The scripted test router refuses every misuse the host router refuses: the same misuse
-//! scenarios run on both, and each call is accepted or refused alike. (The scripted router may
+//! scenarios run on both, and each call is accepted or refused alike. The CUDA router (on
+//! `SimRuntime`, computing its steps) runs the same scenarios against the host router at its
+//! depth, 2: every step and effect is accepted or refused alike, but speculative decoding, which
+//! it answers `Unsupported`. (The scripted router may
 //! refuse more, such as host logits it cannot compute; these scenarios are all misuse the real
 //! router refuses, and a test written against the scripted router must not pass where the real
 //! one would fail.)
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
+use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
 use device_io::testing::{ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan, Ticket};
 use model::{Config, Model};
+
+fn model() -> &'static Model {
+    static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
+    MODEL.get_or_init(|| Model::random(Config::tiny_demo(), 4).unwrap())
+}
 
 /// The host router: blocks of 4 tokens, 16 of them, 2 slots, context 64, caches off.
 fn host() -> CpuRouter {
@@ -16,9 +25,40 @@ fn host() -> CpuRouter {
     config.max_context = Some(64);
     config.prefix_cache = false;
     config.marconi = false;
-    static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
-    let model = MODEL.get_or_init(|| Model::random(Config::tiny_demo(), 4).unwrap());
-    CpuRouter::new(model.clone(), config).unwrap()
+    CpuRouter::new(model().clone(), config).unwrap()
+}
+
+/// The host router pipelined (depth 2, as the CUDA router).
+fn host_pipelined() -> CpuRouter {
+    let mut config = CpuRouterConfig::new(16, 2);
+    config.block_size = 4;
+    config.max_context = Some(64);
+    config.prefix_cache = false;
+    config.marconi = false;
+    config.max_depth = 2;
+    CpuRouter::new(model().clone(), config).unwrap()
+}
+
+/// The CUDA router on `SimRuntime` of the host router's shape: blocks of 4 tokens, 16 of them
+/// (what one sequence of the context needs), 2 slots, context 64, caches off.
+fn cuda() -> CudaRouter {
+    let config = |budget| CudaRouterConfig {
+        block_size: 4,
+        max_step_tokens: 16,
+        weights: DType::F32,
+        prefix_cache: false,
+        marconi: false,
+        ..CudaRouterConfig::new(budget, 2, 64)
+    };
+    // The smallest budget that holds one sequence of the context (the error says what it needs).
+    let mut budget = 0;
+    loop {
+        match CudaRouter::sim(model(), config(budget)) {
+            Ok(router) => return router,
+            Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => budget = needed,
+            Err(other) => panic!("budget {budget} answered {other:?}"),
+        }
+    }
 }
 
 /// The scripted router of the same shape.
@@ -542,6 +582,19 @@ where
             (name, calls)
         })
         .collect()
+}
+
+#[test]
+fn the_cuda_router_accepts_and_refuses_as_the_host_router_does() {
+    let on_host = run_all(host_pipelined);
+    let on_cuda = run_all(cuda);
+    for ((name, host), (_, cuda)) in on_host.iter().zip(&on_cuda) {
+        if *name == "speculation misuse" {
+            // Verify answers Unsupported on the CUDA router: every call after it differs.
+            continue;
+        }
+        assert_eq!(cuda, host, "{name}: CUDA (left) vs host (right)");
+    }
 }
 
 #[test]

@@ -47,7 +47,7 @@ pub fn run() -> Result<(), Error> {
             step.elapsed().as_secs_f64()
         );
     }
-    // The replay must refuse the CUDA device with a reason (part 1 has no layer kernels).
+    // The replay must refuse the CUDA device with a reason (the engine is not built on it yet).
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| cmd::workspace_root().join("target"));
