@@ -584,16 +584,39 @@ where
         .collect()
 }
 
+/// `calls` without call `index`.
+fn without(calls: &[bool], index: usize) -> Vec<bool> {
+    let mut calls = calls.to_vec();
+    calls.remove(index);
+    calls
+}
+
+/// Whether the CUDA router read the logits of a step two launches old.
+fn cuda_old_logits(on_cuda: &[(&'static str, Vec<bool>)]) -> bool {
+    on_cuda
+        .iter()
+        .find(|(name, _)| *name == "tickets and logits handles")
+        .is_some_and(|(_, calls)| calls[8])
+}
+
 #[test]
 fn the_cuda_router_accepts_and_refuses_as_the_host_router_does() {
     let on_host = run_all(host_pipelined);
     let on_cuda = run_all(cuda);
     for ((name, host), (_, cuda)) in on_host.iter().zip(&on_cuda) {
-        if *name == "speculation misuse" {
+        match *name {
             // Verify answers Unsupported on the CUDA router: every call after it differs.
-            continue;
+            "speculation misuse" => {}
+            // The last `ReadLogits` names a step two launches old, past what the contract keeps
+            // readable: the CUDA router refuses it at once, the pipelined host router until its
+            // worker has overwritten the buffer (timing), so that call is not compared.
+            "tickets and logits handles" => {
+                let (cuda, host) = (without(cuda, 8), without(host, 8));
+                assert_eq!(cuda, host, "{name}: CUDA (left) vs host (right)");
+                assert!(!cuda_old_logits(&on_cuda));
+            }
+            _ => assert_eq!(cuda, host, "{name}: CUDA (left) vs host (right)"),
         }
-        assert_eq!(cuda, host, "{name}: CUDA (left) vs host (right)");
     }
 }
 
