@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod cli;
+mod log;
 #[cfg(feature = "plot")]
 mod plot;
 mod progress;
@@ -28,8 +29,10 @@ use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
 use scheduler::{EngineConfig, LoraCommand, Preemption, ShutdownMode, Speculation, SpillTarget};
 use serde::Serialize;
+use tracing::level_filters::LevelFilter;
 
 use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
+use crate::log::LineLog;
 use crate::progress::Progress;
 use crate::report::{Setup, Verdict};
 
@@ -744,14 +747,12 @@ fn main() -> ExitCode {
     let args = Args::parse();
     // Warnings (a failed spill, a refused checkpoint) go to stderr; `REPLAY_LOG=debug` shows more.
     let level = match std::env::var("REPLAY_LOG").as_deref() {
-        Ok("debug") => tracing::Level::DEBUG,
-        Ok("info") => tracing::Level::INFO,
-        _ => tracing::Level::WARN,
+        Ok("debug") => LevelFilter::DEBUG,
+        Ok("info") => LevelFilter::INFO,
+        _ => LevelFilter::WARN,
     };
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .init();
+    // The only place that sets a global subscriber, before anything can log: it cannot fail.
+    let _ = tracing::subscriber::set_global_default(LineLog::stderr(level));
     match run(args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
