@@ -27,6 +27,7 @@
 //! block hashes").
 
 use std::fmt;
+use std::hash::BuildHasher as _;
 
 /// The key of one full block in the prefix cache. With [`HashKind::Xxh3x64`] the upper 64 bits are
 /// zero.
@@ -131,9 +132,11 @@ impl BlockHasher {
         Self { kind, seed }
     }
 
-    /// A hasher with a seed drawn from the operating system's entropy (through `rand`).
+    /// A hasher with a secret seed: std's [`RandomState`](std::hash::RandomState), whose SipHash
+    /// keys come from the operating system's entropy source, hashes nothing, and the result is
+    /// the seed (each `RandomState` gets distinct keys, so each hasher its own seed).
     pub fn random(kind: HashKind) -> Self {
-        Self::new(kind, rand::random())
+        Self::new(kind, std::hash::RandomState::new().hash_one(()))
     }
 
     /// The hash kind.
@@ -317,6 +320,19 @@ mod tests {
         for (i, v) in variants.iter().enumerate() {
             assert_ne!(*v, base, "variant {i} collides with the base key");
         }
+    }
+
+    #[test]
+    fn random_hashers_draw_distinct_seeds_on_every_thread() {
+        let draw = || -> Vec<u64> {
+            (0..8)
+                .map(|_| BlockHasher::random(HashKind::Xxh3x64).seed)
+                .collect()
+        };
+        let mut seeds = draw();
+        seeds.extend(std::thread::spawn(draw).join().unwrap());
+        let distinct: std::collections::BTreeSet<u64> = seeds.iter().copied().collect();
+        assert_eq!(distinct.len(), 16, "{seeds:x?}");
     }
 
     #[test]

@@ -41,9 +41,12 @@
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
+use std::hash::{BuildHasher as _, RandomState};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+#[cfg(unix)]
+use rustix::fs::OFlags;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Where spilled images go.
@@ -235,7 +238,9 @@ impl SpillStore {
             SpillTarget::Directory(parent) => Kind::Directory(SpillDir::new(parent)?),
         };
         Ok(SpillStore {
-            nonce: rand::random(),
+            // std's `RandomState` has keys from the operating system's entropy source, distinct
+            // per instance; hashing nothing under them draws the nonce.
+            nonce: RandomState::new().hash_one(()),
             next_generation: 1,
             kind,
         })
@@ -484,7 +489,7 @@ impl SpillDir {
         #[cfg(unix)]
         {
             use std::os::unix::fs::OpenOptionsExt;
-            options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
+            options.mode(0o600).custom_flags(o_flags(OFlags::NOFOLLOW));
         }
         let file = options.open(&path).map_err(io_error("creating", &path))?;
         let meta = file.metadata().map_err(io_error("inspecting", &path))?;
@@ -511,7 +516,7 @@ impl SpillDir {
         {
             use std::os::unix::fs::OpenOptionsExt;
             // Never through a symbolic link, and never waiting for a FIFO's writer.
-            options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+            options.custom_flags(o_flags(OFlags::NOFOLLOW | OFlags::NONBLOCK));
         }
         let file = options.open(&path).map_err(|source| SpillError::Refused {
             id,
@@ -583,6 +588,13 @@ impl Drop for SpillDir {
             );
         }
     }
+}
+
+/// `flags` as [`std::os::unix::fs::OpenOptionsExt::custom_flags`] takes them: the same bits, as
+/// a C `int`.
+#[cfg(unix)]
+fn o_flags(flags: OFlags) -> i32 {
+    i32::from_ne_bytes(flags.bits().to_ne_bytes())
 }
 
 #[cfg(test)]
