@@ -521,7 +521,7 @@ impl DeviceIo for CudaRouter {
     }
 
     fn max_depth(&self) -> usize {
-        2
+        self.router_config().max_depth
     }
 
     /// Runs the plans' shared bookkeeping, then enqueues the step on the compute stream and

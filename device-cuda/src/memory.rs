@@ -36,11 +36,15 @@ pub struct CudaRouterConfig {
     pub prefix_cache: bool,
     /// On a hybrid model, whether the tuned Marconi policy evicts checkpoints (else LRU).
     pub marconi: bool,
+    /// Steps in flight: 1 (each step awaited before the next; `DecodeFed` and `Rollback` answer
+    /// `Unsupported`, as on the host router) or 2 (the core launches step t + 1 before reading
+    /// step t).
+    pub max_depth: usize,
 }
 
 impl CudaRouterConfig {
-    /// A config with bf16 weights, 16-token blocks, 4 ring slots, both caches on, and a step of
-    /// up to `max(2048, max_seqs)` tokens.
+    /// A config with bf16 weights, 16-token blocks, 4 ring slots, both caches on, depth 2, and a
+    /// step of up to `max(2048, max_seqs)` tokens.
     pub fn new(budget_bytes: u64, max_seqs: usize, max_context: usize) -> Self {
         CudaRouterConfig {
             budget_bytes,
@@ -52,6 +56,7 @@ impl CudaRouterConfig {
             snapshot_slots: 4,
             prefix_cache: true,
             marconi: true,
+            max_depth: 2,
         }
     }
 }
@@ -235,6 +240,13 @@ impl MemoryPlan {
                     limit,
                 });
             }
+        }
+        if !(1..=2).contains(&router.max_depth) {
+            return Err(PlanError::BadConfig {
+                field: "max_depth",
+                value: router.max_depth as u64,
+                limit: "must be 1 (synchronous) or 2 (pipelined)",
+            });
         }
         if router.max_step_tokens < router.max_seqs {
             return Err(PlanError::BadConfig {

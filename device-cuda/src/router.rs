@@ -91,7 +91,7 @@ impl CudaRouter {
             checkpoint_slots: plan.checkpoint_slots,
             snapshot_slots: plan.snapshot_slots,
             max_context: router.max_context,
-            max_depth: 2,
+            max_depth: router.max_depth,
             hybrid: plan.state_slot_bytes > 0,
             layout: Layout {
                 fingerprint: model.fingerprint(),
@@ -164,6 +164,19 @@ impl CudaRouter {
         };
         self.buffers = Some(buffers);
         Ok(())
+    }
+
+    /// Prefix-cache counters, for reports (the host router's, from the same bookkeeping).
+    pub fn cache_stats(&self) -> Result<router_book::CacheStats, device_io::DeviceError> {
+        let inner = self.inner.lock().map_err(|_| {
+            device_io::DeviceError::DeviceLost("router state poisoned by a panic".to_owned())
+        })?;
+        Ok(inner.cache.stats())
+    }
+
+    /// Whether the model has Mamba layers (and so uses the Marconi store for prefix reuse).
+    pub fn is_hybrid(&self) -> bool {
+        self.plan.state_slot_bytes > 0
     }
 
     /// The memory plan.

@@ -255,11 +255,12 @@ impl CudaRouter {
         plan: StepPlan<'_>,
         rows: &mut [&mut RouterSeq],
     ) -> Result<Ticket> {
-        if inner.unsettled.len() >= 2 {
+        let depth = self.router_config().max_depth;
+        if inner.unsettled.len() >= depth {
             return Err(DeviceError::Invalid {
                 what: "launch",
                 detail: format!(
-                    "ticket {} is not awaited yet and max_depth is 2",
+                    "ticket {} is not awaited yet and max_depth is {depth}",
                     inner.unsettled.front().copied().unwrap_or_default(),
                 ),
             });
@@ -296,6 +297,9 @@ impl CudaRouter {
                 (plan.step, work, None, host_sink(readback))
             }
             StepPlan::DecodeFed { sources, masks } => {
+                if depth < 2 {
+                    return Err(DeviceError::Unsupported { what: "DecodeFed" });
+                }
                 let readback = if masks.is_empty() {
                     Readback::Argmax
                 } else {

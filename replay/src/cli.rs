@@ -93,8 +93,8 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
 
-    /// The device to run on (cuda needs the `cuda` feature; the CUDA router says why it cannot
-    /// serve yet: no driver or device, or on a GPU that the engine is not built on it yet)
+    /// The device to run on (cuda and cuda-sim need the `cuda` feature; cuda says why it cannot
+    /// open where there is no driver or device)
     #[arg(long, value_enum, value_name = "DEVICE", default_value_t = DeviceName::Cpu)]
     pub device: DeviceName,
 
@@ -169,6 +169,9 @@ pub enum DeviceName {
     Cpu,
     /// The CUDA router (needs the `cuda` feature)
     Cuda,
+    /// The CUDA router on SimRuntime, its kernels run on the host (needs the `cuda` feature;
+    /// slow: for small workloads)
+    CudaSim,
 }
 
 /// `--progress`.

@@ -167,11 +167,15 @@ fn plan(args: Args) -> Result<Plan, Failure> {
                 .into(),
         ));
     }
-    if args.device == DeviceName::Cuda && !cfg!(feature = "cuda") {
-        return Err(Failure(
-            "--device cuda: this build has no `cuda` feature (build with `--features cuda`); use --device cpu"
-                .into(),
-        ));
+    if matches!(args.device, DeviceName::Cuda | DeviceName::CudaSim) && !cfg!(feature = "cuda") {
+        let name = if args.device == DeviceName::Cuda {
+            "cuda"
+        } else {
+            "cuda-sim"
+        };
+        return Err(Failure(format!(
+            "--device {name}: this build has no `cuda` feature (build with `--features cuda`); use --device cpu"
+        )));
     }
     if let Some(path) = &args.plot {
         if !cfg!(feature = "plot") {
@@ -551,9 +555,11 @@ fn device(name: DeviceName) -> Device {
         DeviceName::Cpu => Device::Cpu,
         #[cfg(feature = "cuda")]
         DeviceName::Cuda => Device::Cuda,
+        #[cfg(feature = "cuda")]
+        DeviceName::CudaSim => Device::CudaSim,
         // Refused in `plan` before any work.
         #[cfg(not(feature = "cuda"))]
-        DeviceName::Cuda => Device::Cpu,
+        DeviceName::Cuda | DeviceName::CudaSim => Device::Cpu,
     }
 }
 

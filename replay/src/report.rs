@@ -83,6 +83,8 @@ impl Setup {
         };
         let router = match options.device {
             backend::Device::Cpu => "cpu (host router)".to_string(),
+            #[cfg(feature = "cuda")]
+            backend::Device::CudaSim => "cuda-sim (the CUDA router on SimRuntime)".to_string(),
             #[allow(unreachable_patterns)] // `Device::Cuda` exists only with the `cuda` feature.
             _ => "cuda".to_string(),
         } + &traced;

@@ -1,16 +1,19 @@
 //! The one module that names concrete routers: which one is built, and how, is decided here by
 //! cargo features and [`BackendOptions`]; the rest of the crate is generic over `DeviceIo`.
 //!
-//! - `cpu` (default): [`Router`] is `device_cpu::CpuRouter` over a `model::Model`.
+//! - `cpu` (default): [`Router`] is [`Routers`]: `device_cpu::CpuRouter` over a `model::Model`,
+//!   or, with `cuda`, the CUDA router.
 //! - `trace`: [`Router`] wraps it in `device_trace::TracingDeviceIo` (sink from
 //!   `BackendOptions::trace`, or `tracing` events when none is given).
 //! - `prefix-cache`, `marconi` (default): allow the router's prefix cache and its Marconi
 //!   eviction policy; [`BackendOptions::prefix_cache`] / [`BackendOptions::marconi`] switch them
 //!   per run. Without the feature the switch is ignored (always off).
 //! - `cuda`: adds `Device::Cuda`, which opens `device_cuda::CudaRouter` on device 0 with the same
-//!   sizes. Where there is no driver or device that is [`BackendError::Cuda`] saying which; on a
-//!   GPU it is [`BackendError::Cuda`] too: the router computes steps, but the engine is not
-//!   built on it here yet.
+//!   sizes (where there is no driver or device that is [`BackendError::Cuda`] saying which), and
+//!   `Device::CudaSim`, the same router on `device_cuda::SimRuntime` (its kernels run on the
+//!   host: slow, for checking the CUDA path end to end without a GPU). The CUDA router keeps
+//!   bf16 weights, has no LoRA adapter slots and no speculative decoding; the thread, expert
+//!   worker and adapter options are the host router's and do not apply to it.
 //!
 //! With `cpu`, this module also re-exports what a program needs to build an engine while
 //! depending on `scheduler` alone: the model's [`ModelConfig`], [`Model`] and [`LayerKind`], the
@@ -26,9 +29,12 @@ pub enum Device {
     /// The host router.
     #[default]
     Cpu,
-    /// The CUDA router (see the module docs for what it can do yet).
+    /// The CUDA router on device 0 (see the module docs for what it can do yet).
     #[cfg(feature = "cuda")]
     Cuda,
+    /// The CUDA router on `SimRuntime`: its kernels run on the host.
+    #[cfg(feature = "cuda")]
+    CudaSim,
 }
 
 /// Why a router (or the engine over it) could not be built.
@@ -59,6 +65,7 @@ mod cpu {
     use std::path::Path;
 
     use device_cpu::{CheckpointBudget, CpuRouterConfig};
+    use device_io::DeviceIo;
 
     /// The host router crate, for what the names below do not cover.
     pub use device_cpu;
@@ -75,10 +82,108 @@ mod cpu {
 
     /// The router this build constructs.
     #[cfg(not(feature = "trace"))]
-    pub type Router = CpuRouter;
+    pub type Router = Routers;
     /// The router this build constructs.
     #[cfg(feature = "trace")]
-    pub type Router = device_trace::TracingDeviceIo<CpuRouter>;
+    pub type Router = device_trace::TracingDeviceIo<Routers>;
+
+    /// The router [`BackendOptions::device`] picks: both keep the same per-sequence record
+    /// (`router_book::RouterSeq`) and logits handle, so the engine drives either through one
+    /// type.
+    #[derive(Debug)]
+    // One router per engine, built once: the size of the host router's variant costs nothing.
+    #[allow(clippy::large_enum_variant)]
+    pub enum Routers {
+        /// The host router.
+        Cpu(CpuRouter),
+        /// The CUDA router, on a GPU or on `SimRuntime`.
+        #[cfg(feature = "cuda")]
+        Cuda(Box<device_cuda::CudaRouter>),
+    }
+
+    /// Runs `$body` with `$r` bound to whichever router `$routers` holds.
+    macro_rules! each {
+        ($routers:expr, $r:ident => $body:expr) => {
+            match $routers {
+                Routers::Cpu($r) => $body,
+                #[cfg(feature = "cuda")]
+                Routers::Cuda($r) => $body,
+            }
+        };
+    }
+
+    impl DeviceIo for Routers {
+        type Seq = device_cpu::CpuSeq;
+        type Ptr = device_cpu::LogitsHandle;
+        /// The model's config (the CUDA router keeps its weights on the device only).
+        type Model = model::Config;
+        type LoraCmd = device_io::LoraCommand;
+        type LoraAck = device_io::LoraAck;
+
+        fn model(&self) -> &model::Config {
+            match self {
+                Routers::Cpu(router) => router.model().config(),
+                #[cfg(feature = "cuda")]
+                Routers::Cuda(router) => router.model(),
+            }
+        }
+
+        fn facts(&self) -> device_io::DeviceFacts {
+            each!(self, r => r.facts())
+        }
+
+        fn max_depth(&self) -> usize {
+            each!(self, r => r.max_depth())
+        }
+
+        fn launch(
+            &self,
+            plan: device_io::StepPlan<'_>,
+            rows: &mut [&mut Self::Seq],
+        ) -> device_io::Result<device_io::Ticket> {
+            each!(self, r => r.launch(plan, rows))
+        }
+
+        fn await_result(
+            &self,
+            ticket: device_io::Ticket,
+        ) -> device_io::Result<device_io::StepResult<Self::Ptr>> {
+            each!(self, r => r.await_result(ticket))
+        }
+
+        fn apply(
+            &self,
+            effect: device_io::Effect<'_, Self::Seq, Self::Ptr>,
+        ) -> device_io::Result<device_io::EffectOutcome> {
+            each!(self, r => r.apply(effect))
+        }
+
+        fn clear_prefix_cache(&self) -> device_io::Result<()> {
+            each!(self, r => r.clear_prefix_cache())
+        }
+
+        fn subscribe_cache_events(
+            &self,
+            sink: Box<dyn device_io::CacheEventSink>,
+        ) -> device_io::Result<()> {
+            each!(self, r => r.subscribe_cache_events(sink))
+        }
+
+        fn lora(
+            &mut self,
+            cmd: device_io::LoraCommand,
+        ) -> Result<device_io::LoraAck, device_io::LoraError> {
+            each!(self, r => r.lora(cmd))
+        }
+
+        fn teardown(self: Box<Self>) -> device_io::Result<()> {
+            match *self {
+                Routers::Cpu(router) => Box::new(router).teardown(),
+                #[cfg(feature = "cuda")]
+                Routers::Cuda(router) => router.teardown(),
+            }
+        }
+    }
 
     /// How to build the router.
     #[derive(Debug)]
@@ -173,11 +278,23 @@ mod cpu {
 
     /// Builds the router for `model`.
     pub fn build_router(model: Model, options: BackendOptions) -> Result<Router, BackendError> {
-        match options.device {
-            Device::Cpu => {}
+        let router = match options.device {
+            Device::Cpu => Routers::Cpu(build_host(model, &options)?),
             #[cfg(feature = "cuda")]
-            Device::Cuda => return Err(open_cuda(&model, &options)),
-        }
+            Device::Cuda | Device::CudaSim => Routers::Cuda(Box::new(open_cuda(&model, &options)?)),
+        };
+        #[cfg(feature = "trace")]
+        let router = {
+            let sink = options
+                .trace
+                .unwrap_or_else(device_trace::TraceSink::tracing);
+            device_trace::TracingDeviceIo::new(router, sink)
+        };
+        Ok(router)
+    }
+
+    /// The host router for `model` with the sizes of `options`.
+    fn build_host(model: Model, options: &BackendOptions) -> Result<CpuRouter, BackendError> {
         let config = CpuRouterConfig {
             block_size: options.block_size,
             num_blocks: options.kv_blocks,
@@ -192,23 +309,17 @@ mod cpu {
             expert_workers: options.expert_workers,
             lora_slots: options.lora_slots,
         };
-        let router =
-            CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))?;
-        #[cfg(feature = "trace")]
-        let router = {
-            let sink = options
-                .trace
-                .unwrap_or_else(device_trace::TraceSink::tracing);
-            device_trace::TracingDeviceIo::new(router, sink)
-        };
-        Ok(router)
+        CpuRouter::new(model, config).map_err(|err| BackendError::Router(err.to_string()))
     }
 
-    /// Opens the CUDA router for `model` with the sizes of `options`, and says why it cannot
-    /// serve: the typed error of opening it (no driver, no device, a driver too old), or, on a
-    /// GPU, that the engine is not built on it yet.
+    /// Opens the CUDA router for `model` with the sizes of `options` (bf16 weights), on device 0
+    /// (`Device::Cuda`: the typed error of opening it where there is no driver, no device, or
+    /// a driver too old) or on `SimRuntime` (`Device::CudaSim`).
     #[cfg(feature = "cuda")]
-    fn open_cuda(model: &Model, options: &BackendOptions) -> BackendError {
+    fn open_cuda(
+        model: &Model,
+        options: &BackendOptions,
+    ) -> Result<device_cuda::CudaRouter, BackendError> {
         let c = model.config();
         // Without an explicit limit, the longest sequence the pool holds.
         let max_context = options
@@ -217,41 +328,46 @@ mod cpu {
         let state = device_cuda::MemoryPlan::from_budget(
             c,
             0,
-            &device_cuda::CudaRouterConfig::new(u64::MAX, options.max_seqs, max_context),
+            // A probe for the fixed regions' sizes (they do not depend on the budget; 1 TiB keeps
+            // the block count within u32 for any block of 256 bytes or more).
+            &device_cuda::CudaRouterConfig {
+                block_size: options.block_size,
+                snapshot_slots: options.snapshot_slots,
+                ..device_cuda::CudaRouterConfig::new(1 << 40, options.max_seqs, max_context)
+            },
         );
-        // The byte budget that gives this build's host sizes (blocks, slots) on the device.
+        // The byte budget that gives this build's host sizes (blocks, checkpoint slots) on the
+        // device: the fixed regions, then KV and checkpoints split 3:1 as the plan splits them.
         let budget = state.map_or(u64::MAX, |plan| {
             let kv = plan.kv_block_bytes * options.kv_blocks as u64;
             let checkpoints = plan.state_slot_bytes * options.checkpoint_slots as u64;
+            let rest = if plan.state_slot_bytes > 0 {
+                (kv + kv / 3).max(4 * checkpoints)
+            } else {
+                kv
+            };
             let weights = 2 * model_parameters(model);
             plan.workspace_bytes
                 + plan.logits_bytes
                 + plan.io_bytes
-                + plan.state_slot_bytes * (options.max_seqs + 4) as u64
+                + plan.state_slot_bytes * (options.max_seqs + options.snapshot_slots) as u64
                 + weights
-                + kv
-                + checkpoints
+                + rest
                 + (1 << 20)
         });
         let config = device_cuda::CudaRouterConfig {
             block_size: options.block_size,
+            snapshot_slots: options.snapshot_slots,
             prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
             marconi: options.marconi && MARCONI_COMPILED,
+            max_depth: options.max_depth,
             ..device_cuda::CudaRouterConfig::new(budget, options.max_seqs, max_context)
         };
-        match device_cuda::CudaRouter::open(model, config) {
-            Err(err) => BackendError::Cuda(err.to_string()),
-            Ok(router) => {
-                let device = router.runtime().device_name();
-                // The router runs its steps (prefill, decode, fed decode) but the engine is not
-                // built on it here yet.
-                let reason = "the engine is not built on the CUDA router yet";
-                if let Err(err) = device_io::DeviceIo::teardown(Box::new(router)) {
-                    tracing::warn!(%err, "tearing the CUDA router down failed");
-                }
-                BackendError::Cuda(format!("opened on {device}, but cannot serve: {reason}"))
-            }
-        }
+        let opened = match options.device {
+            Device::CudaSim => device_cuda::CudaRouter::sim(model, config),
+            _ => device_cuda::CudaRouter::open(model, config),
+        };
+        opened.map_err(|err| BackendError::Cuda(err.to_string()))
     }
 
     /// Parameters of `model` (for the bf16 weight bytes of the CUDA budget).
@@ -272,7 +388,7 @@ mod cpu {
         Ok(Engine::new(router, config)?)
     }
 
-    fn host(router: &Router) -> &CpuRouter {
+    fn routers(router: &Router) -> &Routers {
         #[cfg(feature = "trace")]
         return router.inner();
         #[cfg(not(feature = "trace"))]
@@ -281,7 +397,7 @@ mod cpu {
 
     /// The router's cache counters (`None` when it cannot say).
     pub fn cache_stats(router: &Router) -> Option<CacheStats> {
-        let stats = host(router).cache_stats().ok()?;
+        let stats = each!(routers(router), r => r.cache_stats()).ok()?;
         Some(CacheStats {
             lookups: stats.lookups,
             hit_tokens: stats.hit_tokens,
@@ -300,6 +416,6 @@ mod cpu {
     /// Whether the router's model is hybrid (has Mamba layers, so prefix reuse goes through
     /// Marconi checkpoints).
     pub fn is_hybrid(router: &Router) -> bool {
-        host(router).is_hybrid()
+        each!(routers(router), r => r.is_hybrid())
     }
 }

@@ -1,0 +1,149 @@
+//! The engine on the CUDA router (on `SimRuntime`), generic over `DeviceIo` as on the host
+//! router: greedy requests sharing a 40-token opener, with the prefix cache and Marconi
+//! checkpoints on and off, at pipeline depth 1 and 2 (fed decode steps), and in a pool that
+//! holds one of them at a time, give the host router's tokens. (Spill and restore mid-decode on
+//! the CUDA router: `cuda_steps.rs`.)
+//!
+//! Tokens, not logits digests: the device's forward step is within 1e-4 of the host's but not
+//! the same bits under another chunking (the chunked scan's chunks start at each run's start),
+//! so a prefix hit moves the last bits of a logit; `cuda_steps.rs` bounds the logits.
+
+use device_cpu::{CpuRouter, CpuRouterConfig};
+use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_io::DeviceIo;
+use model::{Config, Model};
+use scheduler::{
+    Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request, ShutdownMode,
+    SpillTarget,
+};
+
+const CONTEXT: usize = 96;
+
+fn model() -> &'static Model {
+    static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
+    MODEL.get_or_init(|| Model::random(Config::tiny_demo(), 7).unwrap())
+}
+
+/// Three prompts: one 40-token opener, then tails of 5, 9 and 13 tokens.
+fn prompts() -> Vec<Vec<u32>> {
+    let opener: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % 256).collect();
+    [5u32, 9, 13]
+        .iter()
+        .map(|&tail| {
+            let mut p = opener.clone();
+            p.extend((0..tail).map(|i| (i * 31 + tail * 7) % 256));
+            p
+        })
+        .collect()
+}
+
+/// A CUDA router (f32 weights, 2 slots) with `blocks` more KV blocks' worth of budget than the
+/// smallest that holds one sequence of the context.
+fn cuda(caches: bool, depth: usize, blocks: u64) -> CudaRouter {
+    let config = |budget| CudaRouterConfig {
+        weights: DType::F32,
+        max_step_tokens: 48,
+        prefix_cache: caches,
+        marconi: caches,
+        max_depth: depth,
+        ..CudaRouterConfig::new(budget, 2, CONTEXT)
+    };
+    let mut budget = 0;
+    let smallest = loop {
+        match CudaRouter::sim(model(), config(budget)) {
+            Ok(router) => break router,
+            Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => budget = needed,
+            Err(other) => panic!("budget {budget} answered {other:?}"),
+        }
+    };
+    let kv = smallest.plan().kv_block_bytes;
+    Box::new(smallest).teardown().unwrap();
+    CudaRouter::sim(model(), config(budget + blocks * kv * 4 / 3)).unwrap()
+}
+
+/// The prompts' greedy tokens (8 each, all submitted at once, then the first again) and the
+/// engine's metrics.
+fn generate<D>(router: D) -> (Vec<Vec<u32>>, Metrics)
+where
+    D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
+{
+    let initial = router.facts();
+    let config = EngineConfig {
+        max_running: 2,
+        max_step_tokens: 48,
+        max_prefill_chunk: 32,
+        preemption: Preemption::Spill(SpillTarget::Memory),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(router, config).unwrap();
+    let mut prompts = prompts();
+    prompts.push(prompts[0].clone());
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(Request::greedy(p.clone(), 8)).unwrap())
+        .collect();
+    engine.run_until_idle();
+    let tokens = handles
+        .into_iter()
+        .map(|handle| handle.wait().unwrap().tokens)
+        .collect();
+    let metrics = *engine.metrics();
+    let facts = engine.router().facts();
+    assert_eq!(facts.live_slots_used, 0);
+    assert_eq!(
+        facts.kv_blocks_free + facts.kv_blocks_cached,
+        initial.kv_blocks_total
+    );
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+    (tokens, metrics)
+}
+
+#[test]
+fn the_engine_on_the_cuda_router_gives_the_host_routers_tokens() {
+    let mut host_config = CpuRouterConfig::new(48, 2);
+    host_config.max_context = Some(CONTEXT);
+    host_config.prefix_cache = false;
+    host_config.marconi = false;
+    host_config.threads = 1;
+    let (reference, _) = generate(CpuRouter::new(model().clone(), host_config).unwrap());
+    let (cold, metrics) = generate(cuda(false, 1, 32));
+    assert_eq!(metrics.prefill_tokens_cached, 0);
+    assert_eq!(cold, reference, "caches off, depth 1");
+    let (cached, metrics) = generate(cuda(true, 2, 32));
+    assert!(metrics.prefill_tokens_cached > 0, "{metrics:?}");
+    assert!(metrics.fed_launches > 0, "{metrics:?}");
+    assert_eq!(cached, reference, "caches on, depth 2");
+    // Two sequences of up to 61 tokens (4 blocks each) do not fit in the smallest pool (the
+    // blocks of one sequence of the context, 6): the engine runs them one at a time.
+    let (tight, metrics) = generate(cuda(true, 2, 0));
+    assert_eq!(metrics.decode_rows, metrics.decode_launches, "{metrics:?}");
+    assert_eq!(tight, reference, "a pool for one sequence");
+}
+
+/// The backend builds the same engine for `Device::CudaSim` as for the host router, and both
+/// give the same greedy tokens.
+#[test]
+fn the_backend_builds_the_engine_on_the_cuda_router() {
+    use scheduler::backend::{self, BackendOptions, Device};
+    let mut outputs = Vec::new();
+    for device in [Device::Cpu, Device::CudaSim] {
+        let options = BackendOptions {
+            device,
+            max_context: Some(CONTEXT),
+            threads: 1,
+            ..BackendOptions::new(24, 2)
+        };
+        let mut engine =
+            backend::build_engine(model().clone(), options, EngineConfig::default()).unwrap();
+        assert!(backend::is_hybrid(engine.router()));
+        let handle = engine
+            .submit(Request::greedy(prompts()[0].clone(), 6))
+            .unwrap();
+        engine.run_until_idle();
+        outputs.push(handle.wait().unwrap().tokens);
+        let stats = backend::cache_stats(engine.router()).unwrap();
+        assert_eq!(stats.lookups, 1);
+        engine.shutdown(ShutdownMode::Drain).unwrap();
+    }
+    assert_eq!(outputs[0], outputs[1]);
+}
