@@ -56,7 +56,8 @@
 //!
 //! # Speculative decoding
 //!
-//! One speculative step for a batch of decode rows, at depth 1 (a pipelined router drains first):
+//! One speculative step for a batch of decode rows (at depth 2 the core may launch another
+//! batch's `Draft` or `Verify` before this one's `Verify` settles, over other sequences):
 //!
 //! 1. drafts: [`StepPlan::Draft`] runs the router's MTP head `k` times per row (or the core
 //!    proposes tokens from any other drafter);

@@ -66,7 +66,8 @@ pub struct Args {
 
     /// Speculative decoding with K drafts per step from the model's MTP head (1..=8; --model
     /// needs mtp.* tensors, the embedded model gets a seeded random head); with --verify a fourth
-    /// pass without it must give the same digests. Speculation runs at depth 1
+    /// pass without it must give the same digests. At --depth 2 the rows speculate in two
+    /// cohorts, one verifying while the other's verification is read
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..=8))]
     pub mtp: Option<u64>,
 

@@ -12,6 +12,9 @@
 //!    for a trained head): acceptance rate, tokens per target step and the time per step with
 //!    and without speculation (the drafting overhead), k = 1..4.
 //!
+//! 3. **Depth 1 vs 2** with the perfect drafter (`-- depth` prints only this table): tokens per
+//!    second of plain decoding and of speculation on a synchronous and on a pipelined router.
+//!
 //! Every speculative run's output is checked against the plain run's (tokens and logits
 //! digests) before its figures are printed. `SPECULATION_ROUNDS=N` repeats each measurement N
 //! times and keeps the fastest (default 3).
@@ -43,7 +46,20 @@ fn prompts(batch: usize, vocab: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>) -> Run {
+/// How a run is served: the router's depth, and whether requests ask for logits digests (which
+/// make every step read its logits back to the host).
+#[derive(Clone, Copy)]
+struct Mode {
+    depth: usize,
+    digests: bool,
+}
+
+const CHECKED: Mode = Mode {
+    depth: 1,
+    digests: true,
+};
+
+fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>, mode: Mode) -> Run {
     let batch = prompts.len();
     let ring = speculation.as_ref().map_or(4, |s| s.ring_slots);
     let blocks_per_seq = (PROMPT + OUTPUT + 16).div_ceil(16) + 1;
@@ -56,7 +72,7 @@ fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>) 
         prefix_cache: false,
         marconi: false,
         max_context: Some(blocks_per_seq * 16),
-        max_depth: 1,
+        max_depth: mode.depth,
         ..CpuRouterConfig::new(batch * blocks_per_seq + 8, batch)
     };
     let router = CpuRouter::new(model.clone(), config).expect("router");
@@ -75,7 +91,7 @@ fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>) 
         .iter()
         .map(|p| {
             engine
-                .submit(Request::greedy(p.clone(), OUTPUT).with_logits_digest(true))
+                .submit(Request::greedy(p.clone(), OUTPUT).with_logits_digest(mode.digests))
                 .expect("submit")
         })
         .collect();
@@ -109,9 +125,9 @@ fn rounds() -> usize {
 }
 
 /// The fastest of `rounds()` runs (the outputs are the same every time).
-fn best(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>) -> Run {
+fn best(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>, mode: Mode) -> Run {
     (0..rounds())
-        .map(|_| serve(model, prompts, speculation.clone()))
+        .map(|_| serve(model, prompts, speculation.clone(), mode))
         .min_by_key(|run| run.wall)
         .expect("at least one round")
 }
@@ -145,7 +161,7 @@ fn perfect_drafter() {
     );
     for batch in [1, 16] {
         let prompts = prompts(batch, vocab);
-        let plain = best(&model, &prompts, None);
+        let plain = best(&model, &prompts, None, CHECKED);
         let known: Vec<Vec<u32>> = prompts
             .iter()
             .zip(&plain.outputs)
@@ -159,7 +175,7 @@ fn perfect_drafter() {
             },
             ring_slots: batch * k,
         };
-        let fast = best(&model, &prompts, Some(spec));
+        let fast = best(&model, &prompts, Some(spec), CHECKED);
         assert_eq!(
             fast.outputs, plain.outputs,
             "speculation changed the output"
@@ -201,9 +217,9 @@ fn mtp_head() {
             .join("mtp/model");
         let model = Model::load(&dir).expect("fixture");
         let prompts = prompts(4, model.config().vocab_size);
-        let plain = best(&model, &prompts, None);
+        let plain = best(&model, &prompts, None, CHECKED);
         for k in 1..=4 {
-            let fast = best(&model, &prompts, Some(Speculation::mtp(k, 4 * k)));
+            let fast = best(&model, &prompts, Some(Speculation::mtp(k, 4 * k)), CHECKED);
             assert_eq!(
                 fast.outputs, plain.outputs,
                 "speculation changed the output"
@@ -224,7 +240,73 @@ fn mtp_head() {
     }
 }
 
+/// Depth 1 against depth 2 with the perfect drafter (k = 3): at depth 2 the engine splits the
+/// rows into two cohorts and launches one's verification before the other's settles. No logits
+/// digests here (host logits would make every step a synchronisation point); the tokens of every
+/// run are checked against plain decoding at depth 1.
+fn depth_two() {
+    let model = Model::random(ModelConfig::small_512(), 0).expect("model");
+    let vocab = model.config().vocab_size;
+    let k = 3;
+    println!();
+    println!(
+        "== depth 1 vs 2, perfect drafter k = {k}: embedded small_512, prompt {PROMPT}, {OUTPUT} greedy tokens per request, no digests"
+    );
+    println!(
+        "{:>5}  {:>16}  {:>16}  {:>15}  {:>15}  {:>9}  {:>14}",
+        "batch",
+        "plain d1 tok/s",
+        "plain d2 tok/s",
+        "spec d1 tok/s",
+        "spec d2 tok/s",
+        "d2/d1",
+        "spec d2 flights"
+    );
+    let tokens_only = |depth| Mode {
+        depth,
+        digests: false,
+    };
+    for batch in [2, 16] {
+        let prompts = prompts(batch, vocab);
+        let plain = best(&model, &prompts, None, tokens_only(1));
+        let plain2 = best(&model, &prompts, None, tokens_only(2));
+        let known: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(&plain.outputs)
+            .map(|(p, (out, _))| p.iter().chain(out).copied().collect())
+            .collect();
+        let spec = Speculation {
+            k,
+            drafter: Drafter::Known {
+                sequences: Arc::new(known),
+                wrong: false,
+            },
+            ring_slots: batch * k,
+        };
+        let spec1 = best(&model, &prompts, Some(spec.clone()), tokens_only(1));
+        let spec2 = best(&model, &prompts, Some(spec), tokens_only(2));
+        for run in [&plain2, &spec1, &spec2] {
+            assert_eq!(run.outputs, plain.outputs, "a run changed the output");
+        }
+        assert!(spec2.metrics.spec_flights > 0);
+        println!(
+            "{:>5}  {:>16.1}  {:>16.1}  {:>15.1}  {:>15.1}  {:>8.2}x  {:>14}",
+            batch,
+            decode_rate(&plain),
+            decode_rate(&plain2),
+            decode_rate(&spec1),
+            decode_rate(&spec2),
+            decode_rate(&spec2) / decode_rate(&spec1),
+            spec2.metrics.spec_flights,
+        );
+    }
+}
+
 fn main() {
-    perfect_drafter();
-    mtp_head();
+    let only = std::env::args().nth(1);
+    if only.as_deref() != Some("depth") {
+        perfect_drafter();
+        mtp_head();
+    }
+    depth_two();
 }

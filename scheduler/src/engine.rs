@@ -26,7 +26,8 @@
 //!
 //! With [`EngineConfig::speculation`], step 3 is a speculative step instead: drafts, one
 //! `Verify` launch of every decode row, acceptance, and the exact rollback of rejected positions
-//! (see the `speculate` module); such an engine runs at depth 1.
+//! (see the `speculate` module); on a router of depth 2 it runs ahead by cohorts: one half of
+//! the rows launches its verification while the other half's settles.
 //!
 //! With a router whose `max_depth()` is 2, a step with only greedy or forced decode rows keeps
 //! one decode step in flight instead: it launches step t+1 (`DecodeFed`) before it reads step t,
@@ -325,6 +326,8 @@ struct Active<S> {
     no_cache: bool,
     /// The drafts proposed for this step (speculative decoding).
     drafts: Vec<u32>,
+    /// The snapshot ring slot named for each draft (the SSM state after it).
+    draft_slots: Vec<usize>,
 }
 
 #[derive(Debug)]
@@ -412,6 +415,8 @@ pub struct Engine<D: DeviceIo> {
     depth: usize,
     /// The decode step in flight, launched and not awaited yet (depth 2).
     flight: Option<pipeline::Flight>,
+    /// The verification in flight, launched and not awaited yet (speculation at depth 2).
+    spec_flight: Option<speculate::SpecFlight>,
     /// A deliberate fault of the depth-2 protocol (the oracle's negative control).
     pipeline_fault: Option<PipelineFault>,
     /// A deliberate fault of the speculative protocol (the oracle's negative control).
@@ -536,6 +541,7 @@ where
             scratch,
             depth,
             flight: None,
+            spec_flight: None,
             pipeline_fault: None,
             spec_fault: None,
             cache_event_lags: Arc::new(AtomicU64::new(0)),
@@ -733,6 +739,17 @@ where
             self.release_ended(false);
             return self.end_step(report);
         }
+        let speculation = self.config.speculation.clone();
+        // Speculation at depth 2: the other cohort launches its verification while the one in
+        // flight settles, or the flight drains.
+        if let Some(spec) = &speculation {
+            if self.spec_flight.is_some() && self.spec_run_ahead(spec, &mut report) {
+                // The settled rows' kept positions are real, their checkpoints too.
+                self.checkpoints(true);
+                self.release_ended(false);
+                return self.end_step(report);
+            }
+        }
         if self.abandon_if_lost() {
             return self.end_step(report);
         }
@@ -745,9 +762,19 @@ where
                 return self.end_step(report);
             }
         }
+        if let Some(spec) = &speculation {
+            if self.can_start_spec_flight() {
+                self.release_ended(true);
+                if self.router.lost().is_none() && self.start_spec_flight(spec, &mut report) {
+                    self.checkpoints(false);
+                    self.abandon_if_lost();
+                    return self.end_step(report);
+                }
+            }
+        }
         let preemptions_before = self.metrics.preemptions;
-        let decode_rows = match self.config.speculation.clone() {
-            Some(spec) => self.speculative_decode(&spec),
+        let decode_rows = match &speculation {
+            Some(spec) => self.speculative_decode(spec),
             None => self.launch_loop(PlanKind::Decode, 0).0,
         };
         report.decode_rows += decode_rows;
@@ -803,6 +830,7 @@ where
         };
         // A step in flight on a lost device is never awaited.
         self.flight = None;
+        self.spec_flight = None;
         let message = match lost {
             DeviceError::DeviceLost(message) => message.clone(),
             other => other.to_string(),
@@ -970,7 +998,7 @@ where
         if let Some(lost) = self.router.lost() {
             return Err(ControlError::Lora(LoraError::DeviceLost(lost.to_string())));
         }
-        if self.flight.is_some() {
+        if self.flight.is_some() || self.spec_flight.is_some() {
             self.metrics.lora_drains += 1;
             self.drain_flight();
         }
@@ -1139,6 +1167,7 @@ where
                 in_flight: false,
                 no_cache: false,
                 drafts: Vec::new(),
+                draft_slots: Vec::new(),
             });
         }
         admitted

@@ -93,6 +93,13 @@ pub struct Metrics {
     pub spec_tokens: u64,
     /// Rows whose rejected positions were truncated (`TruncateKv` and `SsmSnapshotRestore`).
     pub spec_rollbacks: u64,
+    /// `Verify` plans launched without being awaited at once (depth 2: another cohort's
+    /// verification settles while this one computes); each also counts in `verify_launches`
+    /// once it settles.
+    pub spec_flights: u64,
+    /// Rows of a verification in flight that had ended (cancelled) before it settled: their
+    /// output was discarded and every position it computed dropped with `TruncateKv`.
+    pub spec_discards: u64,
 }
 
 impl Metrics {
@@ -139,6 +146,8 @@ impl Metrics {
             accepted: self.accepted - earlier.accepted,
             spec_tokens: self.spec_tokens - earlier.spec_tokens,
             spec_rollbacks: self.spec_rollbacks - earlier.spec_rollbacks,
+            spec_flights: self.spec_flights - earlier.spec_flights,
+            spec_discards: self.spec_discards - earlier.spec_discards,
         }
     }
 }

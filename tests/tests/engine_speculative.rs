@@ -6,8 +6,10 @@
 //! whole matrix); with the MTP head's drafts, a perfect and an
 //! adversarial drafter (and a stop token inside an accepted run); in batches mixing greedy, sampled and forced rows; when a tight pool
 //! preempts mid-speculation (by spill and by recompute) and when a request is cancelled
-//! mid-run. Every block and slot is back at the end. Skipping the SSM restore after a rejected
-//! draft (the planted bug) is caught.
+//! mid-run; and on a pipelined router (depth 2), where one cohort's verification computes while
+//! the other's settles, with preemption and a cancel while a verification is in flight. Every
+//! block and slot is back at the end. Skipping the SSM restore after a rejected draft, and a
+//! ring shared between the cohorts at depth 2 (the planted bugs), are caught.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -381,10 +383,179 @@ fn preemption_mid_speculation_keeps_the_output() {
     }
 }
 
-/// On a pipelined router (depth 2) an engine with speculation runs at depth 1: no step is fed
-/// ahead, and the output is the plain run's.
+/// On a pipelined router (depth 2) the engine runs ahead by cohorts: one half of the rows
+/// drafts and launches its verification while the other half's settles. Tokens and logits
+/// digests are those of plain decoding at depth 1, with the MTP head and with the perfect and
+/// adversarial drafters, caches off and on, in batches mixing greedy, sampled and forced rows;
+/// every block and slot comes back.
 #[test]
-fn speculation_on_a_pipelined_router_runs_at_depth_one() {
+fn speculation_runs_ahead_on_a_pipelined_router() {
+    let fixture = "nemotron-h-tiny";
+    let model = model(fixture);
+    let mut requests = greedy_requests(fixture);
+    requests.insert(
+        1,
+        Request::greedy(vec![3, 1, 4, 1, 5, 9, 2, 6], MAX_TOKENS)
+            .with_sampling(Sampling::Random(RandomSampling::new(0.8, 5)))
+            .with_logits_digest(true),
+    );
+    let (first, _) = serve(&model, Setup::plain(), &requests[..1]);
+    let forced_output = first[0].as_ref().unwrap().0.clone();
+    requests.insert(
+        3,
+        Request::forced(requests[0].prompt.clone(), forced_output).with_logits_digest(true),
+    );
+    // Greedy rows without a digest read the device argmax only (no synchronising host logits).
+    requests.push(Request::greedy(requests[0].prompt.clone(), MAX_TOKENS));
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let known: Vec<Vec<u32>> = requests
+        .iter()
+        .zip(&reference)
+        .map(|(r, out)| {
+            r.prompt
+                .iter()
+                .chain(&out.as_ref().unwrap().0)
+                .copied()
+                .collect()
+        })
+        .collect();
+    let known = Arc::new(known);
+    let known_drafter = |wrong| Speculation {
+        k: 3,
+        drafter: Drafter::Known {
+            sequences: Arc::clone(&known),
+            wrong,
+        },
+        ring_slots: 12,
+    };
+    let cases = [
+        ("mtp k 3, caches", Speculation::mtp(3, 12), true),
+        ("perfect", known_drafter(false), false),
+        ("adversarial, caches", known_drafter(true), true),
+    ];
+    for (name, speculation, caches) in cases {
+        let setup = Setup {
+            depth: 2,
+            caches,
+            speculation: Some(speculation),
+            ..Setup::plain()
+        };
+        let (outcomes, m) = serve(&model, setup, &requests);
+        assert_eq!(outcomes, reference, "{name}");
+        assert!(m.spec_flights > 0 && m.drafted > 0, "{name}: {m:?}");
+        assert_eq!(m.fed_launches, 0);
+        assert_eq!(m.spec_discards, 0);
+        if name == "perfect" {
+            assert!(m.accepted > 0, "{m:?}");
+        }
+    }
+}
+
+/// At depth 2, a tight pool preempts (spill and recompute) between flights (a cohort's launch
+/// finds the pool dry, the flight drains and the depth-1 step preempts): the output is that of
+/// plain decoding and everything comes back.
+#[test]
+fn preemption_at_depth_two_keeps_the_output() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    // Longer outputs than elsewhere, so the rows outgrow the pool between flights.
+    let requests: Vec<Request> = greedy_requests(fixture)
+        .into_iter()
+        .map(|mut r| {
+            r.max_tokens = 30;
+            r
+        })
+        .collect();
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    let known: Arc<Vec<Vec<u32>>> = Arc::new(
+        requests
+            .iter()
+            .zip(&reference)
+            .map(|(r, out)| {
+                r.prompt
+                    .iter()
+                    .chain(&out.as_ref().unwrap().0)
+                    .copied()
+                    .collect()
+            })
+            .collect(),
+    );
+    for preemption in [
+        Preemption::Spill(SpillTarget::Memory),
+        Preemption::Recompute,
+    ] {
+        let setup = Setup {
+            caches: matches!(preemption, Preemption::Recompute),
+            num_blocks: 9,
+            preemption: preemption.clone(),
+            depth: 2,
+            speculation: Some(Speculation {
+                k: 3,
+                drafter: Drafter::Known {
+                    sequences: Arc::clone(&known),
+                    wrong: false,
+                },
+                ring_slots: 16,
+            }),
+            ..Setup::plain()
+        };
+        let (outcomes, m) = serve(&model, setup, &requests);
+        assert_eq!(outcomes, reference, "{preemption:?}");
+        assert!(
+            m.preemptions > 0 && m.spec_flights > 0,
+            "{preemption:?}: {m:?}"
+        );
+    }
+}
+
+/// The depth-2 negative control: a cohort whose verification names the ring slots of the one
+/// in flight overwrites the snapshots those rows restore from; the router refuses the restore
+/// and requests fail, so the tests above would catch a shared ring.
+#[test]
+fn a_ring_shared_between_cohorts_is_caught() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    let requests = greedy_requests(fixture);
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    // Drafts always wrong: every row restores a snapshot; with a drafter in the core the next
+    // cohort's verification launches before the one in flight settles.
+    let known: Vec<Vec<u32>> = requests
+        .iter()
+        .zip(&reference)
+        .map(|(r, out)| {
+            r.prompt
+                .iter()
+                .chain(&out.as_ref().unwrap().0)
+                .copied()
+                .collect()
+        })
+        .collect();
+    let setup = |fault| Setup {
+        depth: 2,
+        fault,
+        speculation: Some(Speculation {
+            k: 2,
+            drafter: Drafter::Known {
+                sequences: Arc::new(known.clone()),
+                wrong: true,
+            },
+            ring_slots: 8,
+        }),
+        ..Setup::plain()
+    };
+    // Without the fault this is the adversarial case of the depth-2 test above (exact).
+    let setup = setup(Some(SpecFault::ReuseFlightRing));
+    let (outcomes, m) = serve(&model, setup, &requests);
+    assert!(m.spec_flights > 0 && m.spec_rollbacks > 0, "{m:?}");
+    assert_ne!(outcomes, reference);
+    assert!(outcomes.iter().any(Result::is_err), "{outcomes:?}");
+}
+
+/// A request cancelled while its verification is in flight (depth 2): the verification's output
+/// for it is discarded and every position it computed dropped; the others keep their output,
+/// and every block and slot comes back.
+#[test]
+fn cancel_while_a_verification_is_in_flight() {
     let fixture = "nemotron-h-tiny";
     let model = model(fixture);
     let requests = greedy_requests(fixture);
@@ -394,10 +565,43 @@ fn speculation_on_a_pipelined_router_runs_at_depth_one() {
         caches: true,
         ..Setup::mtp(3)
     };
-    let (outcomes, m) = serve(&model, setup, &requests);
-    assert_eq!(outcomes, reference);
-    assert_eq!(m.fed_launches, 0);
-    assert!(m.drafted > 0);
+    let mut engine = engine(&model, &setup);
+    let initial = engine.router().facts();
+    let handles: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    // The first flight's cohort is the first half of the running rows: request 0 among them.
+    while engine.metrics().spec_flights == 0 {
+        engine.step();
+    }
+    assert!(engine.step_in_flight());
+    handles[0].cancel();
+    engine.run_until_idle();
+    assert_eq!(engine.metrics().spec_discards, 1);
+    for (i, (handle, want)) in handles.into_iter().zip(&reference).enumerate() {
+        let got = handle.wait();
+        if i == 0 {
+            let completion = got.unwrap();
+            assert_eq!(completion.reason, scheduler::FinishReason::Cancelled);
+            let want = &want.as_ref().unwrap().0;
+            assert!(want.starts_with(&completion.tokens));
+        } else {
+            let got = got
+                .map(|c| (c.tokens, c.logits_digest))
+                .map_err(|e| e.to_string());
+            assert_eq!(&got, want, "request {i}");
+        }
+    }
+    let facts = engine.router().facts();
+    assert_eq!(facts.live_slots_used, 0);
+    assert_eq!(
+        facts.kv_blocks_free + facts.kv_blocks_cached,
+        initial.kv_blocks_total
+    );
+    engine.router().clear_prefix_cache().unwrap();
+    assert_eq!(engine.router().facts(), initial);
+    engine.shutdown(ShutdownMode::Drain).unwrap();
 }
 
 /// A request cancelled while it speculates ends at once; the others keep their output and every

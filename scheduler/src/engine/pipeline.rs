@@ -114,14 +114,14 @@ where
         self.pipeline_fault = Some(fault);
     }
 
-    /// Whether a decode step is in flight (depth 2).
+    /// Whether a decode step (or, with speculation, a verification) is in flight (depth 2).
     pub fn step_in_flight(&self) -> bool {
-        self.flight.is_some()
+        self.flight.is_some() || self.spec_flight.is_some()
     }
 
     /// Whether this step (with nothing in flight) can start a flight: see the module docs.
     pub(super) fn can_start_flight(&self) -> bool {
-        // Speculative decoding runs at depth 1 (see the `speculate` module).
+        // Speculative decoding runs ahead by cohorts instead (see the `speculate` module).
         if self.depth < 2 || self.flight.is_some() || self.config.speculation.is_some() {
             return false;
         }
@@ -136,7 +136,7 @@ where
     }
 
     /// Whether compaction would move a slot holder (which it must not while a step computes).
-    fn compaction_pending(&self) -> bool {
+    pub(super) fn compaction_pending(&self) -> bool {
         let holders = self
             .running
             .iter()
@@ -377,6 +377,7 @@ where
             let mut report = crate::metrics::StepReport::default();
             self.drain(flight, &mut report);
         }
+        self.drain_spec_flight();
     }
 
     /// Awaits `flight` and takes its rows' outputs: over-runs are discarded and rolled back, the
@@ -504,7 +505,7 @@ where
 
 /// The rows of a step, in row order: the requests named by `ids` (which keep their order in
 /// `running`).
-fn in_order<'a, S>(
+pub(super) fn in_order<'a, S>(
     running: &'a mut [Active<S>],
     ids: &'a [u64],
 ) -> impl Iterator<Item = &'a mut Active<S>> + 'a {

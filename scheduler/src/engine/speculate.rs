@@ -40,21 +40,56 @@
 //! Greedy output is therefore bit-identical to plain decoding; the tests in
 //! `tests/tests/engine_speculative.rs` check tokens and logits digests on both MTP fixtures for
 //! k = 1..4, with caches on and off, mixed batches, preemption by spill and recompute, and
-//! cancellation, with every block and slot back at the end; and that a planted bug (skipping the
-//! SSM restore) is caught.
+//! cancellation, at depth 1 and 2, with every block and slot back at the end; and that planted
+//! bugs (skipping the SSM restore; cohorts sharing ring slots at depth 2) are caught.
 //!
-//! Speculation runs at depth 1: an engine with it never starts a flight (a pipelined router is
-//! used synchronously).
+//! # Depth 2: cohorts
+//!
+//! On a router with `max_depth() >= 2` the engine pipelines *across sequences*: when every live
+//! row has its prompt computed, at least two rows are live and nothing waiting would be
+//! admitted, the first half of the rows (a *cohort*) drafts and launches its verification
+//! without awaiting it. Each later step the other cohort (the live rows not in flight) drafts
+//! and launches its verification, and the one in flight settles meanwhile (accept, truncate,
+//! restore, catch-up as above): with a drafter in the core the new verification is launched
+//! first and the old one settles while it computes; with the MTP drafter the cohort's `Draft`
+//! is launched first, the old verification settles while it computes (tickets settle in launch
+//! order, and the verification needs the drafts), then its verification is launched.
+//!
+//! Why cohorts and not an optimistic run-ahead of the same rows (launching step N+1 as if every
+//! draft of step N were accepted, as overlap schedulers that keep the sequence lengths on the
+//! device do): the next verification's inputs (the target's token after the accepted run, and
+//! drafts that follow it) are only known on the host after step N is read, and the contract's
+//! `Verify` takes host tokens; a wrong guess would have to be unwound on both the KV and the SSM
+//! state of a step that computed on top of a rejected one. With cohorts a sequence never has two
+//! steps in flight, so nothing is ever unwound beyond the ordinary `TruncateKv` and the output
+//! is exact by construction: each sequence sees the same plans and effects in the same order as
+//! at depth 1 (the router's bits do not depend on the batch). The cost is that each launch
+//! carries half the rows; on the host router, where host and device are the same cores and the
+//! host work per step is small, that costs more than the overlap gains (see the `speculation`
+//! example's depth table).
+//!
+//! The two cohorts' verifications name disjoint ring slots when both can be unsettled at once
+//! (half the ring each, with a drafter in the core; the MTP drafter's cohort restores before
+//! the next verification launches, so each may use the whole ring). The drain rule is the
+//! plain pipeline's (admission, prefill work, compaction, a dry pool), less host logits: a row
+//! that samples or digests makes its cohort's launch read logits back to a buffer of the flight's
+//! own (a synchronisation point on the host router, but exact). A row cancelled while its
+//! verification computes emits nothing of it, and `TruncateKv` drops every position the
+//! verification computed for it before it is released (`Metrics::spec_discards`). A dry pool at
+//! a cohort's launch changes nothing: the flight settles and the step runs at depth 1, which
+//! preempts by spill or recompute as usual.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use device_io::{
-    DeviceError, DeviceIo, Effect, Readback, RowOutput, Sequence, StepPlan, StepResult,
+    DeviceError, DeviceIo, Effect, Readback, RowOutput, Sequence, StepPlan, StepResult, Ticket,
 };
 
+use super::pipeline::in_order;
 use super::{choose_token, recycle, End, Engine, PlanKind};
 use crate::event::ServeError;
+use crate::metrics::StepReport;
 
 /// The most drafts per row and step.
 pub const MAX_DRAFTS: usize = 8;
@@ -108,7 +143,25 @@ pub enum SpecFault {
     SkipSsmRestore,
     /// Accept a randomly sampled row's drafts without drawing (a wrong acceptance rule).
     TrustSampledDrafts,
+    /// At depth 2, let a cohort's verification name the ring slots of the one in flight.
+    ReuseFlightRing,
 }
+
+/// A verification in flight (depth 2): launched, not awaited yet.
+#[derive(Debug)]
+pub(super) struct SpecFlight {
+    ticket: Ticket,
+    /// The request ids of its rows, in row order (their order in `running`).
+    ids: Vec<u64>,
+    /// Where its host logits went (empty unless a row needed them); the next verification
+    /// launched while this one is in flight writes another buffer.
+    logits: Vec<f32>,
+    /// The snapshot ring slots its rows name (the next verification takes others).
+    slots: Vec<usize>,
+}
+
+/// A `Draft` launched for a cohort and not awaited yet, with its rows' ids and budgets.
+type DraftLaunch = Option<Result<(Ticket, Vec<(u64, usize)>), DeviceError>>;
 
 impl<D> Engine<D>
 where
@@ -121,10 +174,27 @@ where
         self.spec_fault = Some(fault);
     }
 
-    /// The decode step of an engine with speculation: drafts, then a verification relaunched
-    /// without a victim on a dry pool, then acceptance and rollback. Answers the rows settled.
+    /// The decode step of an engine with speculation at depth 1: drafts, then a verification
+    /// relaunched without a victim on a dry pool, then acceptance and rollback. Answers the rows
+    /// settled.
     pub(super) fn speculative_decode(&mut self, spec: &Speculation) -> usize {
-        self.propose(spec);
+        let cohort = vec![true; self.running.len()];
+        let ring: Vec<usize> = (0..spec.ring_slots).collect();
+        let budgets = self.draft_budgets(spec.k, &cohort, ring.len());
+        self.clear_drafts(&cohort);
+        match &spec.drafter {
+            Drafter::Known { sequences, wrong } => self.propose_known(sequences, *wrong, &budgets),
+            Drafter::Mtp => {
+                let launched = self.launch_draft(spec.k, &budgets);
+                let launched = launched.map(|l| {
+                    l.and_then(|(ticket, rows)| {
+                        self.router.await_result(ticket).map(|step| (step, rows))
+                    })
+                });
+                self.take_drafts(launched);
+            }
+        }
+        self.assign_ring_slots(&cohort, &ring);
         loop {
             if self.router.lost().is_some() {
                 return 0;
@@ -133,31 +203,284 @@ where
             if rows == 0 {
                 return 0;
             }
-            match self.launch_verify(wants_logits) {
+            let mut logits = std::mem::take(&mut self.scratch.logits);
+            let result = self
+                .launch_verify(wants_logits, &mut logits)
+                .and_then(|ticket| self.router.await_result(ticket));
+            match result {
                 Ok(step) => {
-                    self.accept_verify(spec, step);
+                    let ids: Vec<u64> = (self.running.iter())
+                        .filter(|a| a.in_plan)
+                        .map(|a| a.req.id)
+                        .collect();
+                    self.accept_verify(spec, step, &ids, &logits);
+                    self.scratch.logits = logits;
                     return rows;
                 }
                 Err(
                     err @ (DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. }),
                 ) => {
+                    self.scratch.logits = logits;
                     if !self.make_room(PlanKind::Decode, err) {
                         return 0;
                     }
                 }
-                Err(DeviceError::DeviceLost(message)) => {
-                    self.fail_plan_rows(|| ServeError::DeviceLost(message.clone()));
-                    return 0;
-                }
                 Err(err) => {
-                    tracing::warn!(%err, "verification failed; failing its rows");
-                    self.fail_plan_rows(|| ServeError::Device {
-                        during: "Verify",
-                        source: err.clone(),
-                    });
+                    self.scratch.logits = logits;
+                    self.fail_verify_rows(&err);
                     return 0;
                 }
             }
+        }
+    }
+
+    /// Fails the rows marked `in_plan` after their verification failed.
+    fn fail_verify_rows(&mut self, err: &DeviceError) {
+        match err {
+            DeviceError::DeviceLost(message) => {
+                self.fail_plan_rows(|| ServeError::DeviceLost(message.clone()));
+            }
+            err => {
+                tracing::warn!(%err, "verification failed; failing its rows");
+                self.fail_plan_rows(|| ServeError::Device {
+                    during: "Verify",
+                    source: err.clone(),
+                });
+            }
+        }
+    }
+
+    /// Whether an engine with speculation may start a flight (depth 2, nothing in flight): every
+    /// live row has its prompt computed, at least two of them (one cohort computes while the
+    /// other settles), and nothing waiting would be admitted.
+    pub(super) fn can_start_spec_flight(&self) -> bool {
+        if self.depth < 2
+            || self.flight.is_some()
+            || self.spec_flight.is_some()
+            || self.config.speculation.is_none()
+        {
+            return false;
+        }
+        let mut rows = 0;
+        for active in self.running.iter().filter(|a| a.req.end.is_none()) {
+            if !active.seq.prefill_done() {
+                return false;
+            }
+            rows += 1;
+        }
+        rows >= 2 && !self.would_admit()
+    }
+
+    /// Starts a flight: the first half of the live rows (rounded up) draft and launch their
+    /// verification, which is not awaited. Answers `false` when nothing was launched (the
+    /// engine then decodes at depth 1).
+    pub(super) fn start_spec_flight(
+        &mut self,
+        spec: &Speculation,
+        report: &mut StepReport,
+    ) -> bool {
+        let live = self.running.iter().filter(|a| a.req.end.is_none()).count();
+        let mut left = live.div_ceil(2);
+        let cohort: Vec<bool> = (self.running.iter())
+            .map(|a| {
+                let take = a.req.end.is_none() && left > 0;
+                left -= usize::from(take);
+                take
+            })
+            .collect();
+        let ring: Vec<usize> = (0..self.cohort_ring_slots(spec)).collect();
+        self.launch_cohort(spec, &cohort, &ring, None, report)
+    }
+
+    /// The ring slots one cohort's verification may name: all of them with the MTP drafter
+    /// (the verification in flight settles, restores included, before the next one launches),
+    /// half with a drafter in the core (the next verification launches before the one in
+    /// flight settles, so their rings must not meet).
+    fn cohort_ring_slots(&self, spec: &Speculation) -> usize {
+        match spec.drafter {
+            Drafter::Mtp => spec.ring_slots,
+            Drafter::Known { .. } => spec.ring_slots / 2,
+        }
+    }
+
+    /// Whether the verification in flight can be followed by the other cohort's (the drain rule
+    /// of the module docs).
+    fn may_spec_run_ahead(&self) -> bool {
+        let prefill_work =
+            (self.running.iter()).any(|a| a.req.end.is_none() && !a.seq.prefill_done());
+        let cohort = (self.running.iter()).any(|a| a.req.end.is_none() && !a.in_flight);
+        !prefill_work && cohort && !self.compaction_pending() && !self.would_admit()
+    }
+
+    /// One step at depth 2 with a verification in flight: the other cohort drafts and launches
+    /// its verification, and the one in flight settles meanwhile; or the step drains (the flight
+    /// settles) and answers `false`, and the caller runs the step at depth 1.
+    pub(super) fn spec_run_ahead(&mut self, spec: &Speculation, report: &mut StepReport) -> bool {
+        let Some(flight) = self.spec_flight.take() else {
+            return false;
+        };
+        if !self.may_spec_run_ahead() {
+            self.metrics.pipeline_drains += 1;
+            self.settle_verify(spec, flight, report);
+            return false;
+        }
+        let cohort: Vec<bool> = (self.running.iter())
+            .map(|a| a.req.end.is_none() && !a.in_flight)
+            .collect();
+        // The ring slots the flight's rows may still restore from are not reused while it is
+        // in flight (with the MTP drafter it settles before the next verification launches).
+        let shared = self.spec_fault == Some(SpecFault::ReuseFlightRing)
+            || matches!(spec.drafter, Drafter::Mtp);
+        let free: Vec<usize> = (0..spec.ring_slots)
+            .filter(|slot| shared || !flight.slots.contains(slot))
+            .take(self.cohort_ring_slots(spec))
+            .collect();
+        self.launch_cohort(spec, &cohort, &free, Some(flight), report)
+    }
+
+    /// Drafts for the rows of `cohort` and launches their verification without awaiting it
+    /// (naming ring slots of `ring` only); `settling`, the verification in flight, settles in
+    /// between: after the cohort's `Draft` is launched (the MTP drafter: tickets settle in launch
+    /// order, and the drafts are needed before the verification) or after its verification is
+    /// (a drafter in the core). Answers whether a verification is in flight afterwards.
+    fn launch_cohort(
+        &mut self,
+        spec: &Speculation,
+        cohort: &[bool],
+        ring: &[usize],
+        mut settling: Option<SpecFlight>,
+        report: &mut StepReport,
+    ) -> bool {
+        let budgets = self.draft_budgets(spec.k, cohort, ring.len());
+        self.clear_drafts(cohort);
+        match &spec.drafter {
+            Drafter::Known { sequences, wrong } => self.propose_known(sequences, *wrong, &budgets),
+            Drafter::Mtp => {
+                let launched = self.launch_draft(spec.k, &budgets);
+                if let Some(flight) = settling.take() {
+                    self.settle_verify(spec, flight, report);
+                }
+                let launched = launched.map(|l| {
+                    l.and_then(|(ticket, rows)| {
+                        self.router.await_result(ticket).map(|step| (step, rows))
+                    })
+                });
+                self.take_drafts(launched);
+            }
+        }
+        self.assign_ring_slots(cohort, ring);
+        // Mark the cohort's rows that are still live.
+        let Engine {
+            running, scratch, ..
+        } = self;
+        scratch.tokens.clear();
+        let mut wants_logits = false;
+        for (active, &member) in running.iter_mut().zip(cohort) {
+            active.in_plan = false;
+            if !member || active.req.end.is_some() {
+                continue;
+            }
+            let Some(&last) = active.req.tokens.last() else {
+                continue;
+            };
+            scratch.tokens.push(last);
+            active.in_plan = true;
+            wants_logits |= active.req.needs_logits();
+        }
+        if scratch.tokens.is_empty() {
+            if let Some(flight) = settling.take() {
+                self.settle_verify(spec, flight, report);
+            }
+            return false;
+        }
+        let mut logits = std::mem::take(&mut self.scratch.logits);
+        let launched = self.launch_verify(wants_logits, &mut logits);
+        match launched {
+            Ok(ticket) => {
+                self.metrics.spec_flights += 1;
+                let mut ids = Vec::with_capacity(self.scratch.tokens.len());
+                let mut slots = Vec::new();
+                for active in self.running.iter_mut().filter(|a| a.in_plan) {
+                    active.in_flight = true;
+                    ids.push(active.req.id);
+                    slots.extend_from_slice(&active.draft_slots);
+                }
+                // Launch t+1 before reading t: the router computes it while the host settles.
+                if let Some(flight) = settling.take() {
+                    self.settle_verify(spec, flight, report);
+                }
+                self.spec_flight = Some(SpecFlight {
+                    ticket,
+                    ids,
+                    logits,
+                    slots,
+                });
+                true
+            }
+            Err(err) => {
+                // A refused launch changed nothing; what is in flight settles first.
+                self.scratch.logits = logits;
+                if let Some(flight) = settling.take() {
+                    self.settle_verify(spec, flight, report);
+                }
+                if !matches!(
+                    err,
+                    DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. }
+                ) {
+                    self.fail_verify_rows(&err);
+                }
+                // A dry pool: the depth-1 step preempts as usual.
+                false
+            }
+        }
+    }
+
+    /// Awaits a verification in flight and takes its rows' outputs (a row that ended while it
+    /// computed is discarded and every position the verification computed for it dropped).
+    fn settle_verify(&mut self, spec: &Speculation, flight: SpecFlight, report: &mut StepReport) {
+        let SpecFlight {
+            ticket,
+            ids,
+            logits,
+            ..
+        } = flight;
+        match self.router.await_result(ticket) {
+            Ok(step) => {
+                report.decode_rows += step.rows.len();
+                self.accept_verify(spec, step, &ids, &logits);
+            }
+            Err(err) => {
+                tracing::warn!(%err, "a verification in flight failed; failing its rows");
+                for active in in_order(&mut self.running, &ids) {
+                    if active.req.end.is_none() {
+                        active.req.end = Some(End::Fail(match &err {
+                            DeviceError::DeviceLost(message) => {
+                                ServeError::DeviceLost(message.clone())
+                            }
+                            err => ServeError::Device {
+                                during: "Verify",
+                                source: err.clone(),
+                            },
+                        }));
+                    }
+                }
+            }
+        }
+        for active in in_order(&mut self.running, &ids) {
+            active.in_flight = false;
+        }
+        self.scratch.logits = logits;
+    }
+
+    /// Settles the verification in flight, if any (a drain: before shutdown or a LoRA command).
+    pub(super) fn drain_spec_flight(&mut self) {
+        if let Some(flight) = self.spec_flight.take() {
+            let Some(spec) = self.config.speculation.clone() else {
+                return;
+            };
+            self.metrics.pipeline_drains += 1;
+            let mut report = StepReport::default();
+            self.settle_verify(&spec, flight, &mut report);
         }
     }
 
@@ -176,60 +499,81 @@ where
         k.min(left).min(room)
     }
 
-    /// Fills every live row's `drafts` for this step.
-    fn propose(&mut self, spec: &Speculation) {
-        let k = spec.k;
-        let mut budgets = Vec::with_capacity(self.running.len());
-        let mut rows_left = spec.ring_slots / k.max(1);
-        for index in 0..self.running.len() {
-            let budget = if rows_left > 0 {
-                self.draft_budget(index, k)
-            } else {
-                0
-            };
-            rows_left -= usize::from(budget > 0);
-            budgets.push(budget);
-            self.running[index].drafts.clear();
-        }
-        match &spec.drafter {
-            Drafter::Known { sequences, wrong } => {
-                let vocab = self.limits.vocab_size.max(1) as u32;
-                for (active, &budget) in self.running.iter_mut().zip(&budgets) {
-                    if budget == 0 {
-                        continue;
-                    }
-                    let tokens = &active.req.tokens;
-                    let Some(known) = sequences
-                        .iter()
-                        .find(|s| s.len() > tokens.len() && s.starts_with(tokens))
-                    else {
-                        continue;
-                    };
-                    let next = &known[tokens.len()..(tokens.len() + budget).min(known.len())];
-                    active.drafts.extend(
-                        next.iter()
-                            .map(|&t| if *wrong { (t + 1) % vocab } else { t }),
-                    );
+    /// The drafts each row of `cohort` may take this step, within `slots` ring slots (a row's
+    /// drafts each name one).
+    fn draft_budgets(&self, k: usize, cohort: &[bool], slots: usize) -> Vec<usize> {
+        let mut slots_left = slots;
+        (0..self.running.len())
+            .map(|index| {
+                if !cohort.get(index).copied().unwrap_or(false) {
+                    return 0;
                 }
-            }
-            Drafter::Mtp => self.propose_mtp(k, &budgets),
+                let budget = self.draft_budget(index, k).min(slots_left);
+                slots_left -= budget;
+                budget
+            })
+            .collect()
+    }
+
+    fn clear_drafts(&mut self, cohort: &[bool]) {
+        for (active, _) in self.running.iter_mut().zip(cohort).filter(|(_, &c)| c) {
+            active.drafts.clear();
+            active.draft_slots.clear();
         }
     }
 
-    /// One `Draft` of `k` tokens over the rows with a budget (and the context room for `k`).
-    fn propose_mtp(&mut self, k: usize, budgets: &[usize]) {
+    /// Gives each row of `cohort` one slot of `ring` per draft, in row order.
+    fn assign_ring_slots(&mut self, cohort: &[bool], ring: &[usize]) {
+        let mut free = ring.iter().copied();
+        for (active, _) in self.running.iter_mut().zip(cohort).filter(|(_, &c)| c) {
+            active.draft_slots.clear();
+            for _ in 0..active.drafts.len() {
+                match free.next() {
+                    Some(slot) => active.draft_slots.push(slot),
+                    None => break,
+                }
+            }
+            // The budgets keep within the ring; should they not, the row drafts fewer.
+            active.drafts.truncate(active.draft_slots.len());
+        }
+    }
+
+    /// [`Drafter::Known`]: the drafts of the rows with a budget, from the known continuations.
+    fn propose_known(&mut self, sequences: &[Vec<u32>], wrong: bool, budgets: &[usize]) {
+        let vocab = self.limits.vocab_size.max(1) as u32;
+        for (active, &budget) in self.running.iter_mut().zip(budgets) {
+            if budget == 0 {
+                continue;
+            }
+            let tokens = &active.req.tokens;
+            let Some(known) = sequences
+                .iter()
+                .find(|s| s.len() > tokens.len() && s.starts_with(tokens))
+            else {
+                continue;
+            };
+            let next = &known[tokens.len()..(tokens.len() + budget).min(known.len())];
+            active.drafts.extend(
+                next.iter()
+                    .map(|&t| if wrong { (t + 1) % vocab } else { t }),
+            );
+        }
+    }
+
+    /// Launches one `Draft` of `k` tokens over the rows with a budget (and the context room for
+    /// `k`), not awaited; `None` when no row drafts.
+    fn launch_draft(&mut self, k: usize, budgets: &[usize]) -> DraftLaunch {
         let max_context = self.limits.max_context;
         let Engine {
             router,
             running,
             scratch,
-            metrics,
             ..
         } = self;
         scratch.tokens.clear();
         let mut rows: Vec<&mut D::Seq> = recycle(std::mem::take(&mut scratch.rows));
         let mut drafting = Vec::new();
-        for (index, (active, &budget)) in running.iter_mut().zip(budgets).enumerate() {
+        for (active, &budget) in running.iter_mut().zip(budgets) {
             if budget == 0 || active.seq.computed_len() + k > max_context {
                 continue;
             }
@@ -237,10 +581,10 @@ where
                 continue;
             };
             scratch.tokens.push(last);
-            drafting.push((index, budget));
+            drafting.push((active.req.id, budget));
             rows.push(&mut active.seq);
         }
-        let result = if rows.is_empty() {
+        let launched = if rows.is_empty() {
             None
         } else {
             let plan = StepPlan::Draft {
@@ -250,33 +594,48 @@ where
             Some(
                 router
                     .launch(plan, &mut rows)
-                    .and_then(|ticket| router.await_result(ticket)),
+                    .map(|ticket| (ticket, drafting)),
             )
         };
         scratch.rows = recycle(rows);
-        match result {
+        launched
+    }
+
+    /// Takes a settled `Draft`'s tokens into its rows' drafts (at most each row's budget).
+    fn take_drafts(
+        &mut self,
+        settled: Option<Result<(StepResult<D::Ptr>, Vec<(u64, usize)>), DeviceError>>,
+    ) {
+        match settled {
             None => {}
-            Some(Ok(step)) => {
-                metrics.draft_launches += 1;
-                for ((index, budget), output) in drafting.into_iter().zip(&step.rows) {
+            Some(Ok((step, drafting))) => {
+                self.metrics.draft_launches += 1;
+                let ids: Vec<u64> = drafting.iter().map(|&(id, _)| id).collect();
+                let rows = in_order(&mut self.running, &ids);
+                for ((active, (_, budget)), output) in rows.zip(&drafting).zip(&step.rows) {
                     let Some(run) = output.run else { continue };
                     let Some(drafts) = step.tokens.get(run.start..run.start + run.len) else {
                         continue;
                     };
-                    let take = drafts.len().min(budget);
-                    running[index].drafts.extend_from_slice(&drafts[..take]);
+                    let take = drafts.len().min(*budget);
+                    active.drafts.extend_from_slice(&drafts[..take]);
                 }
             }
             Some(Err(err)) => {
                 // Only this step's drafts are lost; the verification decodes plainly.
                 tracing::debug!(%err, "draft step refused; decoding without drafts");
-                metrics.draft_failures += 1;
+                self.metrics.draft_failures += 1;
             }
         }
     }
 
-    /// Launches and settles the verification of the marked rows.
-    fn launch_verify(&mut self, wants_logits: bool) -> Result<StepResult<D::Ptr>, DeviceError> {
+    /// Launches the verification of the marked rows (not awaited): each feeds its last token and
+    /// its drafts, naming its ring slots.
+    fn launch_verify(
+        &mut self,
+        wants_logits: bool,
+        logits: &mut Vec<f32>,
+    ) -> Result<Ticket, DeviceError> {
         let Engine {
             router,
             running,
@@ -297,7 +656,7 @@ where
             let slot_start = slots.len();
             flat.push(last);
             flat.extend_from_slice(&active.drafts);
-            slots.extend(slot_start..slot_start + active.drafts.len());
+            slots.extend_from_slice(&active.draft_slots);
             any_drafts |= !active.drafts.is_empty();
             spans.push((start..flat.len(), slot_start..slots.len()));
         }
@@ -307,9 +666,7 @@ where
         let mut rows: Vec<&mut D::Seq> = recycle(std::mem::take(&mut scratch.rows));
         rows.extend(running.iter_mut().filter(|a| a.in_plan).map(|a| &mut a.seq));
         let readback = if wants_logits {
-            Readback::HostLogits {
-                into: &mut scratch.logits,
-            }
+            Readback::HostLogits { into: logits }
         } else {
             Readback::Argmax
         };
@@ -318,16 +675,22 @@ where
             snapshots,
             readback,
         };
-        let result = router
-            .launch(plan, &mut rows)
-            .and_then(|ticket| router.await_result(ticket));
+        let result = router.launch(plan, &mut rows);
         scratch.rows = recycle(rows);
         result
     }
 
-    /// Takes a settled verification into its rows: tokens, stop conditions, truncation, SSM
-    /// restore and the MTP head's catch-up.
-    fn accept_verify(&mut self, spec: &Speculation, step: StepResult<D::Ptr>) {
+    /// Takes a settled verification into its rows (`ids`, in row order): tokens, stop
+    /// conditions, truncation, SSM restore and the MTP head's catch-up. A row that ended while
+    /// the verification computed (depth 2: it was cancelled) emits nothing and keeps none of the
+    /// positions it computed.
+    fn accept_verify(
+        &mut self,
+        spec: &Speculation,
+        step: StepResult<D::Ptr>,
+        ids: &[u64],
+        logits: &[f32],
+    ) {
         let now = Instant::now();
         let fault = self.spec_fault;
         let Engine {
@@ -344,20 +707,31 @@ where
         metrics.verify_launches += 1;
         let mut outputs = step.rows.iter().enumerate();
         let mdrafter = matches!(spec.drafter, Drafter::Mtp);
-        let mut slot_base = 0;
-        for active in running.iter_mut().filter(|a| a.in_plan) {
+        for active in in_order(running, ids) {
             let req = &mut active.req;
             let drafts = std::mem::take(&mut active.drafts);
+            let slots = std::mem::take(&mut active.draft_slots);
             let d = drafts.len();
-            let slots = slot_base..slot_base + d;
-            slot_base += d;
             let Some((row, output)) = outputs.next() else {
-                req.end = Some(End::Fail(super::protocol(
+                req.end.get_or_insert(End::Fail(super::protocol(
                     PlanKind::Decode,
                     "the step answered fewer rows than it had",
                 )));
                 continue;
             };
+            let c = active.seq.computed_len().saturating_sub(d + 1);
+            if req.end.is_some() {
+                // Ended while this verification computed: nothing of it is kept.
+                metrics.spec_discards += 1;
+                if let Err(err) = router.apply(Effect::TruncateKv {
+                    seq: &mut active.seq,
+                    len: c,
+                }) {
+                    tracing::warn!(id = req.id, %err, "TruncateKv of a discarded row failed");
+                    active.no_cache = true;
+                }
+                continue;
+            }
             let targets = output
                 .run
                 .filter(|run| run.len == d + 1)
@@ -369,7 +743,6 @@ where
                 )));
                 continue;
             };
-            let c = active.seq.computed_len() - (d + 1);
             // Walk the run while the draft fed at each position is the token chosen there.
             let mut emitted = 0;
             let mut accepted = 0;
@@ -385,7 +758,7 @@ where
                 {
                     Ok(drafts[j])
                 } else {
-                    choose_token(req, &position, &scratch.logits, vocab, &mut scratch.sample)
+                    choose_token(req, &position, logits, vocab, &mut scratch.sample)
                 };
                 let token = match chosen {
                     Ok(token) => token,
@@ -415,16 +788,13 @@ where
             let seq = &mut active.seq;
             let truncated = router.apply(Effect::TruncateKv { seq, len: keep });
             let restored = match truncated {
-                Ok(_) if keep < c + d + 1 && fault != Some(SpecFault::SkipSsmRestore) => {
-                    let slot = slots.start + (keep - c - 1);
-                    router
-                        .apply(Effect::SsmSnapshotRestore {
-                            seq: &mut active.seq,
-                            slot,
-                        })
-                        .map(|_| ())
-                        .map_err(|err| ("SsmSnapshotRestore", err))
-                }
+                Ok(_) if keep < c + d + 1 && fault != Some(SpecFault::SkipSsmRestore) => router
+                    .apply(Effect::SsmSnapshotRestore {
+                        seq: &mut active.seq,
+                        slot: slots[keep - c - 1],
+                    })
+                    .map(|_| ())
+                    .map_err(|err| ("SsmSnapshotRestore", err)),
                 Ok(_) => Ok(()),
                 Err(err) => Err(("TruncateKv", err)),
             };
