@@ -160,8 +160,14 @@ pub(super) struct SpecFlight {
     slots: Vec<usize>,
 }
 
-/// A `Draft` launched for a cohort and not awaited yet, with its rows' ids and budgets.
-type DraftLaunch = Option<Result<(Ticket, Vec<(u64, usize)>), DeviceError>>;
+/// The rows of a `Draft`: each row's request id and draft budget, in row order.
+type DraftRows = Vec<(u64, usize)>;
+
+/// A `Draft` launched for a cohort and not awaited yet (`None`: no row drafts).
+type DraftLaunch = Option<Result<(Ticket, DraftRows), DeviceError>>;
+
+/// A settled `Draft` (`None`: no row drafted).
+type DraftSettled<P> = Option<Result<(StepResult<P>, DraftRows), DeviceError>>;
 
 impl<D> Engine<D>
 where
@@ -604,7 +610,7 @@ where
     /// Takes a settled `Draft`'s tokens into its rows' drafts (at most each row's budget).
     fn take_drafts(
         &mut self,
-        settled: Option<Result<(StepResult<D::Ptr>, Vec<(u64, usize)>), DeviceError>>,
+        settled: DraftSettled<D::Ptr>,
     ) {
         match settled {
             None => {}
