@@ -608,10 +608,7 @@ where
     }
 
     /// Takes a settled `Draft`'s tokens into its rows' drafts (at most each row's budget).
-    fn take_drafts(
-        &mut self,
-        settled: DraftSettled<D::Ptr>,
-    ) {
+    fn take_drafts(&mut self, settled: DraftSettled<D::Ptr>) {
         match settled {
             None => {}
             Some(Ok((step, drafting))) => {
