@@ -674,6 +674,7 @@ impl DeviceIo for CpuRouter {
             live_slots_used: inner.slots.iter().filter(|s| s.is_some()).count(),
             checkpoint_slots_total: self.shape.checkpoint_slots,
             checkpoint_slots_used: inner.cache.checkpoint_slots_used(),
+            snapshot_slots_total: self.shape.snapshot_slots,
         }
     }
 

@@ -517,6 +517,7 @@ impl DeviceIo for CudaRouter {
             live_slots_used: inner.slots.iter().filter(|s| s.is_some()).count(),
             checkpoint_slots_total: plan.checkpoint_slots,
             checkpoint_slots_used: inner.cache.checkpoint_slots_used(),
+            snapshot_slots_total: plan.snapshot_slots,
         }
     }
 

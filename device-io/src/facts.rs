@@ -27,4 +27,7 @@ pub struct DeviceFacts {
     pub checkpoint_slots_total: usize,
     /// SSM checkpoint slots that hold a checkpoint.
     pub checkpoint_slots_used: usize,
+    /// Snapshot ring slots (`SsmSnapshotSave`, and the rewind points a `Verify` writes): a core
+    /// that speculates with `k` drafts per row needs at least `k`.
+    pub snapshot_slots_total: usize,
 }

@@ -735,6 +735,7 @@ impl DeviceIo for ScriptedRouter {
             live_slots_used: state.slots.iter().filter(|used| **used).count(),
             checkpoint_slots_total: 0,
             checkpoint_slots_used: 0,
+            snapshot_slots_total: SNAPSHOT_SLOTS,
         }
     }
 

@@ -320,14 +320,14 @@ fn run_pass(
     let args = &plan.args;
     let max_seqs = args.max_in_flight as usize;
     let speculation = match args.mtp {
-        Some(k) if !plain => Some(Speculation::mtp(k as usize, max_seqs * k as usize)),
+        Some(k) if !plain => Some(Speculation::mtp(k as usize)),
         _ => None,
     };
     let options = BackendOptions {
         snapshot_slots: speculation
             .as_ref()
             .map_or(backend::device_cpu::DEFAULT_SNAPSHOT_SLOTS, |spec| {
-                spec.ring_slots
+                max_seqs * spec.k
             }),
         #[cfg(feature = "trace")]
         trace: trace_sink(args, label)?,

@@ -105,6 +105,7 @@ impl DeviceIo for NullRouter {
             live_slots_used: state.slots.iter().filter(|used| **used).count(),
             checkpoint_slots_total: 0,
             checkpoint_slots_used: 0,
+            snapshot_slots_total: 0,
         }
     }
 

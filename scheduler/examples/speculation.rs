@@ -61,7 +61,8 @@ const CHECKED: Mode = Mode {
 
 fn serve(model: &Model, prompts: &[Vec<u32>], speculation: Option<Speculation>, mode: Mode) -> Run {
     let batch = prompts.len();
-    let ring = speculation.as_ref().map_or(4, |s| s.ring_slots);
+    // A ring slot per draft of every row: each row speculates at every step.
+    let ring = speculation.as_ref().map_or(4, |s| batch * s.k);
     let blocks_per_seq = (PROMPT + OUTPUT + 16).div_ceil(16) + 1;
     let config = CpuRouterConfig {
         block_size: 16,
@@ -173,7 +174,6 @@ fn perfect_drafter() {
                 sequences: Arc::new(known),
                 wrong: false,
             },
-            ring_slots: batch * k,
         };
         let fast = best(&model, &prompts, Some(spec), CHECKED);
         assert_eq!(
@@ -219,7 +219,7 @@ fn mtp_head() {
         let prompts = prompts(4, model.config().vocab_size);
         let plain = best(&model, &prompts, None, CHECKED);
         for k in 1..=4 {
-            let fast = best(&model, &prompts, Some(Speculation::mtp(k, 4 * k)), CHECKED);
+            let fast = best(&model, &prompts, Some(Speculation::mtp(k)), CHECKED);
             assert_eq!(
                 fast.outputs, plain.outputs,
                 "speculation changed the output"
@@ -281,7 +281,6 @@ fn depth_two() {
                 sequences: Arc::new(known),
                 wrong: false,
             },
-            ring_slots: batch * k,
         };
         let spec1 = best(&model, &prompts, Some(spec.clone()), tokens_only(1));
         let spec2 = best(&model, &prompts, Some(spec), tokens_only(2));

@@ -201,8 +201,9 @@ mod cpu {
         pub max_context: Option<usize>,
         /// SSM checkpoint slots of the prefix cache (hybrid models).
         pub checkpoint_slots: usize,
-        /// Snapshot ring slots (`SsmSnapshotSave`, and speculative decoding's rewind points:
-        /// give [`crate::Speculation::ring_slots`] here).
+        /// Snapshot ring slots (`SsmSnapshotSave`, and speculative decoding's rewind points: at
+        /// least [`crate::Speculation::k`]; the engine reads them from the router's facts, and
+        /// a step speculates on as many rows as the ring holds drafts for).
         pub snapshot_slots: usize,
         /// Keep a prefix cache (needs feature `prefix-cache`).
         pub prefix_cache: bool,

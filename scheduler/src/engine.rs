@@ -152,6 +152,17 @@ pub enum EngineError {
         /// The rule it breaks.
         rule: &'static str,
     },
+    /// Speculation with `k` drafts per row needs a snapshot ring of at least `k` slots, and the
+    /// router reports fewer ([`device_io::DeviceFacts::snapshot_slots_total`]).
+    #[error(
+        "speculation with k = {k} drafts per row needs at least {k} snapshot ring slots; the router has {slots}"
+    )]
+    SnapshotRing {
+        /// Drafts per row.
+        k: usize,
+        /// The router's snapshot ring slots.
+        slots: usize,
+    },
     /// The spill directory given is unusable, or the engine's own could not be created in it.
     #[error(transparent)]
     SpillDirectory(SpillError),
@@ -413,6 +424,9 @@ pub struct Engine<D: DeviceIo> {
     scratch: Scratch,
     /// The router's depth (2: the engine may keep a decode step in flight).
     depth: usize,
+    /// The router's snapshot ring slots ([`device_io::DeviceFacts::snapshot_slots_total`]), which
+    /// speculation's verifications name.
+    ring_slots: usize,
     /// The decode step in flight, launched and not awaited yet (depth 2).
     flight: Option<pipeline::Flight>,
     /// The verification in flight, launched and not awaited yet (speculation at depth 2).
@@ -495,12 +509,6 @@ where
                 spec.k,
                 "1 <= k <= MAX_DRAFTS (8)",
             )?;
-            check(
-                spec.ring_slots >= spec.k,
-                "speculation.ring_slots",
-                spec.ring_slots,
-                "ring_slots >= k",
-            )?;
         }
         let spill = match &config.preemption {
             Preemption::Recompute => None,
@@ -521,6 +529,16 @@ where
             ..Scratch::default()
         };
         let depth = router.inner().max_depth();
+        // Speculation names ring slots of the router's own ring, whose size it reports.
+        let ring_slots = router.facts().snapshot_slots_total;
+        if let Some(spec) = &config.speculation {
+            if ring_slots < spec.k {
+                return Err(EngineError::SnapshotRing {
+                    k: spec.k,
+                    slots: ring_slots,
+                });
+            }
+        }
         Ok(Engine {
             router,
             config,
@@ -540,6 +558,7 @@ where
             closed: false,
             scratch,
             depth,
+            ring_slots,
             flight: None,
             spec_flight: None,
             pipeline_fault: None,

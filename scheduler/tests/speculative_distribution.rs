@@ -206,7 +206,6 @@ fn run(depth: usize, speculate: bool, fault: Option<SpecFault>) -> (f64, u64, u6
                 sequences: Arc::new(known),
                 wrong: false,
             },
-            ring_slots: device_io::testing::SNAPSHOT_SLOTS,
         }),
         ..EngineConfig::default()
     };

@@ -18,8 +18,8 @@ use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_io::DeviceIo;
 use model::Model;
 use scheduler::{
-    Drafter, Engine, EngineConfig, Metrics, Preemption, RandomSampling, Request, Sampling,
-    ShutdownMode, SpecFault, Speculation, SpillTarget,
+    Drafter, Engine, EngineConfig, EngineError, Metrics, Preemption, RandomSampling, Request,
+    Sampling, ShutdownMode, SpecFault, Speculation, SpillTarget,
 };
 
 const BLOCK: usize = 16;
@@ -90,7 +90,7 @@ impl Setup {
 
     fn mtp(k: usize) -> Self {
         Setup {
-            speculation: Some(Speculation::mtp(k, 4 * k)),
+            speculation: Some(Speculation::mtp(k)),
             ..Setup::plain()
         }
     }
@@ -99,7 +99,8 @@ impl Setup {
 type Outcome = Result<(Vec<u32>, Option<u64>), String>;
 
 fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
-    let ring = setup.speculation.as_ref().map_or(4, |s| s.ring_slots);
+    // The engine reads the ring's size from the router: four rows' drafts per step.
+    let ring = setup.speculation.as_ref().map_or(4, |s| 4 * s.k);
     let router_config = CpuRouterConfig {
         block_size: BLOCK,
         num_blocks: setup.num_blocks,
@@ -248,7 +249,6 @@ fn perfect_and_adversarial_drafters_change_nothing_but_the_steps() {
                     sequences: Arc::clone(&known),
                     wrong,
                 },
-                ring_slots: 4 * k,
             }),
             ..Setup::plain()
         };
@@ -330,7 +330,6 @@ fn mixed_batches_keep_every_row_exact() {
                 sequences: Arc::new(known.clone()),
                 wrong: false,
             },
-            ring_slots: 12,
         }),
         fault,
         ..Setup::plain()
@@ -347,7 +346,6 @@ fn mixed_batches_keep_every_row_exact() {
                 sequences: Arc::new(known.clone()),
                 wrong: true,
             },
-            ring_slots: 12,
         }),
         fault: Some(SpecFault::TrustSampledDrafts),
         ..Setup::plain()
@@ -426,10 +424,9 @@ fn speculation_runs_ahead_on_a_pipelined_router() {
             sequences: Arc::clone(&known),
             wrong,
         },
-        ring_slots: 12,
     };
     let cases = [
-        ("mtp k 3, caches", Speculation::mtp(3, 12), true),
+        ("mtp k 3, caches", Speculation::mtp(3), true),
         ("perfect", known_drafter(false), false),
         ("adversarial, caches", known_drafter(true), true),
     ];
@@ -495,7 +492,6 @@ fn preemption_at_depth_two_keeps_the_output() {
                     sequences: Arc::clone(&known),
                     wrong: false,
                 },
-                ring_slots: 16,
             }),
             ..Setup::plain()
         };
@@ -539,7 +535,6 @@ fn a_ring_shared_between_cohorts_is_caught() {
                 sequences: Arc::new(known.clone()),
                 wrong: true,
             },
-            ring_slots: 8,
         }),
         ..Setup::plain()
     };
@@ -664,4 +659,33 @@ fn a_skipped_ssm_restore_is_caught() {
     assert!(m.spec_rollbacks > 0);
     assert_ne!(outcomes, reference);
     assert!(outcomes.iter().any(Result::is_err), "{outcomes:?}");
+}
+
+/// The engine reads the snapshot ring's size from the router: a ring smaller than `k` is a typed
+/// error at engine start, naming both numbers.
+#[test]
+fn a_snapshot_ring_smaller_than_k_is_refused_at_engine_start() {
+    let model = model("nemotron-h-tiny");
+    let config = |k| EngineConfig {
+        max_running: 4,
+        speculation: Some(Speculation::mtp(k)),
+        ..EngineConfig::default()
+    };
+    let router = |slots| {
+        let mut router_config = CpuRouterConfig::new(16, 4);
+        router_config.snapshot_slots = slots;
+        CpuRouter::new(model.clone(), router_config).unwrap()
+    };
+    let err = Engine::new(router(2), config(3)).unwrap_err();
+    assert!(
+        matches!(err, EngineError::SnapshotRing { k: 3, slots: 2 }),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "speculation with k = 3 drafts per row needs at least 3 snapshot ring slots; the router has 2"
+    );
+    let engine = Engine::new(router(3), config(3)).unwrap();
+    assert_eq!(engine.router().facts().snapshot_slots_total, 3);
+    engine.shutdown(ShutdownMode::Drain).unwrap();
 }

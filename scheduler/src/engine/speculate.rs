@@ -5,8 +5,9 @@
 //! 1. **Drafts.** Every live row whose prompt is complete may speculate (greedy, randomly
 //!    sampled, or forced: a replayed turn, whose drafts are accepted while they equal its
 //!    recorded tokens), `k_i = min(k, max_tokens - generated - 1)` drafts (fewer near the
-//!    context's end), as long as the snapshot ring has `k` slots for it (`ring_slots / k` rows per
-//!    step). The drafter proposes them once per step: [`Drafter::Mtp`] launches
+//!    context's end), as long as the snapshot ring has a slot for each (the router's ring, whose
+//!    size the engine reads from `DeviceFacts::snapshot_slots_total` at start and refuses, with
+//!    `EngineError::SnapshotRing`, when it is under `k`). The drafter proposes them once per step: [`Drafter::Mtp`] launches
 //!    [`StepPlan::Draft`] (the router's MTP head; a row whose head has no catch-up state drafts
 //!    nothing, and a refused draft step only costs this step's drafts); [`Drafter::Known`]
 //!    proposes from continuations known from an earlier run (the tests' perfect and adversarial
@@ -101,18 +102,14 @@ pub struct Speculation {
     pub k: usize,
     /// Who proposes the drafts.
     pub drafter: Drafter,
-    /// Snapshot ring slots of the router (at least `k`); a step speculates on at most
-    /// `ring_slots / k` rows.
-    pub ring_slots: usize,
 }
 
 impl Speculation {
-    /// `k` drafts per step from the router's MTP head, with `ring_slots` snapshot slots.
-    pub fn mtp(k: usize, ring_slots: usize) -> Self {
+    /// `k` drafts per step from the router's MTP head.
+    pub fn mtp(k: usize) -> Self {
         Speculation {
             k,
             drafter: Drafter::Mtp,
-            ring_slots,
         }
     }
 }
@@ -185,7 +182,7 @@ where
     /// settled.
     pub(super) fn speculative_decode(&mut self, spec: &Speculation) -> usize {
         let cohort = vec![true; self.running.len()];
-        let ring: Vec<usize> = (0..spec.ring_slots).collect();
+        let ring: Vec<usize> = (0..self.ring_slots).collect();
         let budgets = self.draft_budgets(spec.k, &cohort, ring.len());
         self.clear_drafts(&cohort);
         match &spec.drafter {
@@ -304,8 +301,8 @@ where
     /// flight settles, so their rings must not meet).
     fn cohort_ring_slots(&self, spec: &Speculation) -> usize {
         match spec.drafter {
-            Drafter::Mtp => spec.ring_slots,
-            Drafter::Known { .. } => spec.ring_slots / 2,
+            Drafter::Mtp => self.ring_slots,
+            Drafter::Known { .. } => self.ring_slots / 2,
         }
     }
 
@@ -337,7 +334,7 @@ where
         // in flight (with the MTP drafter it settles before the next verification launches).
         let shared = self.spec_fault == Some(SpecFault::ReuseFlightRing)
             || matches!(spec.drafter, Drafter::Mtp);
-        let free: Vec<usize> = (0..spec.ring_slots)
+        let free: Vec<usize> = (0..self.ring_slots)
             .filter(|slot| shared || !flight.slots.contains(slot))
             .take(self.cohort_ring_slots(spec))
             .collect();
