@@ -16,6 +16,14 @@
 //! shared memory, read once per tile of up to 16 queries), decode rows by the split kernel; both
 //! split long contexts across thread blocks and merge.
 //!
+//! # The MTP head
+//! A model whose checkpoint carries `mtp.*` tensors keeps its MTP head in the image too
+//! ([`DeviceModel::has_mtp`]). [`DeviceModel::mtp`] runs it over a step's runs as
+//! `model::Model::mtp` does (the input `eh_proj [enorm(E[token]), hnorm(hidden)]`, the MTP
+//! layers with KV and state after the main stack's, the final norm, the shared `lm_head`), fed
+//! by the main stack's final-normed hidden states ([`DeviceModel::forward_hidden`]) or by its
+//! own outputs when drafting: what the router's `Draft` plan needs.
+//!
 //! # Weights
 //! GEMM matrices (embeddings, projections, experts stacked `[E, out, in]`, `lm_head`) are in the
 //! configured element type; the fused QKV projection is one matrix. Everything else (norm
@@ -121,6 +129,21 @@ struct Layer {
     mixer: Mixer,
 }
 
+/// The MTP head in the weight image: `eh_proj [d, 2d]` is stored as its two column halves, so
+/// `eh_proj · [enorm(e), hnorm(h)]` is two GEMMs and an add with no concatenated input.
+#[derive(Debug, Clone)]
+struct MtpLayout {
+    enorm: Floats,
+    hnorm: Floats,
+    /// `eh_proj[:, :d]`, on the normed embedding.
+    eh_embed: Mat,
+    /// `eh_proj[:, d:]`, on the normed hidden state.
+    eh_hidden: Mat,
+    /// Their KV and state indices follow the main stack's.
+    layers: Vec<Layer>,
+    final_norm: Floats,
+}
+
 /// Where everything is in the weight image.
 #[derive(Debug, Clone)]
 struct Layout {
@@ -128,6 +151,7 @@ struct Layout {
     layers: Vec<Layer>,
     norm_f: Floats,
     lm_head: Mat,
+    mtp: Option<MtpLayout>,
 }
 
 /// The model's weights as device bytes (see the module docs), ready to upload.
@@ -305,10 +329,11 @@ impl Builder<'_> {
         Ok(mat)
     }
 
-    fn layer(&mut self, i: usize, kind: LayerKind, indices: &mut (usize, usize)) -> Result<Layer> {
+    /// The pre-norm block named `p` (`backbone.layers.{i}` or `mtp.layers.{i}`); `indices` are
+    /// the next (attention, Mamba) indices.
+    fn layer(&mut self, p: &str, kind: LayerKind, indices: &mut (usize, usize)) -> Result<Layer> {
         let c = self.model;
         let (d, dtype) = (c.hidden_size, self.dtype);
-        let p = format!("backbone.layers.{i}");
         let norm = self.named(&format!("{p}.norm.weight"), d, Init::Const(1.0))?;
         let m = format!("{p}.mixer");
         let mixer = match kind {
@@ -449,29 +474,95 @@ impl Builder<'_> {
             .layer_kinds
             .iter()
             .enumerate()
-            .map(|(i, &kind)| self.layer(i, kind, &mut indices))
+            .map(|(i, &kind)| self.layer(&format!("backbone.layers.{i}"), kind, &mut indices))
             .collect::<Result<Vec<_>>>()?;
         let norm_f = self.named("backbone.norm_f.weight", d, Init::Const(1.0))?;
         let lm_head = self.linear("lm_head", v, d, false, dtype)?;
+        let mtp = if config.mtp {
+            Some(self.mtp(&mut indices)?)
+        } else {
+            None
+        };
         Ok(Layout {
             embeddings,
             layers,
             norm_f,
             lm_head,
+            mtp,
+        })
+    }
+
+    /// The MTP head (`mtp.layers.*`), its layers' indices after the main stack's.
+    fn mtp(&mut self, indices: &mut (usize, usize)) -> Result<MtpLayout> {
+        let config = self.model;
+        let (d, dtype) = (config.hidden_size, self.dtype);
+        let enorm = self.named("mtp.layers.0.enorm.weight", d, Init::Const(1.0))?;
+        let hnorm = self.named("mtp.layers.0.hnorm.weight", d, Init::Const(1.0))?;
+        // eh_proj [d, 2d] row by row: the first d columns act on the embedding, the last d on the
+        // hidden state.
+        let (embed_half, hidden_half) =
+            match self.take(&["mtp.layers.0.eh_proj.weight".to_owned()])? {
+                Some(values) => {
+                    if values.len() != 2 * d * d {
+                        return Err(CudaError::BadRange(format!(
+                            "mtp.layers.0.eh_proj.weight has {} values, [{d}, {}] needs {}",
+                            values.len(),
+                            2 * d,
+                            2 * d * d
+                        )));
+                    }
+                    let (mut e, mut h) = (Vec::with_capacity(d * d), Vec::with_capacity(d * d));
+                    for row in values.chunks_exact(2 * d) {
+                        e.extend_from_slice(&row[..d]);
+                        h.extend_from_slice(&row[d..]);
+                    }
+                    (Some(e), Some(h))
+                }
+                None => (None, None),
+            };
+        let mut half = |values: Option<Vec<f32>>| -> Result<Mat> {
+            let offset = self.put(values.as_deref(), d * d, dtype, Init::Matrix)?;
+            Ok(Mat {
+                offset,
+                rows: d,
+                cols: d,
+                dtype,
+                bias: None,
+            })
+        };
+        let eh_embed = half(embed_half)?;
+        let eh_hidden = half(hidden_half)?;
+        let layers = config
+            .mtp_layer_kinds
+            .iter()
+            .enumerate()
+            .map(|(i, &kind)| self.layer(&format!("mtp.layers.{i}"), kind, indices))
+            .collect::<Result<Vec<_>>>()?;
+        let last = config.mtp_layer_kinds.len().saturating_sub(1);
+        let final_norm = self.named(
+            &format!("mtp.layers.{last}.final_layernorm.weight"),
+            d,
+            Init::Const(1.0),
+        )?;
+        Ok(MtpLayout {
+            enorm,
+            hnorm,
+            eh_embed,
+            eh_hidden,
+            layers,
+            final_norm,
         })
     }
 }
 
 impl WeightImage {
-    /// The weights of `model`'s main stack (MTP layers, if any, are not part of the forward
-    /// step) with GEMM matrices in `dtype`.
+    /// The weights of `model` (its main stack, and its MTP head when it has one) with GEMM
+    /// matrices in `dtype`.
     pub fn new(model: &Model, dtype: DType) -> Result<WeightImage> {
         let config = model.config();
         let mut tensors = HashMap::new();
         model.visit_tensors(&mut |name, _shape, data| {
-            if !name.starts_with("mtp.") {
-                tensors.insert(name.to_owned(), data.to_vec());
-            }
+            tensors.insert(name.to_owned(), data.to_vec());
         });
         let mut b = Builder::new(config, dtype, Some(tensors));
         let layout = b.build()?;
@@ -558,7 +649,8 @@ impl Workspace {
         }
         let m = limits.max_rows;
         let d = config.hidden_size;
-        let has = |k| config.has(k);
+        // The MTP head's layers run in the same workspace.
+        let has = |k| config.uses(k);
         let (nh, hd) = (config.num_attention_heads, config.head_dim);
         let mut proj_w = d;
         let mut y_w = d;
@@ -787,6 +879,18 @@ impl Staging {
         rt.wait_event(Stream::Compute, &staging.uploaded[k])?;
         Ok((desc, k))
     }
+}
+
+/// Which stack a step runs, and its hidden streams.
+#[derive(Debug, Clone, Copy)]
+enum Entry {
+    /// The main model; `hidden_out` takes the final-normed rows of the logit rows.
+    Main { hidden_out: Option<DeviceSlice> },
+    /// The MTP head over `hidden_in` (one row per step row).
+    Mtp {
+        hidden_in: DeviceSlice,
+        hidden_out: DeviceSlice,
+    },
 }
 
 /// A checked step's descriptor (see [`DeviceModel::describe`]).
@@ -1053,8 +1157,8 @@ impl DeviceModel {
                 limits.max_runs
             ));
         }
-        let attention = self.config.has(LayerKind::Attention);
-        let mamba = self.config.has(LayerKind::Mamba);
+        let attention = self.config.uses(LayerKind::Attention);
+        let mamba = self.config.uses(LayerKind::Mamba);
         let mut row_pos = Vec::with_capacity(rows);
         let mut row_run = Vec::with_capacity(rows);
         let mut run_words = Vec::with_capacity(6 * runs.len());
@@ -1224,7 +1328,105 @@ impl DeviceModel {
         tokens: DeviceSlice,
         out: &StepOutput<'_>,
     ) -> Result<()> {
+        self.run(
+            rt,
+            workspace,
+            ws,
+            state,
+            runs,
+            tokens,
+            out,
+            Entry::Main { hidden_out: None },
+        )
+    }
+
+    /// [`DeviceModel::forward`], also writing the final-normed hidden state of each of
+    /// `out.logit_rows` to `hidden_out` (`logit_rows.len() * hidden_size` f32): the MTP head's
+    /// input ([`DeviceModel::mtp`]), as `model::Model::forward_runs` gives it.
+    #[allow(clippy::too_many_arguments)] // forward's arguments and the hidden output.
+    pub fn forward_hidden(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        out: &StepOutput<'_>,
+        hidden_out: DeviceSlice,
+    ) -> Result<()> {
+        self.run(
+            rt,
+            workspace,
+            ws,
+            state,
+            runs,
+            tokens,
+            out,
+            Entry::Main {
+                hidden_out: Some(hidden_out),
+            },
+        )
+    }
+
+    /// Whether the model carries an MTP head (its image was made from a model with one).
+    pub fn has_mtp(&self) -> bool {
+        self.layout.mtp.is_some()
+    }
+
+    /// The MTP head over one step's runs, as `model::Model::mtp` computes it: row `j` of a run at
+    /// position `q` takes `tokens[j]`, the token *after* `q`, and row `j` of `hidden_in` (`rows *
+    /// hidden_size` f32), the hidden state it follows (the main model's at `q` after its final
+    /// norm, from [`DeviceModel::forward_hidden`], or, drafting, the head's own output at
+    /// `q - 1`). Runs `eh_proj [enorm(E[token]), hnorm(hidden)]`, the MTP layers (their K/V at
+    /// the rows' positions in the runs' blocks, their Mamba state in the runs' slots, after the
+    /// main stack's), the final norm and the shared `lm_head`; writes the logits of
+    /// `out.logit_rows` and those rows' normed outputs to `hidden_out` (`logit_rows.len() *
+    /// hidden_size` f32: the next draft position's hidden input). Validated before the first
+    /// launch like [`DeviceModel::forward`]; a model without a head is refused.
+    #[allow(clippy::too_many_arguments)] // forward's arguments and the two hidden streams.
+    pub fn mtp(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        hidden_in: DeviceSlice,
+        out: &StepOutput<'_>,
+        hidden_out: DeviceSlice,
+    ) -> Result<()> {
+        self.run(
+            rt,
+            workspace,
+            ws,
+            state,
+            runs,
+            tokens,
+            out,
+            Entry::Mtp {
+                hidden_in,
+                hidden_out,
+            },
+        )
+    }
+
+    /// The entry points' common path: checks, the descriptor's upload, the step.
+    #[allow(clippy::too_many_arguments)] // forward's arguments and the entry.
+    fn run(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        out: &StepOutput<'_>,
+        entry: Entry,
+    ) -> Result<()> {
         let vocab = self.config.vocab_size;
+        let d = self.config.hidden_size;
         if workspace.bytes() < ws.total {
             return Err(CudaError::BadRange(format!(
                 "forward workspace of {} bytes, the layout needs {}",
@@ -1247,13 +1449,54 @@ impl DeviceModel {
                 tokens.bytes()
             )));
         }
+        let hidden_bytes = |what: &str, slice: DeviceSlice, rows: usize| {
+            if slice.bytes() == rows * d * 4 {
+                Ok(())
+            } else {
+                Err(CudaError::BadRange(format!(
+                    "forward step: {what} of {} bytes for {rows} rows of {d}",
+                    slice.bytes()
+                )))
+            }
+        };
+        match entry {
+            Entry::Main { hidden_out } => {
+                if let Some(h) = hidden_out {
+                    hidden_bytes("hidden outputs", h, logit_count)?;
+                    if h.overlaps(&workspace) {
+                        return Err(CudaError::BadRange(
+                            "forward step: the hidden outputs overlap the workspace".to_owned(),
+                        ));
+                    }
+                }
+            }
+            Entry::Mtp {
+                hidden_in,
+                hidden_out,
+            } => {
+                if self.layout.mtp.is_none() {
+                    return Err(CudaError::BadRange(
+                        "MTP step: the model has no MTP head (its checkpoint carries no mtp.* \
+                         tensors)"
+                            .to_owned(),
+                    ));
+                }
+                hidden_bytes("MTP hidden inputs", hidden_in, m)?;
+                hidden_bytes("MTP hidden outputs", hidden_out, logit_count)?;
+                if hidden_in.overlaps(&workspace) || hidden_out.overlaps(&workspace) {
+                    return Err(CudaError::BadRange(
+                        "MTP step: a hidden stream overlaps the workspace".to_owned(),
+                    ));
+                }
+            }
+        }
         let mut staging = self
             .staging
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let (desc, half) = Staging::upload(&mut staging, rt, ws.desc_bytes, words)?;
         let result = self.step(
-            rt, workspace, ws, state, runs, tokens, out, &described, desc,
+            rt, workspace, ws, state, runs, tokens, out, &described, desc, entry,
         );
         // The step's reads of the descriptor end here, in compute-stream order; the upload two
         // steps on waits for this record before it overwrites the same half.
@@ -1276,6 +1519,7 @@ impl DeviceModel {
         out: &StepOutput<'_>,
         described: &Described,
         desc: DeviceSlice,
+        entry: Entry,
     ) -> Result<()> {
         let c = &self.config;
         let (d, vocab) = (c.hidden_size, c.vocab_size);
@@ -1320,7 +1564,53 @@ impl DeviceModel {
             d,
             vocab,
         )?;
-        if let Some(first) = layout.layers.first() {
+        let (layers, final_norm) = match (entry, &layout.mtp) {
+            (Entry::Mtp { hidden_in, .. }, Some(mtp)) => {
+                // hidden = eh_embed · enorm(E[token]) + eh_hidden · hnorm(hidden_in).
+                kernels::residual_rmsnorm(
+                    rt,
+                    s,
+                    hidden,
+                    None,
+                    normed,
+                    self.floats(&mtp.enorm)?,
+                    m,
+                    d,
+                    eps,
+                )?;
+                self.linear(
+                    rt,
+                    workspace,
+                    ws,
+                    normed,
+                    m,
+                    &mtp.eh_embed,
+                    block_out,
+                    false,
+                )?;
+                kernels::residual_rmsnorm(
+                    rt,
+                    s,
+                    hidden_in,
+                    None,
+                    normed,
+                    self.floats(&mtp.hnorm)?,
+                    m,
+                    d,
+                    eps,
+                )?;
+                self.linear(rt, workspace, ws, normed, m, &mtp.eh_hidden, hidden, false)?;
+                kernels::add_into(rt, s, hidden, block_out, m * d)?;
+                (&mtp.layers, &mtp.final_norm)
+            }
+            (Entry::Mtp { .. }, None) => {
+                return Err(CudaError::BadRange(
+                    "MTP step: the model has no MTP head".to_owned(),
+                ))
+            }
+            (Entry::Main { .. }, _) => (&layout.layers, &layout.norm_f),
+        };
+        if let Some(first) = layers.first() {
             kernels::residual_rmsnorm(
                 rt,
                 s,
@@ -1347,7 +1637,7 @@ impl DeviceModel {
             DtClamp::Off => 0.0,
         };
         let longest = runs.iter().map(|r| r.start_pos + r.len).max().unwrap_or(1);
-        for (i, layer) in layout.layers.iter().enumerate() {
+        for (i, layer) in layers.iter().enumerate() {
             match &layer.mixer {
                 Mixer::Mamba(w) => {
                     let (inner, conv_dim, proj_dim) = (
@@ -1453,7 +1743,7 @@ impl DeviceModel {
                 }
                 Mixer::Moe(w) => self.moe(rt, workspace, ws, w, normed, block_out, m)?,
             }
-            match layout.layers.get(i + 1) {
+            match layers.get(i + 1) {
                 Some(next) => kernels::residual_rmsnorm(
                     rt,
                     s,
@@ -1478,7 +1768,7 @@ impl DeviceModel {
             last,
             hidden,
             logit_idx,
-            self.floats(&layout.norm_f)?,
+            self.floats(final_norm)?,
             logit_count,
             m,
             d,
@@ -1493,7 +1783,15 @@ impl DeviceModel {
             &layout.lm_head,
             out.logits,
             false,
-        )
+        )?;
+        let hidden_out = match entry {
+            Entry::Main { hidden_out } => hidden_out,
+            Entry::Mtp { hidden_out, .. } => Some(hidden_out),
+        };
+        match hidden_out {
+            Some(h) => rt.copy(h, last, s),
+            None => Ok(()),
+        }
     }
 
     /// One MoE layer: gate, routing, dispatch, expert GEMMs, combine, shared expert.

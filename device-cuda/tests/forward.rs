@@ -728,3 +728,334 @@ fn back_to_back_steps_match_separate_steps() {
         assert_eq!(got.len(), 7);
     }
 }
+
+/// The device MTP head on one runtime: the main stack and the head over slot 0 or 1 of a pool
+/// of 16 blocks of 16 (the host harness of `model/tests/mtp.rs`).
+struct MtpDevice {
+    rt: SimRuntime,
+    device: DeviceModel,
+    ws: Workspace,
+    buffers: Vec<DeviceBuffer>,
+    state: DeviceState,
+    blocks: Vec<u32>,
+}
+
+impl MtpDevice {
+    fn new(model: &Model) -> MtpDevice {
+        let config = model.config().clone();
+        let (blocks, block_size, slots) = (16usize, 16usize, 2usize);
+        let block_floats = KvPool::new(&config, 1, block_size)
+            .unwrap()
+            .floats_per_block();
+        let slot_floats = MambaStates::new(&config, 1).unwrap().floats_per_slot();
+        let rt = SimRuntime::new().unwrap();
+        let image = WeightImage::new(model, DType::F32).unwrap();
+        let device = DeviceModel::upload(&rt, model, &image)
+            .unwrap()
+            .with_split_keys(8);
+        let ws = Workspace::new(
+            &config,
+            ForwardLimits {
+                max_rows: 128,
+                max_runs: 1,
+                max_table: blocks,
+            },
+        )
+        .unwrap();
+        let buffers = vec![
+            rt.alloc(blocks * block_floats * 4).unwrap(),
+            rt.alloc((slots * slot_floats * 4).max(4)).unwrap(),
+            rt.alloc(ws.bytes()).unwrap(),
+        ];
+        let state = DeviceState {
+            kv: buffers[0].all(),
+            num_blocks: blocks,
+            block_size,
+            block_floats,
+            states: buffers[1].range(0, slots * slot_floats * 4).unwrap(),
+            num_slots: slots,
+            slot_floats,
+        };
+        MtpDevice {
+            rt,
+            device,
+            ws,
+            buffers,
+            state,
+            blocks: (0..blocks as u32).collect(),
+        }
+    }
+
+    /// The main stack (`hidden_in` none) or the MTP head over `tokens` at `start` in `slot`:
+    /// (logits, hidden outputs) of every row.
+    fn step(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        slot: usize,
+        hidden_in: Option<&[f32]>,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let config = self.device.config();
+        let (rows, d, vocab) = (tokens.len(), config.hidden_size, config.vocab_size);
+        let rt = &self.rt;
+        let token_buf = rt.alloc(rows * 4).unwrap();
+        rt.upload(token_buf.all(), bytemuck::cast_slice(tokens), S)
+            .unwrap();
+        let logits = rt.alloc(rows * vocab * 4).unwrap();
+        let hidden_out = rt.alloc(rows * d * 4).unwrap();
+        let logit_rows: Vec<u32> = (0..rows as u32).collect();
+        let runs = [StepRun {
+            start_pos: start,
+            len: rows,
+            slot,
+            blocks: &self.blocks,
+        }];
+        let out = StepOutput {
+            logit_rows: &logit_rows,
+            logits: logits.all(),
+        };
+        let ws_buf = self.buffers[2].all();
+        match hidden_in {
+            None => self
+                .device
+                .forward_hidden(
+                    rt,
+                    ws_buf,
+                    &self.ws,
+                    &self.state,
+                    &runs,
+                    token_buf.all(),
+                    &out,
+                    hidden_out.all(),
+                )
+                .unwrap(),
+            Some(h) => {
+                let hidden_buf = rt.alloc(h.len() * 4).unwrap();
+                rt.upload(hidden_buf.all(), bytemuck::cast_slice(h), S)
+                    .unwrap();
+                self.device
+                    .mtp(
+                        rt,
+                        ws_buf,
+                        &self.ws,
+                        &self.state,
+                        &runs,
+                        token_buf.all(),
+                        hidden_buf.all(),
+                        &out,
+                        hidden_out.all(),
+                    )
+                    .unwrap();
+                rt.sync_stream(S).unwrap();
+                rt.free(hidden_buf).unwrap();
+            }
+        }
+        let read = |buffer: &DeviceBuffer| {
+            let mut bytes = vec![0u8; buffer.bytes()];
+            rt.download(&mut bytes, buffer.all(), S).unwrap();
+            bytemuck::cast_slice::<u8, f32>(&bytes).to_vec()
+        };
+        let answer = (read(&logits), read(&hidden_out));
+        for buffer in [token_buf, logits, hidden_out] {
+            rt.free(buffer).unwrap();
+        }
+        answer
+    }
+
+    /// Copies slot 0's state (the MTP layers' included) to slot 1.
+    fn fork_slot(&self) {
+        let bytes = self.state.slot_floats * 4;
+        self.rt
+            .copy(
+                self.state.states.range(bytes, bytes).unwrap(),
+                self.state.states.range(0, bytes).unwrap(),
+                S,
+            )
+            .unwrap();
+    }
+
+    /// A draft chain of depth 4 from position `pos` whose first row (`first`, `g`) is given, on
+    /// a copy of slot 0 in slot 1: (the rows' logits, the draft ids).
+    fn draft_chain(&self, first: &[f32], g: &[f32], pos: usize) -> (Vec<f32>, Vec<u32>) {
+        self.fork_slot();
+        let mut rows = first.to_vec();
+        let mut ids = vec![model::parity::argmax(first)];
+        let mut g = g.to_vec();
+        for depth in 1..4 {
+            let last = *ids.last().unwrap();
+            let (logits, out) = self.step(&[last], pos + depth, 1, Some(&g));
+            ids.push(model::parity::argmax(&logits));
+            rows.extend_from_slice(&logits);
+            g = out;
+        }
+        (rows, ids)
+    }
+}
+
+fn max_abs_diff(ours: &[f32], theirs: &[f32]) -> f32 {
+    assert_eq!(ours.len(), theirs.len());
+    ours.iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The device MTP head against the float64 NumPy reference of `fixture/mtp` (the expected
+/// logits `model/tests/mtp.rs` checks the host head with), f32 weights, every case: the head
+/// over every prompt position (fed by `forward_hidden`), a depth-4 draft chain after the prompt,
+/// the catch-up over five decoded tokens and a draft chain after it; every logit within
+/// [`F32_TOLERANCE`] and the reference's draft ids. Answers the largest difference.
+fn check_mtp(fixture_name: &str) -> f32 {
+    let dir = fixture(fixture_name).join("mtp");
+    let model = Model::load(&dir.join("model")).unwrap();
+    assert!(model.has_mtp(), "{fixture_name}/mtp has no head");
+    let (d, vocab) = (model.config().hidden_size, model.config().vocab_size);
+    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let expected = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensor = |name: String| -> Vec<f32> {
+        expected
+            .tensor(&name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut worst = 0.0f32;
+    let mut check = |what: String, ours: &[f32], theirs: &[f32]| {
+        let diff = max_abs_diff(ours, theirs);
+        assert!(diff <= F32_TOLERANCE, "{what}: differs by {diff:e}");
+        worst = worst.max(diff);
+    };
+    for case in json["cases"].as_array().unwrap() {
+        let i = case["index"].as_u64().unwrap();
+        let (prompt, greedy) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
+        let dev = MtpDevice::new(&model);
+        assert!(dev.device.has_mtp());
+        let n = prompt.len();
+        let (_, hidden) = dev.step(&prompt, 0, 0, None);
+        let mut next = prompt[1..].to_vec();
+        next.push(greedy[0]);
+        let (prompt_rows, outs) = dev.step(&next, 0, 0, Some(&hidden));
+        let name = format!("{fixture_name} case {i}");
+        check(
+            format!("{name}: MTP prompt rows"),
+            &prompt_rows,
+            &tensor(format!("case{i}.mtp_prompt_logits")),
+        );
+        let (rows, draft) =
+            dev.draft_chain(&prompt_rows[(n - 1) * vocab..], &outs[(n - 1) * d..], n - 1);
+        check(
+            format!("{name}: draft chain 0"),
+            &rows,
+            &tensor(format!("case{i}.draft0_logits")),
+        );
+        assert_eq!(draft, ids(&case["draft0_ids"]), "{name}: draft ids 0");
+        let (main_logits, hidden) = dev.step(&greedy[..5], n, 0, None);
+        for j in 0..5 {
+            assert_eq!(
+                model::parity::argmax(&main_logits[j * vocab..(j + 1) * vocab]),
+                greedy[j + 1],
+                "{name}: main greedy id {j}"
+            );
+        }
+        let (catchup, outs) = dev.step(&greedy[1..6], n, 0, Some(&hidden));
+        check(
+            format!("{name}: catch-up rows"),
+            &catchup,
+            &tensor(format!("case{i}.catchup_logits")),
+        );
+        let (rows, draft) = dev.draft_chain(&catchup[4 * vocab..], &outs[4 * d..], n + 4);
+        check(
+            format!("{name}: draft chain 1"),
+            &rows,
+            &tensor(format!("case{i}.draft1_logits")),
+        );
+        assert_eq!(draft, ids(&case["draft1_ids"]), "{name}: draft ids 1");
+    }
+    worst
+}
+
+/// The MTP head on the device, both fixtures' heads (`*E` on the tiny model: attention and MoE;
+/// `M*-` on the alternative one: Mamba, attention, MLP), against the NumPy reference.
+#[test]
+fn the_mtp_head_on_the_device_matches_the_reference() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let started = std::time::Instant::now();
+        let worst = check_mtp(name);
+        eprintln!(
+            "{name}/mtp: max |device - reference| {worst:e} ({:.1}s)",
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// The entry points' typed refusals: the MTP head of a model without one, hidden streams of the
+/// wrong size; each names the problem.
+#[test]
+fn mtp_refusals_are_typed_errors() {
+    let refusal = |model: &Model, hidden_rows: usize, out_rows: usize| -> String {
+        let dev = MtpDevice::new(model);
+        let d = model.config().hidden_size;
+        let vocab = model.config().vocab_size;
+        let rt = &dev.rt;
+        let tokens = rt.alloc(8).unwrap();
+        let logits = rt.alloc(2 * vocab * 4).unwrap();
+        let hidden_in = rt.alloc(hidden_rows * d * 4).unwrap();
+        let hidden_out = rt.alloc(out_rows * d * 4).unwrap();
+        let err = dev
+            .device
+            .mtp(
+                rt,
+                dev.buffers[2].all(),
+                &dev.ws,
+                &dev.state,
+                &[StepRun {
+                    start_pos: 0,
+                    len: 2,
+                    slot: 0,
+                    blocks: &dev.blocks,
+                }],
+                tokens.all(),
+                hidden_in.all(),
+                &StepOutput {
+                    logit_rows: &[0, 1],
+                    logits: logits.all(),
+                },
+                hidden_out.all(),
+            )
+            .unwrap_err();
+        err.to_string()
+    };
+    let base = Model::load(&fixture("nemotron-h-tiny").join("model")).unwrap();
+    let with = Model::load(&fixture("nemotron-h-tiny").join("mtp/model")).unwrap();
+    let d = with.config().hidden_size;
+    assert_eq!(
+        refusal(&base, 2, 2),
+        "bad memory range: MTP step: the model has no MTP head (its checkpoint carries no mtp.* \
+         tensors)"
+    );
+    assert_eq!(
+        refusal(&with, 1, 2),
+        format!(
+            "bad memory range: forward step: MTP hidden inputs of {} bytes for 2 rows of {d}",
+            d * 4
+        )
+    );
+    assert_eq!(
+        refusal(&with, 2, 3),
+        format!(
+            "bad memory range: forward step: MTP hidden outputs of {} bytes for 2 rows of {d}",
+            3 * d * 4
+        )
+    );
+}
