@@ -17,8 +17,14 @@
 //!    the d2d copy bandwidth (2 × bytes / time of a 2 GiB `cuMemcpyDtoD`, as CUDA's bandwidthTest
 //!    counts it), over the measured step time. Target: at least 60%.
 //!
+//! 3. The MTP head on the GPU (both fixtures' `mtp` checkpoints, f32): the head over every prompt
+//!    position, fed by `forward_hidden`, against the host model's `Model::mtp`, within 1e-4 and
+//!    with the same argmax on every row.
+//!
 //! `-- --sim` runs the same script on `SimRuntime` with a small config instead of the 8B shape (a
-//! check of the script, not a measurement). Without a device it prints why and exits 0.
+//! check of the script, not a measurement). `-- --probe` only opens the device and says which it
+//! is. Without a usable device it prints the runtime's typed reason and exits with status 2,
+//! having checked nothing.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -237,6 +243,152 @@ fn parity(rt: &dyn Runtime, name: &str, dtype: DType) -> (f32, bool) {
     (worst, same)
 }
 
+/// The MTP head of `name/mtp` over every prompt position of every case, on the device (fed by
+/// `forward_hidden`) and the host (`Model::mtp` fed by `forward_runs`); answers (max |device -
+/// host|, argmax identical on every row).
+fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
+    let dir = fixture(name).join("mtp");
+    let model = Model::load(&dir.join("model")).expect("MTP fixture");
+    let config = model.config().clone();
+    let (d, vocab) = (config.hidden_size, config.vocab_size);
+    let image = WeightImage::new(&model, DType::F32).expect("image");
+    let device_model = DeviceModel::upload(rt, &model, &image).expect("upload");
+    let (block_size, blocks) = (16usize, 16usize);
+    let device = Device::new(
+        rt,
+        device_model,
+        blocks,
+        block_size,
+        1,
+        ForwardLimits {
+            max_rows: 128,
+            max_runs: 1,
+            max_table: blocks,
+        },
+    );
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let (mut worst, mut same) = (0.0f32, true);
+    let text = std::fs::read_to_string(dir.join("cases.json")).expect("cases.json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("cases.json is JSON");
+    for case in json["cases"].as_array().expect("cases") {
+        let ids = |key: &str| -> Vec<u32> {
+            case[key]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|v| v.as_u64().expect("id") as u32)
+                .collect()
+        };
+        let (prompt, greedy) = (ids("prompt_ids"), ids("greedy_ids"));
+        let n = prompt.len();
+        let mut next = prompt[1..].to_vec();
+        next.push(greedy[0]);
+        // The host: the main stack's hidden rows, then the head.
+        let mut kv = KvPool::new(&config, blocks, block_size).expect("pool");
+        let mut states = MambaStates::new(&config, 1).expect("states");
+        let mut scratch = Scratch::new(&config);
+        fn run<'a>(tokens: &'a [u32], table: &'a [u32]) -> model::RunRow<'a> {
+            model::RunRow {
+                tokens,
+                start_pos: 0,
+                blocks: table,
+                slot: 0,
+                snapshots: &[],
+            }
+        }
+        let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+        model
+            .forward_runs(
+                &mut scratch,
+                &mut kv,
+                &mut states,
+                &[run(&prompt, &table)],
+                model::RunOutputs::All,
+                &mut logits,
+                Some(&mut hidden),
+            )
+            .expect("host main");
+        let (mut host, mut host_out) = (Vec::new(), Vec::new());
+        model
+            .mtp(
+                &mut scratch,
+                &mut kv,
+                &mut states,
+                &[run(&next, &table)],
+                &hidden,
+                model::RunOutputs::All,
+                &mut host,
+                &mut host_out,
+            )
+            .expect("host MTP");
+        // The device, from zeroed state.
+        rt.memset(device.state.states, 0, S).expect("memset");
+        let rows: Vec<u32> = (0..n as u32).collect();
+        let buffers = [n * 4, n * vocab * 4, n * d * 4, n * d * 4]
+            .map(|bytes| rt.alloc(bytes).expect("alloc"));
+        let [tokens, device_logits, main_hidden, mtp_hidden] = &buffers;
+        let runs = [StepRun {
+            start_pos: 0,
+            len: n,
+            slot: 0,
+            blocks: &table,
+        }];
+        let out = StepOutput {
+            logit_rows: &rows,
+            logits: device_logits.all(),
+        };
+        rt.upload(tokens.all(), bytemuck::cast_slice(&prompt), S)
+            .expect("upload");
+        device
+            .model
+            .forward_hidden(
+                rt,
+                device.buffers[2].all(),
+                &device.ws,
+                &device.state,
+                &runs,
+                tokens.all(),
+                &out,
+                main_hidden.all(),
+            )
+            .expect("device main");
+        rt.upload(tokens.all(), bytemuck::cast_slice(&next), S)
+            .expect("upload");
+        device
+            .model
+            .mtp(
+                rt,
+                device.buffers[2].all(),
+                &device.ws,
+                &device.state,
+                &runs,
+                tokens.all(),
+                main_hidden.all(),
+                &out,
+                mtp_hidden.all(),
+            )
+            .expect("device MTP");
+        let mut bytes = vec![0u8; n * vocab * 4];
+        rt.download(&mut bytes, device_logits.all(), S)
+            .expect("download");
+        let ours: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        for (a, b) in ours.iter().zip(&host) {
+            worst = worst.max((a - b).abs());
+        }
+        for (a, b) in ours.chunks(vocab).zip(host.chunks(vocab)) {
+            same &= model::parity::argmax(a) == model::parity::argmax(b);
+        }
+        for buffer in buffers {
+            rt.free(buffer).expect("free");
+        }
+    }
+    device.free(rt);
+    (worst, same)
+}
+
 fn seconds(rt: &dyn Runtime, work: &mut dyn FnMut()) -> f64 {
     rt.sync_stream(S).expect("sync");
     let start = Instant::now();
@@ -400,19 +552,23 @@ fn bench(rt: &dyn Runtime, config: &Config, big: bool) -> bool {
 
 fn main() {
     let sim = std::env::args().any(|a| a == "--sim");
+    let probe = std::env::args().any(|a| a == "--probe");
     let runtime: Box<dyn Runtime> = if sim {
         Box::new(SimRuntime::new().expect("SimRuntime"))
     } else {
         match CudaRuntime::new() {
             Ok(rt) => Box::new(rt),
             Err(err) => {
-                println!("forward_bench: skipped, checked nothing: {err}");
-                return;
+                println!("forward_bench: no usable GPU, checked nothing: {err}");
+                std::process::exit(2);
             }
         }
     };
     let rt = runtime.as_ref();
     println!("forward_bench: on {}", rt.device_name());
+    if probe {
+        return;
+    }
     let mut ok = true;
     for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
         for dtype in [DType::F32, DType::Bf16] {
@@ -433,6 +589,16 @@ fn main() {
     } else {
         Config::from_json_str(NEMOTRON_H_8B).expect("the 8B config")
     };
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let (diff, same) = mtp_parity(rt, name);
+        let pass = same && diff <= 1e-4;
+        println!(
+            "forward_bench: MTP head {name}/mtp F32: max |device - host| {diff:e}, argmax {}: {}",
+            if same { "identical" } else { "DIFFER" },
+            if pass { "ok" } else { "FAILED" }
+        );
+        ok &= pass;
+    }
     let bench_ok = bench(rt, &config, !sim);
     if !bench_ok {
         println!("forward_bench: batch-1 decode is below 60% of the bandwidth limit");

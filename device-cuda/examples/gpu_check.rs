@@ -3,7 +3,8 @@
 //! effects on both from the same spill images (outcomes, images and state rows bit for bit), and the
 //! device-to-device bandwidth of the copies the effects make (slot compaction, snapshot copies,
 //! the spill gather) against one plain `cuMemcpyDtoDAsync` of the same bytes (target: at least
-//! 80%). Without a device it prints why and exits 0 having checked nothing (`skipped`).
+//! 80%). Without a usable device it prints the runtime's typed reason and exits with status 2,
+//! having checked nothing.
 
 use std::time::Instant;
 
@@ -478,8 +479,8 @@ fn main() {
     let gpu = match CudaRuntime::new() {
         Ok(rt) => rt,
         Err(err) => {
-            println!("gpu-check: skipped, checked nothing: {err}");
-            return;
+            println!("gpu-check: no usable GPU, checked nothing: {err}");
+            std::process::exit(2);
         }
     };
     println!(

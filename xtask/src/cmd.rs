@@ -32,6 +32,9 @@ pub enum Error {
     /// Generated files differ from what their generators produce now.
     #[error("codegen: {count} generated file(s) are stale; run `cargo xtask codegen` and commit the result")]
     Stale { count: usize },
+    /// `cargo xtask gpu-check` could not check (no usable GPU) or some of its steps failed.
+    #[error("gpu-check: {0}")]
+    GpuCheck(String),
     /// The command line was not understood.
     #[error("{0} (see `cargo xtask --help`)")]
     Usage(String),

@@ -1,97 +1,137 @@
-//! `cargo xtask gpu-check`: the checks that need an NVIDIA GPU, in one run (under five minutes on
-//! an H200 with a cold build): the device-cuda tests in release mode (on a GPU machine the
-//! `CudaRuntime` tests open the device instead of reporting the missing driver), then the
-//! `gpu_check` example (every kernel on the GPU against `SimRuntime`, the model's head on both,
-//! the router's effects on both compared bit for bit, and the copy bandwidth of the effects
-//! against a plain device-to-device memcpy), then the `replay` binary (`-p replay --features
-//! cuda`) with `--device cuda`, which must refuse with the CUDA router's reason, then the
-//! `forward_bench` example (the forward step's parity on the GPU and the NemotronH-8B-shape
-//! throughput figures).
-//! Without a GPU every step still runs and says that it skipped the device.
+//! `cargo xtask gpu-check`: every check and figure that needs an NVIDIA GPU, in one run (a few
+//! minutes on an H200 once built; the builds come first and are timed apart).
+//!
+//! 1. Builds, in release: the device-cuda examples and `replay` with its `cuda` feature.
+//! 2. Probes the device (`forward_bench --probe`, which opens `CudaRuntime`). Without a usable
+//!    GPU it stops here with the runtime's typed reason (no driver, no device, a driver too old)
+//!    and a non-zero exit: nothing was checked, and nothing is reported as passing.
+//! 3. `forward_bench`: the forward step's parity on the GPU against the host model (both
+//!    fixtures, f32 and bf16), then the NemotronH-8B-shape figures (decode tokens/s at batch 1,
+//!    64 and 256 with a 1k context, prefill tokens/s of a 4k prompt, the fraction of the
+//!    memory-bandwidth limit at batch 1, target 60%).
+//! 4. `gpu_check`: every part-1 kernel on the GPU against `SimRuntime`, the model's head on both,
+//!    the router's effects on both bit for bit, and the effects' copy bandwidth.
+//! 5. The device-cuda tests in release (on a GPU machine the `CudaRuntime` tests open the device).
+//! 6. `replay --device cuda --embedded mini --verify`: the main job end to end on the CUDA router.
+//!
+//! Steps 3 to 6 all run even when one fails, so one run gives every figure; the summary names each
+//! step's outcome and time, and the exit is non-zero when any failed.
 
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
 use crate::cmd::{self, Error};
 
-/// Runs every GPU check, printing each step's wall time.
+/// The release target folder (where `cargo build --release` puts binaries).
+fn release_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cmd::workspace_root().join("target"))
+        .join("release")
+}
+
+/// Runs every GPU check, printing each step's wall time and a summary.
 pub fn run() -> Result<(), Error> {
     let started = Instant::now();
-    let steps: [(&str, Vec<&str>); 3] = [
+    for (what, args) in [
         (
-            "device-cuda tests",
-            vec!["test", "--release", "-p", "device-cuda"],
-        ),
-        (
-            "kernels, head, effects and bandwidth on the GPU",
-            vec![
-                "run",
-                "--release",
-                "-p",
-                "device-cuda",
-                "--example",
-                "gpu_check",
-            ],
+            "build the device-cuda examples",
+            vec!["build", "--release", "-p", "device-cuda", "--examples"],
         ),
         (
             "build replay with the cuda feature",
             vec!["build", "--release", "-p", "replay", "--features", "cuda"],
         ),
-    ];
-    for (what, args) in steps {
+    ] {
         let step = Instant::now();
         eprintln!("gpu-check: {what}");
         cmd::run(&mut cmd::cargo(&args))?;
-        eprintln!(
-            "gpu-check: {what}: ok in {:.1}s",
-            step.elapsed().as_secs_f64()
-        );
+        eprintln!("gpu-check: {what}: {:.1}s", step.elapsed().as_secs_f64());
     }
-    // The replay must refuse the CUDA device with a reason (the engine is not built on it yet).
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| cmd::workspace_root().join("target"));
-    let mut replay = Command::new(target.join("release/replay"));
+    let examples = release_dir().join("examples");
+    probe(&examples.join("forward_bench"))?;
+    let checks_started = Instant::now();
+    let mut replay = Command::new(release_dir().join("replay"));
     replay.args([
         "--device",
         "cuda",
         "--embedded",
         "mini",
         "--max-requests",
-        "2",
+        "16",
+        "--verify",
     ]);
-    eprintln!("gpu-check: $ {}", cmd::display(&replay));
-    match cmd::run(&mut replay) {
-        Err(Error::Failed { .. }) => {
-            eprintln!("gpu-check: replay --device cuda refused, as it must in part 1")
+    let steps: Vec<(&str, Command)> = vec![
+        (
+            "forward parity and the 8B-shape figures (forward_bench)",
+            Command::new(examples.join("forward_bench")),
+        ),
+        (
+            "part-1 kernels, head, effects and bandwidth (gpu_check)",
+            Command::new(examples.join("gpu_check")),
+        ),
+        (
+            "device-cuda tests in release",
+            cmd::cargo(&["test", "--release", "-p", "device-cuda"]),
+        ),
+        ("replay --device cuda --verify", replay),
+    ];
+    let mut outcomes = Vec::new();
+    for (what, mut command) in steps {
+        let step = Instant::now();
+        eprintln!("gpu-check: {what}: $ {}", cmd::display(&command));
+        let outcome = cmd::run(&mut command);
+        let seconds = step.elapsed().as_secs_f64();
+        match &outcome {
+            Ok(()) => eprintln!("gpu-check: {what}: ok in {seconds:.1}s"),
+            Err(err) => eprintln!("gpu-check: {what}: FAILED in {seconds:.1}s: {err}"),
         }
-        Ok(()) => {
-            return Err(Error::Io {
-                path: target.join("release/replay"),
-                source: std::io::Error::other(
-                    "replay --device cuda succeeded, but part 1 cannot serve on CUDA",
-                ),
-            })
-        }
-        Err(other) => return Err(other),
+        outcomes.push((what, outcome.is_ok(), seconds));
     }
-    // The forward step on the GPU: parity with the host model on both fixtures, then NemotronH-8B's
-    // shape with random bf16 weights (decode at batch 1, 64, 256; a 4k prefill; the fraction of
-    // the bandwidth limit at batch 1).
-    let step = Instant::now();
-    eprintln!("gpu-check: forward parity and the 8B-shape bench");
-    cmd::run(&mut cmd::cargo(&[
-        "run",
-        "--release",
-        "-p",
-        "device-cuda",
-        "--example",
-        "forward_bench",
-    ]))?;
+    eprintln!("gpu-check: summary");
+    for (what, ok, seconds) in &outcomes {
+        let verdict = if *ok { "ok" } else { "FAILED" };
+        eprintln!("gpu-check:   {verdict:>6} {seconds:>7.1}s  {what}");
+    }
     eprintln!(
-        "gpu-check: forward parity and the 8B-shape bench: ok in {:.1}s",
-        step.elapsed().as_secs_f64()
+        "gpu-check: checks {:.1}s, all with builds {:.1}s",
+        checks_started.elapsed().as_secs_f64(),
+        started.elapsed().as_secs_f64()
     );
-    eprintln!("gpu-check: done in {:.1}s", started.elapsed().as_secs_f64());
-    Ok(())
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter(|(_, ok, _)| !ok)
+        .map(|(what, _, _)| (*what).to_owned())
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::GpuCheck(format!(
+            "{} of {} steps failed: {}",
+            failed.len(),
+            outcomes.len(),
+            failed.join("; ")
+        )))
+    }
+}
+
+/// Opens the device through `forward_bench --probe`; its refusal (the runtime's typed error,
+/// printed on its standard output) becomes this command's error.
+fn probe(forward_bench: &std::path::Path) -> Result<(), Error> {
+    let mut command = Command::new(forward_bench);
+    command.arg("--probe");
+    let out = command.output().map_err(|source| Error::Spawn {
+        command: cmd::display(&command),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if out.status.success() {
+        eprintln!("gpu-check: {text}");
+        Ok(())
+    } else {
+        Err(Error::GpuCheck(format!(
+            "no usable GPU, nothing was checked: {text}"
+        )))
+    }
 }

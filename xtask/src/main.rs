@@ -94,7 +94,7 @@ enum Command {
         #[arg(last = true, value_name = "ARGS")]
         harness: Vec<String>,
     },
-    /// The checks that need an NVIDIA GPU, in one run (each step says so when there is none)
+    /// Every check and figure that needs an NVIDIA GPU, in one run (no GPU: the reason, exit 1)
     GpuCheck,
     /// The child process of the `ptx` generator, started with NVRTC on LD_LIBRARY_PATH
     #[command(hide = true)]
