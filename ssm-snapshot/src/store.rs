@@ -924,6 +924,39 @@ impl SnapshotStore {
         Ok(())
     }
 
+    /// A copy of the store with no sequence in flight: the cached tree, clock, counters and
+    /// setting as they stand, every pin released and every reserved checkpoint slot free. What
+    /// the copy serves next starts from the cached contents alone, as if the running sequences
+    /// had been aborted (the tuner trials a setting on such a copy; the copy's block ids are
+    /// the original's, and its deltas must not be applied to a pool).
+    pub fn detached_copy(&self) -> Self {
+        let mut copy = self.clone();
+        for index in 0..copy.pins.len() {
+            let record = &copy.pins[index];
+            if record.node != NONE {
+                let pin = Pin {
+                    index: index as u32,
+                    generation: record.generation,
+                };
+                // The record is active, so the pin is valid and `release` cannot fail.
+                let _ = copy.release(pin);
+            }
+        }
+        if copy.slots.reserved_count() > 0 {
+            for index in 0..copy.slots.len() {
+                let slot = SlotId(index);
+                if matches!(
+                    copy.slots.state(slot),
+                    Ok(crate::slots::SlotState::Reserved)
+                ) {
+                    copy.slots.free(slot);
+                }
+            }
+        }
+        copy.guarding = false;
+        copy
+    }
+
     /// Evicts unpinned leaves (lowest score first) until the tree has released at least
     /// `blocks` block references or has no unpinned leaf left. Returns the references released
     /// (also listed in `delta.release_blocks`); a block is free in the pool only when no

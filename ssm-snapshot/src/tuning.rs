@@ -16,17 +16,30 @@
 //!   shadows and is where the live store starts and falls back to: it leaves LRU only for a
 //!   shadow whose lead over the LRU shadow is significant, and a ledger compares what the live
 //!   store reused since it left with what the LRU shadow reused on the same requests; when the
-//!   live store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens (a switch
-//!   has a cost no shadow sees: the live store keeps what the old setting kept, and at small
-//!   capacities a shadow's lead is often chaos that does not carry over), it goes back to LRU
-//!   and every later departure needs twice the lead and waits twice as long.
+//!   live store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens, it goes
+//!   back to LRU and every later departure needs twice the lead.
+//!
+//!   A shadow's lead is not what switching gains: a switch has a cost no shadow sees, because
+//!   the live store keeps what the old setting kept (guarded admission switched on freezes what
+//!   LRU built; at small capacities a shadow's lead is often chaos that does not carry over).
+//!   So a leading shadow does not move the live store; it starts a **trial**: a copy of the
+//!   live store as it stands ([`SnapshotStore::detached_copy`]) switched to the leader's
+//!   setting, which serves every later request beside the live store. The trial measures the
+//!   switch itself, transition included, against the live store on the same requests; the live
+//!   store takes the setting only when the copy leads it by [`TRIAL_Z`] standard errors at one
+//!   of the trial's looks (every [`TRIAL_LOOK`] requests). Up to [`TRIALS`] settings are
+//!   trialled at once; one that trails by as much, or reaches [`TRIAL_LENGTH`] requests, is
+//!   dropped and not trialled again for `cooldown` requests. A trial costs one store's work
+//!   per request while it runs, and nothing on the live store.
 //!
 //! Invariants: in `Periodic` and `Bootstrap` modes, `snapshot` is the store as it was before the
 //! first request of `window` was served; once a bootstrap tuning ran, `done` is set and nothing
 //! more is recorded. In `Shadow` mode, `shadows[i]` has run every observed request under
 //! `settings[i]` (the grid, plus [`LRU`] at `baseline` when the grid lacks it), and `excursion`
 //! is set, after every observed request, exactly when the live store's setting does not evict
-//! like [`LRU`].
+//! like [`LRU`]. Every trial in `trials` started from the live store's contents under the
+//! setting the live store still has (its `control`) and has served every request observed since
+//! (`since`); no two trials evict alike, and none evicts like the live store.
 
 use crate::error::SnapshotError;
 use crate::sim::{serve_request, SyntheticBlocks};
@@ -118,13 +131,13 @@ pub fn legacy_grid() -> Vec<Setting> {
 pub const DEFAULT_HALF_LIFE: usize = 200;
 /// Default lead a shadow needs over the live setting's shadow to take over.
 pub const DEFAULT_MARGIN: f64 = 0.02;
-/// Default requests between two switches (leaving [`LRU`] needs none until an excursion
-/// failed).
+/// Default requests before a setting whose trial was dropped is trialled again.
 pub const DEFAULT_COOLDOWN: usize = 300;
 
 /// The default tuning: shadows over [`default_grid`], half-life [`DEFAULT_HALF_LIFE`], a lead of
-/// [`DEFAULT_MARGIN`] and [`DEFAULT_COOLDOWN`] requests between switches (what measured best on
-/// the generated traces against the paper simulator's policies; see the crate report).
+/// [`DEFAULT_MARGIN`] to start a trial and [`DEFAULT_COOLDOWN`] requests before a dropped trial's
+/// setting is trialled again (what measured best on the tuning part of the policy grid; see the
+/// crate report).
 pub fn default_tuning() -> TuningMode {
     TuningMode::Shadow {
         grid: default_grid(),
@@ -143,6 +156,26 @@ pub const FALLBACK_TOLERANCE: f64 = 0.001;
 /// store leaves LRU for it (see [`TuningMode::Shadow`]). 2 and 3 were measured on the tuning
 /// part of the policy grid (`crate::grid`): 3 lost less to LRU and won more on average.
 pub const DEPARTURE_Z: f64 = 3.0;
+
+/// How many standard errors behind the [`LRU`] shadow the live store must be to be taken back
+/// to LRU at once, before the ledger's usual judgement (see [`TuningMode::Shadow`]).
+pub const LEDGER_Z: f64 = 2.0;
+
+/// How many settings shadow tuning trials at once, each on its own copy of the live store (see
+/// [`TuningMode::Shadow`]).
+pub const TRIALS: usize = 4;
+/// A trial is judged every this many requests: adopted when its copy leads the live store by
+/// [`TRIAL_Z`] standard errors, dropped when it trails by as many. Judging at fixed looks rather
+/// than on every request keeps the chance that noise passes the test small (a test repeated on
+/// every request is passed by chance most of the time).
+pub const TRIAL_LOOK: usize = 100;
+/// Requests after which a trial that was neither adopted nor dropped ends (its setting is not
+/// trialled again for `cooldown` requests).
+pub const TRIAL_LENGTH: usize = 300;
+/// How many standard errors (of the sum of per-request differences in hit tokens) a trial's
+/// copy must lead the live store by to be adopted. 1 and 2 were measured on the tuning part of
+/// the policy grid: 1 fell below LRU on two cells (by up to 0.0092), 2 on none.
+pub const TRIAL_Z: f64 = 2.0;
 
 /// How the score is chosen.
 #[derive(Debug, Clone, PartialEq)]
@@ -173,7 +206,7 @@ pub enum TuningMode {
         half_life: usize,
         /// Relative lead a shadow needs over the current setting's to take over.
         margin: f64,
-        /// Requests between two switches (and before the first).
+        /// Requests before a setting whose trial was dropped is trialled again.
         cooldown: usize,
     },
 }
@@ -221,7 +254,6 @@ pub struct AlphaTuner {
     shadows: Vec<Shadow>,
     seen: usize,
     first_eviction_at: Option<usize>,
-    last_switch: usize,
     done: bool,
     history: Vec<(usize, Setting)>,
     delta: StoreDelta,
@@ -238,6 +270,33 @@ pub struct AlphaTuner {
     input_tokens: u64,
     /// The live store's hit tokens when the tuner was made.
     live_hits_at_start: u64,
+    /// The live store's hit tokens (since the tuner was made) at the previous request.
+    live_hits_before: u64,
+    /// In shadow mode: the setting being tried on a copy of the live store, if any.
+    trials: Vec<Trial>,
+    /// Settings whose trial was rejected, and when.
+    rejected: Vec<(Setting, usize)>,
+}
+
+/// A setting tried on a copy of the live store taken when the trial began (see
+/// [`TuningMode::Shadow`]): the copy serves every request under the trial's setting while the
+/// live store serves it under its own, so the difference counts what switching would cost from
+/// the contents the live store holds, not from a cache the setting built from the start.
+#[derive(Debug, Clone)]
+struct Trial {
+    setting: Setting,
+    /// The live store's setting when the trial began (the control).
+    control: Setting,
+    store: SnapshotStore,
+    blocks: SyntheticBlocks,
+    /// The request count when it began.
+    since: usize,
+    /// Input tokens observed since it began.
+    input_tokens: u64,
+    /// Sums, over the requests since it began, of the copy's hit tokens minus the live store's,
+    /// and of its square.
+    lead: f64,
+    lead_squares: f64,
 }
 
 /// Where the live store stood when it last left [`LRU`]: the ledger that
@@ -252,6 +311,9 @@ struct Excursion {
     baseline_hits: u64,
     /// Input tokens observed then.
     input_tokens: u64,
+    /// The sum, over the requests since, of the square of the [`LRU`] shadow's hit tokens
+    /// minus the live store's.
+    deficit_squares: f64,
 }
 
 impl AlphaTuner {
@@ -316,6 +378,7 @@ impl AlphaTuner {
                         live_hits: 0,
                         baseline_hits: 0,
                         input_tokens: 0,
+                        deficit_squares: 0.0,
                     });
                 }
             }
@@ -333,7 +396,6 @@ impl AlphaTuner {
             shadows,
             seen: 0,
             first_eviction_at: None,
-            last_switch: 0,
             done: false,
             history: Vec::new(),
             delta: StoreDelta::default(),
@@ -343,6 +405,9 @@ impl AlphaTuner {
             failures: 0,
             input_tokens: 0,
             live_hits_at_start: store.stats().hit_tokens,
+            live_hits_before: 0,
+            trials: Vec::new(),
+            rejected: Vec::new(),
         })
     }
 
@@ -473,13 +538,35 @@ impl AlphaTuner {
         }
         self.input_tokens += request.input.len() as u64;
         let live_hits = store.stats().hit_tokens - self.live_hits_at_start;
+        let live_now = live_hits.saturating_sub(self.live_hits_before);
+        self.live_hits_before = live_hits;
+        for trial in &mut self.trials {
+            self.delta.clear();
+            let outcome = serve_request(
+                &mut trial.store,
+                request.namespace,
+                &request.input,
+                &request.full,
+                &mut trial.blocks,
+                &mut self.delta,
+            )?;
+            let lead = outcome.hit_tokens as f64 - live_now as f64;
+            trial.lead += lead;
+            trial.lead_squares += lead * lead;
+            trial.input_tokens += request.input.len() as u64;
+        }
         let baseline_hits = self.shadows[self.baseline].hit_tokens;
         let here = Excursion {
             since: self.seen,
             live_hits,
             baseline_hits,
             input_tokens: self.input_tokens,
+            deficit_squares: 0.0,
         };
+        if let Some(excursion) = &mut self.excursion {
+            let deficit = self.shadows[self.baseline].last as f64 - live_now as f64;
+            excursion.deficit_squares += deficit * deficit;
+        }
         if current.evicts_like(&LRU) {
             self.excursion = None;
         } else if self.excursion.is_none() {
@@ -490,26 +577,69 @@ impl AlphaTuner {
         // shadow (which served the same requests) by more than the tolerance? Then the
         // settings it followed cost more than they gained here (a switch reshapes the cache
         // slowly, and at small capacities a shadow's lead is often chaos that does not carry
-        // over to the live store): back to LRU, and every later departure needs twice the lead
-        // and waits twice as long.
+        // over to the live store): back to LRU, and every later departure needs twice the lead.
         if let Some(excursion) = self.excursion {
             let deficit = (baseline_hits - excursion.baseline_hits) as f64
                 - (live_hits - excursion.live_hits) as f64;
             let allowed = FALLBACK_TOLERANCE * (self.input_tokens - excursion.input_tokens) as f64;
-            // Judged half a half-life after the departure (the transition itself is not
-            // judged), or at once when the live setting's own shadow no longer leads the LRU
-            // shadow (the reason to be away is gone).
+            // Judged half a half-life after the departure (a slow transition is not judged
+            // early), or at once when the live setting's own shadow no longer leads the LRU
+            // shadow (the reason to be away is gone) or the deficit is significant: `LEDGER_Z`
+            // times the square root of the summed squares of the per-request deficits (a switch
+            // that collapses the hit rate, which a trial from an earlier state did not show).
             let reason_gone = self
                 .settings
                 .iter()
                 .position(|s| s.evicts_like(&current))
                 .is_some_and(|i| self.shadows[i].lead <= 0.0);
-            let judged = self.seen >= excursion.since + half_life / 2 || reason_gone;
+            let significant = deficit > LEDGER_Z * excursion.deficit_squares.sqrt();
+            let judged = self.seen >= excursion.since + half_life / 2 || reason_gone || significant;
             if judged && deficit > allowed {
                 self.failures = self.failures.saturating_add(1);
                 self.excursion = None;
+                self.trials.clear();
                 return self.switch(store, LRU).map(Some);
             }
+        }
+        // Running trials (all dropped when the live setting changed under them): at a look,
+        // adopt the setting of the one whose copy leads the live store the most significantly;
+        // drop one that trails significantly or ran its length.
+        if !self.trials.is_empty() {
+            let seen = self.seen;
+            self.trials.retain(|t| t.control.evicts_like(&current));
+            let mut adopt: Option<(f64, Setting)> = None;
+            for trial in &self.trials {
+                let sd = trial.lead_squares.sqrt();
+                let ran = seen - trial.since;
+                if ran >= TRIAL_LOOK && ran % TRIAL_LOOK == 0 && trial.lead > TRIAL_Z * sd {
+                    let z = trial.lead / sd;
+                    if adopt.is_none_or(|(best, _)| z > best) {
+                        adopt = Some((z, trial.setting));
+                    }
+                }
+            }
+            if let Some((_, target)) = adopt {
+                self.trials.clear();
+                if target.evicts_like(&LRU) {
+                    self.excursion = None;
+                } else if self.excursion.is_none() {
+                    self.excursion = Some(here);
+                }
+                return self.switch(store, target).map(Some);
+            }
+            let mut rejected = Vec::new();
+            self.trials.retain(|t| {
+                let ran = seen - t.since;
+                let trails = ran >= TRIAL_LOOK && t.lead < -TRIAL_Z * t.lead_squares.sqrt();
+                let keep = ran < TRIAL_LENGTH && !trails;
+                if !keep {
+                    rejected.push((t.setting, seen));
+                }
+                keep
+            });
+            self.rejected
+                .retain(|(s, _)| !rejected.iter().any(|(r, _)| r.evicts_like(s)));
+            self.rejected.extend(rejected);
         }
         let mut best = 0;
         for (i, shadow) in self.shadows.iter().enumerate() {
@@ -523,34 +653,47 @@ impl AlphaTuner {
             .iter()
             .position(|s| s.evicts_like(&current))
             .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
-        // Switch only on evidence: a lead of `margin` (doubled by every failed excursion), and
-        // `cooldown` requests since the last switch (a cache reshaped by one setting pays off
-        // slowly, so churning between close settings loses to any of them). Leaving LRU needs
-        // no cooldown until an excursion failed, but a significant lead over the LRU shadow:
-        // its decayed per-request lead in hit tokens, `DEPARTURE_Z` times the square root of
-        // the decayed sum of squares (the lead's standard error if it had no mean).
-        let backoff = 1usize << self.failures.min(16);
-        let lead = margin * backoff as f64;
-        let (wait, significant) = if current.evicts_like(&LRU) {
+        // Trial a switch only on evidence: a lead of `margin` (doubled by every failed
+        // excursion) and, when leaving LRU, a significant lead over the LRU shadow: its decayed
+        // per-request lead in hit tokens, `DEPARTURE_Z` times the square root of the decayed sum
+        // of squares (the lead's standard error if it had no mean). No wait after a switch: a
+        // trial costs the live store nothing, and its test keeps the live store from churning
+        // between close settings (the cooldown of the version before trials).
+        let lead = margin * (1u64 << self.failures.min(16)) as f64;
+        let significant = !current.evicts_like(&LRU) || {
             let shadow = &self.shadows[best];
-            (
-                cooldown.saturating_mul(backoff - 1),
-                shadow.lead > DEPARTURE_Z * shadow.lead_squares.sqrt(),
-            )
-        } else {
-            (cooldown.saturating_mul(backoff), true)
+            shadow.lead > DEPARTURE_Z * shadow.lead_squares.sqrt()
         };
-        if self.seen >= self.last_switch.saturating_add(wait)
+        let rested = !self
+            .rejected
+            .iter()
+            .any(|(s, at)| s.evicts_like(&target) && self.seen < at.saturating_add(cooldown));
+        if rested
             && significant
             && !target.evicts_like(&current)
+            && !self.trials.iter().any(|t| t.setting.evicts_like(&target))
             && self.shadows[best].score > current_score * (1.0 + lead)
         {
-            if target.evicts_like(&LRU) {
-                self.excursion = None;
-            } else if self.excursion.is_none() {
-                self.excursion = Some(here);
+            if self.trials.len() >= TRIALS {
+                // Make room: drop the trial whose lead is the least significant.
+                let z = |t: &Trial| t.lead / t.lead_squares.sqrt().max(1.0);
+                let weakest = (0..self.trials.len())
+                    .min_by(|&a, &b| z(&self.trials[a]).total_cmp(&z(&self.trials[b])))
+                    .unwrap_or(0);
+                self.trials.swap_remove(weakest);
             }
-            return self.switch(store, target).map(Some);
+            let mut copy = store.detached_copy();
+            apply(&mut copy, target)?;
+            self.trials.push(Trial {
+                setting: target,
+                control: current,
+                store: copy,
+                blocks: SyntheticBlocks::new(u32::MAX / 2),
+                since: self.seen,
+                input_tokens: 0,
+                lead: 0.0,
+                lead_squares: 0.0,
+            });
         }
         Ok(None)
     }
@@ -560,7 +703,6 @@ impl AlphaTuner {
         store: &mut SnapshotStore,
         setting: Setting,
     ) -> Result<Setting, SnapshotError> {
-        self.last_switch = self.seen;
         apply(store, setting)?;
         self.history.push((self.seen, setting));
         Ok(setting)

@@ -1,10 +1,13 @@
 //! A small policy grid (the full one is the `grid` example): the default `marconi` policy must
 //! never fall below plain `lru` by more than [`LRU_TOLERANCE`] of token hit rate, and must keep
-//! its wins where guarded admission pays. Engine block size (16) and short traces keep it to
-//! seconds; the cells are longchat (30 sessions, seeds 1 and 2) at 1 GB, where the shadow tuner
-//! used to lose to its own LRU candidate in the long-reply small-capacity regime (seed 2: 0.160
-//! against 0.248), and agentic (12 sessions, seed 2) at 0.5 GB, where adaptive recency used to
-//! lose everything (0.002 against 0.269).
+//! a win where leaving LRU pays. Engine block size (16) and short traces keep it to seconds.
+//! The cells: longchat (30 sessions, seeds 1 and 2) at 1 GB, where the shadow tuner used to lose
+//! to its own LRU candidate in the long-reply small-capacity regime (seed 2: 0.160 against
+//! 0.248); agentic (12 sessions, seed 2) at 0.5 GB, where adaptive recency used to lose
+//! everything (0.002 against 0.269); and two cells where the tuner that switched the live store
+//! as soon as a shadow led lost to LRU through the switch itself (the live store kept what the
+//! old setting had built): agentic (12 sessions, seed 1) at 2 GB, 0.6851 against 0.7148, and
+//! sharegpt (40 sessions, seed 2) at 1 GB, 0.1953 against 0.2012.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_store, LRU_TOLERANCE};
@@ -33,11 +36,13 @@ fn cell(kind: TraceKind, sessions: usize, seed: u64, capacity: u64) -> (f64, f64
 }
 
 #[test]
-fn marconi_never_falls_below_lru_on_long_replies_and_small_agentic_caches() {
+fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() {
     let cells = [
         (TraceKind::LongChat, 30, 1, 1_000_000_000),
         (TraceKind::LongChat, 30, 2, 1_000_000_000),
         (TraceKind::Agentic, 12, 2, 500_000_000),
+        (TraceKind::Agentic, 12, 1, 2_000_000_000),
+        (TraceKind::ShareGpt, 40, 2, 1_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {
@@ -52,9 +57,12 @@ fn marconi_never_falls_below_lru_on_long_replies_and_small_agentic_caches() {
 }
 
 #[test]
-fn marconi_keeps_its_wins_where_guarded_admission_pays() {
-    // Chat at a small capacity: LRU cycles the whole working set; guarded admission keeps a
-    // stable part (2.5 times LRU's hit rate here).
+fn marconi_keeps_a_win_where_leaving_lru_pays() {
+    // Chat at a small capacity: LRU cycles the whole working set; a FLOP-aware setting keeps a
+    // more useful part. The tuner that switched at once reached 2.5 times LRU's hit rate here
+    // (0.1355 against 0.0536); trialling the switch first costs 100 requests of this 582-request
+    // trace and a later switch to guarded admission that the trial does not confirm, so 1.57
+    // times (0.0841); a tuner that never left LRU would fail.
     let (lru, marconi) = cell(TraceKind::Chat, 40, 1, 1_000_000_000);
-    assert!(marconi > 2.0 * lru, "marconi {marconi:.4}, lru {lru:.4}");
+    assert!(marconi > 1.5 * lru, "marconi {marconi:.4}, lru {lru:.4}");
 }

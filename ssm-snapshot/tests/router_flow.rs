@@ -155,3 +155,58 @@ fn a_delta_that_does_not_fit_the_pool_changes_nothing() {
     );
     assert_eq!(pool.ref_count(held), 1);
 }
+
+#[test]
+fn a_detached_copy_holds_the_cache_without_the_sequences_in_flight() {
+    let mut pool = BlockPool::new(64, B).unwrap();
+    let cost = CostModel::nvidia_hybrid_7b();
+    let mut store = SnapshotStore::new(StoreConfig::engine(
+        cost.clone(),
+        B as u32,
+        8 * cost.checkpoint_bytes(),
+    ))
+    .unwrap();
+    let turn1: Vec<u32> = (0..10).collect();
+    let reply1: Vec<u32> = (100..107).collect();
+    run(&mut store, &mut pool, &turn1, &reply1);
+    let mut other: Vec<u32> = (0..8).collect();
+    other.extend(900..912);
+    run(&mut store, &mut pool, &other, &[1, 2, 3]);
+    // A sequence in flight: its hit path is pinned and it holds a reserved checkpoint slot.
+    let mut delta = StoreDelta::default();
+    let mut hit_blocks = Vec::new();
+    let prompt: Vec<u32> = (0..8).chain(500..505).collect();
+    let hit = store.lookup(Namespace::default(), &prompt, &mut hit_blocks);
+    assert_eq!(hit.hit_tokens, 8);
+    let slot = store.reserve_checkpoint(&mut delta).expect("room");
+    let cached = store.cached_checkpoints();
+    assert_eq!(cached.len(), 3);
+
+    let mut copy = store.detached_copy();
+    copy.check_invariants().unwrap();
+    assert_eq!(copy.cached_checkpoints(), cached);
+    assert_eq!(copy.held_block_count(), store.held_block_count());
+    assert_eq!(store.slots().reserved_count(), 1);
+    assert_eq!(copy.slots().reserved_count(), 0);
+    assert_eq!(copy.bytes(), store.bytes() - cost.checkpoint_bytes());
+    // Nothing is pinned in the copy: all of it can go, while the original keeps the hit path
+    // (the node at 8, its checkpoint and its two blocks) for the running sequence.
+    let mut copy_delta = StoreDelta::default();
+    copy.clear_unpinned(&mut copy_delta);
+    copy.check_invariants().unwrap();
+    assert_eq!(copy.held_block_count(), 0);
+    assert_eq!(copy.slots().cached_count(), 0);
+    delta.clear();
+    store.clear_unpinned(&mut delta);
+    assert_eq!(store.held_block_count(), 2);
+    assert_eq!(store.slots().cached_count(), 1);
+    // The original's sequence is unaffected by the copy: it finishes with its reserved slot.
+    let mut table = hit_blocks.clone();
+    table.push(pool.allocate().expect("pool has room"));
+    store
+        .finish(hit.pin, &prompt, &table, &[(12, slot)], &mut delta)
+        .unwrap();
+    store.check_invariants().unwrap();
+    assert_eq!(store.slots().reserved_count(), 0);
+    assert_eq!(store.slots().cached_count(), 2);
+}
