@@ -272,7 +272,7 @@ pub struct AlphaTuner {
     live_hits_at_start: u64,
     /// The live store's hit tokens (since the tuner was made) at the previous request.
     live_hits_before: u64,
-    /// In shadow mode: the setting being tried on a copy of the live store, if any.
+    /// In shadow mode: the settings being trialled, each on its own copy of the live store.
     trials: Vec<Trial>,
     /// Settings whose trial was rejected, and when.
     rejected: Vec<(Setting, usize)>,
@@ -281,7 +281,9 @@ pub struct AlphaTuner {
 /// A setting tried on a copy of the live store taken when the trial began (see
 /// [`TuningMode::Shadow`]): the copy serves every request under the trial's setting while the
 /// live store serves it under its own, so the difference counts what switching would cost from
-/// the contents the live store holds, not from a cache the setting built from the start.
+/// the contents the live store holds, not from a cache the setting built from the start. (In an
+/// engine, the live store's hits for a request are those of the lookups made since the previous
+/// observed request: requests overlap, so the pairing is approximate; the sums are not.)
 #[derive(Debug, Clone)]
 struct Trial {
     setting: Setting,
