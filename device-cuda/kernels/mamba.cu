@@ -1,12 +1,15 @@
 // The Mamba2 mixer between its two GEMMs (ARCH.md section 3): the causal depthwise conv over a
-// run of tokens continuing from the slot's conv history, the SSM as a chunked scan (SSD) over a
-// prefill run continuing from the slot's state, the single-step recurrence of a decode row, and
+// run of tokens continuing from the slot's conv history, the SSM as the token-by-token recurrence over
+// a run (or, opted into, a chunked scan (SSD) over a prefill run) continuing from the slot's state, and
 // the gated RMSNorm over groups.
 //
 // A step's rows are grouped in runs: consecutive rows of one sequence in position order. A run
 // is six words: first row, length, start position, state slot, offset of its block table in the
 // tables array, length of its block table (see forward.rs). State is f32 in the host model's slot
 // layout: per Mamba layer the last K-1 pre-conv xBC vectors, oldest first, then S [H, P, N].
+// By default every run's SSM is the token-by-token recurrence (`mamba_ssm_run`), bit-identical
+// however the work is cut; the chunked scan is the opt-in for long prompts, exact only to
+// rounding (its chunks start at each run's start).
 #include "common.cuh"
 
 #define MAMBA_MAX_HISTORY 8
@@ -149,46 +152,53 @@ extern "C" __global__ void mamba_ssm_chunked(float* y, const float* xbc, const f
     }
 }
 
-// Grid: (H, runs); blockDim.x a multiple of 32. One recurrence step for each run of exactly one
-// token (a decode row): S = exp(dt A) S + (dt B) x, y = S . C + D x; warp w takes channels p = w,
-// w + warps, ...; its lanes take the state's columns.
-extern "C" __global__ void mamba_ssm_step(float* y, const float* xbc, const float* proj, float* states,
-                                          const float* dt_bias, const float* a, const float* d_skip,
-                                          const unsigned int* runs, unsigned int num_runs, unsigned int num_rows,
-                                          unsigned int heads, unsigned int head_dim, unsigned int state,
-                                          unsigned int groups, unsigned int conv_dim, unsigned int proj_dim,
-                                          unsigned int dt_offset, unsigned long long slot_floats,
-                                          unsigned long long ssm_offset, unsigned int num_slots, float dt_min) {
+// Grid: (H, runs); blockDim.x a multiple of 32. The recurrence, token by token, over each run of
+// 1 to `max_len` tokens (a decode row is a run of one): S = exp(dt A) S + (dt B) x,
+// y = S . C + D x. Warp w takes channels p = w, w + warps, ...; its lanes take the state's
+// columns and keep them across the run's tokens. Every token goes through exactly the same
+// operations in the same order whatever run it is part of and wherever the run starts, so a
+// position's output and state do not depend on how the sequence was cut into runs (prefix hits,
+// prefill chunks, decode rows): the bit-exact scan (forward.rs `SsmScan::Sequential`).
+extern "C" __global__ void mamba_ssm_run(float* y, const float* xbc, const float* proj, float* states,
+                                         const float* dt_bias, const float* a, const float* d_skip,
+                                         const unsigned int* runs, unsigned int num_runs, unsigned int num_rows,
+                                         unsigned int heads, unsigned int head_dim, unsigned int state,
+                                         unsigned int groups, unsigned int conv_dim, unsigned int proj_dim,
+                                         unsigned int dt_offset, unsigned long long slot_floats,
+                                         unsigned long long ssm_offset, unsigned int num_slots, float dt_min,
+                                         unsigned int max_len) {
     unsigned int head = blockIdx.x;
     unsigned int run = blockIdx.y;
     if (run >= num_runs || head >= heads || groups == 0 || heads % groups != 0) return;
     const unsigned int* r = runs + (size_t)run * 6;
     unsigned int first = r[0], len = r[1], slot = r[3];
-    if (len != 1 || slot >= num_slots || first >= num_rows) return;
+    if (len == 0 || len > max_len || slot >= num_slots || first > num_rows || len > num_rows - first) return;
     unsigned int inner = heads * head_dim;
     unsigned int g = head / (heads / groups);
-    size_t row = first;
-    float dt = mamba_softplus(proj[row * proj_dim + dt_offset + head] + dt_bias[head]);
-    dt = dt > dt_min ? dt : dt_min;
-    float decay = expf(dt * a[head]);
-    const float* v = xbc + row * conv_dim;
-    const float* b = v + inner + g * state;
-    const float* c = v + inner + (groups + g) * state;
     float* s = states + (size_t)slot * slot_floats + ssm_offset + (size_t)head * head_dim * state;
     unsigned int lane = threadIdx.x & 31u;
     unsigned int warp = threadIdx.x >> 5;
     unsigned int warps = blockDim.x >> 5;
     for (unsigned int p = warp; p < head_dim; p += warps) {
-        float x = v[head * head_dim + p];
         float* sp = s + (size_t)p * state;
-        float acc = 0.0f;
-        for (unsigned int n = lane; n < state; n += 32) {
-            float next = sp[n] * decay + (dt * b[n]) * x;
-            sp[n] = next;
-            acc += next * c[n];
+        for (unsigned int t = 0; t < len; ++t) {
+            size_t row = first + t;
+            float dt = mamba_softplus(proj[row * proj_dim + dt_offset + head] + dt_bias[head]);
+            dt = dt > dt_min ? dt : dt_min;
+            float decay = expf(dt * a[head]);
+            const float* v = xbc + row * conv_dim;
+            const float* b = v + inner + g * state;
+            const float* c = v + inner + (groups + g) * state;
+            float x = v[head * head_dim + p];
+            float acc = 0.0f;
+            for (unsigned int n = lane; n < state; n += 32) {
+                float next = sp[n] * decay + (dt * b[n]) * x;
+                sp[n] = next;
+                acc += next * c[n];
+            }
+            acc = warp_sum(acc);
+            if (lane == 0) y[row * inner + head * head_dim + p] = acc + d_skip[head] * x;
         }
-        acc = warp_sum(acc);
-        if (lane == 0) y[row * inner + head * head_dim + p] = acc + d_skip[head] * x;
     }
 }
 

@@ -46,7 +46,7 @@ use model::{Config, DtClamp, LayerKind, Model};
 use crate::error::{CudaError, Result};
 use crate::kernels::{
     self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
-    StateSlots, StepRows,
+    SsmScan, StateSlots, StepRows,
 };
 use crate::runtime::{
     DType, DeviceBuffer, DeviceSlice, Event, Gemm, PinnedBuffer, Runtime, Stream,
@@ -906,6 +906,40 @@ struct Described {
     num_singles: usize,
 }
 
+/// What the device forward guarantees beyond the host model's tolerance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardMode {
+    /// Every position's arithmetic is independent of how the work is cut (the run it is part
+    /// of, where the run starts, the other rows of the step, prefill or decode), so a sequence's
+    /// logits are the same bits with the caches on or off (prefix hits, Marconi restores,
+    /// chunking, pipeline depth): the Mamba scan walks each run token by token with a decode
+    /// step's operations (`SsmScan::Sequential`); every attention row, decode rows included,
+    /// goes through the tiled kernel; attention splits are at absolute key positions, of one
+    /// width for every step (the configured one, doubled until a sequence of a run's share of
+    /// the workspace's tables, the router's longest context, needs at most `SPLITS_PER_ROW`
+    /// splits). On `SimRuntime` the GEMMs (matrixmultiply) and the other kernels are per-row
+    /// invariant. On a GPU the kernels are too, but a cuBLAS GEMM may pick another algorithm
+    /// (split-K, tile shape) for another row count, so there only the kernels' part holds.
+    #[default]
+    Exact,
+    /// Faster on long prompts and decode, equal to `Exact` only to rounding: the chunked scan
+    /// (SSD) for prefill runs (chunks from each run's start), decode rows through the split
+    /// kernel, attention splits balanced over the step's longest sequence.
+    Fast,
+}
+
+/// The attention split width of [`ForwardMode::Exact`]: the configured width, doubled until a
+/// sequence of `most_keys` keys needs at most [`SPLITS_PER_ROW`] splits (what the workspace
+/// holds for every row of the largest step). It depends on the workspace only, so a key's split,
+/// and so every row's arithmetic, is the same in every step (of sequences up to `most_keys`).
+fn exact_split_width(most_keys: usize, split_keys: usize) -> usize {
+    let mut width = split_keys.max(1);
+    while most_keys.div_ceil(width) > SPLITS_PER_ROW {
+        width = width.saturating_mul(2);
+    }
+    width
+}
+
 /// The model on the device: its weights (see [`WeightImage`]) and config.
 #[derive(Debug)]
 pub struct DeviceModel {
@@ -914,6 +948,8 @@ pub struct DeviceModel {
     layout: Layout,
     weights: Option<DeviceBuffer>,
     split_keys: usize,
+    /// Bit-exact however the work is cut, or faster (see [`ForwardMode`]).
+    mode: ForwardMode,
     /// The descriptor upload's buffers and events, made by the first step.
     staging: Mutex<Option<Staging>>,
 }
@@ -928,6 +964,16 @@ pub struct StepOutput<'a> {
 }
 
 impl DeviceModel {
+    /// Sets the forward's mode (see [`ForwardMode`]; [`ForwardMode::Exact`] by default).
+    pub fn set_mode(&mut self, mode: ForwardMode) {
+        self.mode = mode;
+    }
+
+    /// The forward's mode.
+    pub fn mode(&self) -> ForwardMode {
+        self.mode
+    }
+
     /// Uploads `image` (of `model`) to a new buffer of `rt`.
     pub fn upload(rt: &dyn Runtime, model: &Model, image: &WeightImage) -> Result<DeviceModel> {
         let weights = rt.alloc(image.bytes.len())?;
@@ -939,6 +985,7 @@ impl DeviceModel {
             layout: image.layout.clone(),
             weights: Some(weights),
             split_keys: DEFAULT_SPLIT_KEYS,
+            mode: ForwardMode::default(),
             staging: Mutex::new(None),
         })
     }
@@ -1038,6 +1085,7 @@ impl DeviceModel {
             layout,
             weights: Some(weights),
             split_keys: DEFAULT_SPLIT_KEYS,
+            mode: ForwardMode::default(),
             staging: Mutex::new(None),
         })
     }
@@ -1247,7 +1295,11 @@ impl DeviceModel {
         let table_len = tables.len();
         let lens: Vec<usize> = runs.iter().map(|r| r.len).collect();
         let (tiles, singles) = if attention {
-            kernels::attention_plan(&lens, kernels::attention_tile_rows(self.config.head_dim))
+            kernels::attention_plan(
+                &lens,
+                kernels::attention_tile_rows(self.config.head_dim),
+                self.mode == ForwardMode::Fast,
+            )
         } else {
             (Vec::new(), Vec::new())
         };
@@ -1683,6 +1735,10 @@ impl DeviceModel {
                             self.floats(&w.d)?,
                         ],
                         dt_min,
+                        match self.mode {
+                            ForwardMode::Exact => SsmScan::Sequential,
+                            ForwardMode::Fast => SsmScan::Chunked,
+                        },
                     )?;
                     kernels::mamba_gated_norm(
                         rt,
@@ -1712,10 +1768,25 @@ impl DeviceModel {
                     let proj = region(&ws.proj, m * shape.qkv_dim() * 4)?;
                     self.linear(rt, workspace, ws, normed, m, qkv, proj, false)?;
                     kernels::kv_write(rt, s, &step, &pool, &shape, proj)?;
-                    let wanted = longest.div_ceil(self.split_keys);
                     let fits = (ws.partial_entries / (m * shape.heads)).max(1);
-                    let splits = wanted.clamp(1, fits);
-                    let split_keys = longest.div_ceil(splits);
+                    let (splits, split_keys) = match self.mode {
+                        ForwardMode::Exact => {
+                            // One width for every step: the one for a sequence of a run's share
+                            // of the tables (the router's longest context). Wider only for a
+                            // longer sequence, which the router does not make.
+                            let share = ws.limits.max_table / ws.limits.max_runs.max(1);
+                            let most_keys = share.saturating_mul(state.block_size);
+                            let mut width = exact_split_width(most_keys, self.split_keys);
+                            while longest.div_ceil(width) > fits {
+                                width = width.saturating_mul(2);
+                            }
+                            (longest.div_ceil(width).max(1), width)
+                        }
+                        ForwardMode::Fast => {
+                            let splits = longest.div_ceil(self.split_keys).clamp(1, fits);
+                            (splits, longest.div_ceil(splits))
+                        }
+                    };
                     let partial = region(
                         &ws.partial,
                         m * shape.heads * splits * (shape.head_dim + 2) * 4,

@@ -17,7 +17,7 @@ pub use layers::{
     add_into, attention, attention_plan, attention_tile_rows, attention_tiled, bias_act, kv_write,
     mamba_conv, mamba_gated_norm, mamba_ssm, moe_combine, moe_dispatch, moe_gemm, moe_route,
     residual_rmsnorm, rmsnorm_select, AttentionShape, AttentionWork, KvPool, MambaShape,
-    MoeDispatch, MoeGemm, MoeRoute, StateSlots, StepRows, MOE_TILE_ROWS,
+    MoeDispatch, MoeGemm, MoeRoute, SsmScan, StateSlots, StepRows, MOE_TILE_ROWS,
 };
 
 /// Threads per block of the row kernels (RMSNorm, argmax): a multiple of 32.
@@ -54,8 +54,9 @@ pub enum Kernel {
     MambaConv,
     /// `mamba.cu`: the chunked SSM scan (SSD) of prefill runs.
     MambaSsmChunked,
-    /// `mamba.cu`: one SSM recurrence step of decode rows.
-    MambaSsmStep,
+    /// `mamba.cu`: the SSM recurrence token by token over runs (decode rows and, by default,
+    /// prefill runs).
+    MambaSsmRun,
     /// `mamba.cu`: the gated RMSNorm over groups.
     MambaGatedNorm,
     /// `attention.cu`: the K/V write of a step's rows into the paged pool.
@@ -105,7 +106,7 @@ impl Kernel {
         Kernel::F32ToBf16,
         Kernel::MambaConv,
         Kernel::MambaSsmChunked,
-        Kernel::MambaSsmStep,
+        Kernel::MambaSsmRun,
         Kernel::MambaGatedNorm,
         Kernel::KvWrite,
         Kernel::AttentionSplit,
@@ -138,7 +139,7 @@ impl Kernel {
             Kernel::F32ToBf16 => "f32_to_bf16_n",
             Kernel::MambaConv => "mamba_conv",
             Kernel::MambaSsmChunked => "mamba_ssm_chunked",
-            Kernel::MambaSsmStep => "mamba_ssm_step",
+            Kernel::MambaSsmRun => "mamba_ssm_run",
             Kernel::MambaGatedNorm => "mamba_gated_norm",
             Kernel::KvWrite => "kv_write",
             Kernel::AttentionSplit => "attention_split",
@@ -168,7 +169,7 @@ impl Kernel {
             Kernel::GatherBlocks | Kernel::ScatterBlocks | Kernel::F32ToBf16 => "copy",
             Kernel::MambaConv
             | Kernel::MambaSsmChunked
-            | Kernel::MambaSsmStep
+            | Kernel::MambaSsmRun
             | Kernel::MambaGatedNorm => "mamba",
             Kernel::KvWrite
             | Kernel::AttentionSplit

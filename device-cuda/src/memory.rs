@@ -9,7 +9,7 @@
 
 use model::{Config, KvPool, LayerKind, MambaStates};
 
-use crate::forward::{ForwardLimits, Workspace};
+use crate::forward::{ForwardLimits, ForwardMode, Workspace};
 use crate::runtime::DType;
 
 /// Bytes every region is aligned to inside its buffer.
@@ -40,6 +40,10 @@ pub struct CudaRouterConfig {
     /// `Unsupported`, as on the host router) or 2 (the core launches step t + 1 before reading
     /// step t).
     pub max_depth: usize,
+    /// The device forward's mode: [`ForwardMode::Exact`] (the default) gives the same logits
+    /// bits however the work is cut, so the caches are bit-transparent; [`ForwardMode::Fast`]
+    /// is faster on long prompts but equal only to rounding.
+    pub forward_mode: ForwardMode,
 }
 
 impl CudaRouterConfig {
@@ -57,6 +61,7 @@ impl CudaRouterConfig {
             prefix_cache: true,
             marconi: true,
             max_depth: 2,
+            forward_mode: ForwardMode::Exact,
         }
     }
 }

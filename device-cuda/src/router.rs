@@ -152,7 +152,9 @@ impl CudaRouter {
         let rt = self.runtime.as_ref();
         let plan = self.plan;
         let size = |bytes: u64| usize::try_from(bytes).unwrap_or(usize::MAX);
-        self.model = Some(DeviceModel::upload(rt, model, image)?);
+        let mut device_model = DeviceModel::upload(rt, model, image)?;
+        device_model.set_mode(self.router.forward_mode);
+        self.model = Some(device_model);
         let out_bytes = 4 * plan.live_slots;
         let buffers = Buffers {
             kv: rt.alloc(size(plan.kv_bytes()))?,

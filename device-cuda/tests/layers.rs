@@ -6,7 +6,7 @@
 
 use device_cuda::kernels::{
     self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
-    StateSlots, StepRows,
+    SsmScan, StateSlots, StepRows,
 };
 use device_cuda::{DType, DeviceBuffer, DeviceSlice, Runtime, SimRuntime, Stream};
 use rand::{Rng, SeedableRng};
@@ -106,10 +106,11 @@ fn softplus(a: f64) -> f64 {
 
 /// Conv then SSM of one Mamba layer over runs of 1, 2, 63, 64, 65 and 130 tokens (the scan's
 /// chunk is 64 here) in one launch, from random conv history and state, against the per-token
-/// recurrence in f64; then the gated norm. Twice: with the dt clamp biting and without.
+/// recurrence in f64; then the gated norm. With the dt clamp biting and without, each with the
+/// sequential (bit-exact) scan and the chunked one.
 #[test]
 fn mamba_conv_scan_step_and_gated_norm() {
-    for (shape, dt_min) in [
+    let cases = [
         (
             MambaShape {
                 heads: 4,
@@ -130,7 +131,12 @@ fn mamba_conv_scan_step_and_gated_norm() {
             },
             0.3,
         ),
-    ] {
+    ];
+    let scans = [SsmScan::Sequential, SsmScan::Chunked];
+    for ((shape, dt_min), scan) in cases
+        .into_iter()
+        .flat_map(|case| scans.map(|scan| (case, scan)))
+    {
         let rt = SimRuntime::new().unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let lens = [1usize, 2, 63, 64, 65, 130];
@@ -202,6 +208,7 @@ fn mamba_conv_scan_step_and_gated_norm() {
             b_proj.all(),
             [b_params[0].all(), b_params[1].all(), b_params[2].all()],
             dt_min,
+            scan,
         )
         .unwrap();
         let y_raw: Vec<f32> = download(&rt, b_y.all());
@@ -308,6 +315,103 @@ fn mamba_conv_scan_step_and_gated_norm() {
     }
 }
 
+/// One Mamba layer's conv and SSM output (y before the gated norm, then the final state) for a
+/// 70-token sequence cut into runs of `cut` tokens, each run its own step, from the same
+/// random conv history and state.
+fn mamba_cut(cut: &[usize], scan: SsmScan) -> (Vec<u32>, Vec<u32>) {
+    let shape = MambaShape {
+        heads: 3,
+        head_dim: 9,
+        state: 40,
+        groups: 1,
+        conv_kernel: 4,
+    };
+    let rt = SimRuntime::new().unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let total: usize = cut.iter().sum();
+    let (h, inner, conv_dim, proj_dim) = (
+        shape.heads,
+        shape.inner(),
+        shape.conv_dim(),
+        shape.proj_dim(),
+    );
+    let slot_floats = shape.conv_floats() + shape.ssm_floats();
+    let proj = random(&mut rng, total * proj_dim, 1.0);
+    let states = random(&mut rng, slot_floats, 0.5);
+    let weight = random(&mut rng, conv_dim * shape.conv_kernel, 0.6);
+    let params: Vec<DeviceBuffer> = [
+        random(&mut rng, h, 1.0),
+        (0..h).map(|_| -rng.random_range(0.2f32..2.0)).collect(),
+        random(&mut rng, h, 1.0),
+    ]
+    .iter()
+    .map(|v| upload(&rt, v))
+    .collect();
+    let b_states = upload(&rt, &states);
+    let b_weight = upload(&rt, &weight);
+    let slots = StateSlots {
+        states: b_states.all(),
+        num_slots: 1,
+        slot_floats,
+        layer_offset: 0,
+    };
+    let mut y = Vec::new();
+    let mut start = 0;
+    for &len in cut {
+        let st = step(&rt, &[(start, len, 0, Vec::new())]);
+        let b_proj = upload(&rt, &proj[start * proj_dim..(start + len) * proj_dim]);
+        let b_xbc = rt.alloc(len * conv_dim * 4).unwrap();
+        let b_y = rt.alloc(len * inner * 4).unwrap();
+        kernels::mamba_conv(
+            &rt,
+            S,
+            &st.step,
+            &slots,
+            &shape,
+            b_xbc.all(),
+            b_proj.all(),
+            b_weight.all(),
+            None,
+        )
+        .unwrap();
+        kernels::mamba_ssm(
+            &rt,
+            S,
+            &st.step,
+            &[len],
+            &slots,
+            &shape,
+            b_y.all(),
+            b_xbc.all(),
+            b_proj.all(),
+            [params[0].all(), params[1].all(), params[2].all()],
+            0.0,
+            scan,
+        )
+        .unwrap();
+        let piece: Vec<f32> = download(&rt, b_y.all());
+        y.extend(piece.iter().map(|v| v.to_bits()));
+        start += len;
+    }
+    let state: Vec<f32> = download(&rt, b_states.all());
+    (y, state.iter().map(|v| v.to_bits()).collect())
+}
+
+/// Issue 18: the default (sequential) scan gives every position the same bits however the
+/// sequence is cut into runs: one prefill run, a prefix hit then the rest (inside a chunk of
+/// the chunked scan and across its 64-token boundary), decode rows between prefill runs, all
+/// decode rows. (The chunked scan fails this: its chunks start at each run's start.)
+#[test]
+fn mamba_scan_is_bit_identical_however_the_sequence_is_cut() {
+    let whole = mamba_cut(&[70], SsmScan::Sequential);
+    let cuts: [&[usize]; 4] = [&[16, 54], &[1, 1, 65, 3], &[33, 1, 36], &[1; 70]];
+    for cut in cuts {
+        let got = mamba_cut(cut, SsmScan::Sequential);
+        assert!(got.0 == whole.0, "y differs for runs {cut:?}");
+        assert!(got.1 == whole.1, "final state differs for runs {cut:?}");
+    }
+}
+
 /// Which attention launcher a case runs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Path {
@@ -381,7 +485,7 @@ fn check_attention(
         Path::Tiled => {
             let tile_rows = kernels::attention_tile_rows(head_dim);
             let lens: Vec<usize> = runs.iter().map(|r| r.1).collect();
-            let (tiles, singles) = kernels::attention_plan(&lens, tile_rows);
+            let (tiles, singles) = kernels::attention_plan(&lens, tile_rows, true);
             assert_eq!(
                 tiles.chunks(2).map(|t| t[1] as usize).sum::<usize>() + singles.len(),
                 rows,

@@ -4,9 +4,10 @@
 //! holds one of them at a time, give the host router's tokens. (Spill and restore mid-decode on
 //! the CUDA router: `cuda_steps.rs`.)
 //!
-//! Tokens, not logits digests: the device's forward step is within 1e-4 of the host's but not
-//! the same bits under another chunking (the chunked scan's chunks start at each run's start),
-//! so a prefix hit moves the last bits of a logit; `cuda_steps.rs` bounds the logits.
+//! Against the host router: tokens (the device's forward is within 1e-4 of the host's, not the
+//! same bits; `cuda_steps.rs` bounds the logits). Among the CUDA router's own runs: tokens and
+//! logits digests, bit for bit, since the device forward computes every position the same way
+//! however the work is cut (prefix hits, chunking, decode rows; issue 18).
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
@@ -61,9 +62,9 @@ fn cuda(caches: bool, depth: usize, blocks: u64) -> CudaRouter {
     CudaRouter::sim(model(), config(budget + blocks * kv * 4 / 3)).unwrap()
 }
 
-/// The prompts' greedy tokens (8 each, all submitted at once, then the first again) and the
-/// engine's metrics.
-fn generate<D>(router: D) -> (Vec<Vec<u32>>, Metrics)
+/// The prompts' greedy tokens (8 each, all submitted at once, then the first again), their
+/// logits digests and the engine's metrics.
+fn generate<D>(router: D) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics)
 where
     D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
 {
@@ -80,13 +81,20 @@ where
     prompts.push(prompts[0].clone());
     let handles: Vec<_> = prompts
         .iter()
-        .map(|p| engine.submit(Request::greedy(p.clone(), 8)).unwrap())
+        .map(|p| {
+            let mut request = Request::greedy(p.clone(), 8);
+            request.logits_digest = true;
+            engine.submit(request).unwrap()
+        })
         .collect();
     engine.run_until_idle();
-    let tokens = handles
+    let (tokens, digests) = handles
         .into_iter()
-        .map(|handle| handle.wait().unwrap().tokens)
-        .collect();
+        .map(|handle| {
+            let done = handle.wait().unwrap();
+            (done.tokens, done.logits_digest)
+        })
+        .unzip();
     let metrics = *engine.metrics();
     let facts = engine.router().facts();
     assert_eq!(facts.live_slots_used, 0);
@@ -95,7 +103,7 @@ where
         initial.kv_blocks_total
     );
     engine.shutdown(ShutdownMode::Drain).unwrap();
-    (tokens, metrics)
+    (tokens, digests, metrics)
 }
 
 #[test]
@@ -105,19 +113,33 @@ fn the_engine_on_the_cuda_router_gives_the_host_routers_tokens() {
     host_config.prefix_cache = false;
     host_config.marconi = false;
     host_config.threads = 1;
-    let (reference, _) = generate(CpuRouter::new(model().clone(), host_config).unwrap());
-    let (cold, metrics) = generate(cuda(false, 1, 32));
+    let (reference, _, _) = generate(CpuRouter::new(model().clone(), host_config).unwrap());
+    let (cold, cold_digests, metrics) = generate(cuda(false, 1, 32));
     assert_eq!(metrics.prefill_tokens_cached, 0);
     assert_eq!(cold, reference, "caches off, depth 1");
-    let (cached, metrics) = generate(cuda(true, 2, 32));
-    assert!(metrics.prefill_tokens_cached > 0, "{metrics:?}");
-    assert!(metrics.fed_launches > 0, "{metrics:?}");
-    assert_eq!(cached, reference, "caches on, depth 2");
+    assert!(cold_digests.iter().all(Option::is_some));
+    // Caches on and off, depth 1 and 2: the same bits (prefix hits start prefill runs mid-prompt).
+    for (caches, depth) in [(true, 2), (true, 1), (false, 2)] {
+        let (tokens, digests, metrics) = generate(cuda(caches, depth, 32));
+        let label = format!("caches {caches}, depth {depth}");
+        assert_eq!(
+            metrics.prefill_tokens_cached > 0,
+            caches,
+            "{label}: {metrics:?}"
+        );
+        assert_eq!(metrics.fed_launches > 0, depth == 2, "{label}: {metrics:?}");
+        assert_eq!(tokens, reference, "{label}");
+        assert_eq!(digests, cold_digests, "{label}: logits digests");
+    }
     // Two sequences of up to 61 tokens (4 blocks each) do not fit in the smallest pool (the
     // blocks of one sequence of the context, 6): the engine runs them one at a time.
-    let (tight, metrics) = generate(cuda(true, 2, 0));
+    let (tight, digests, metrics) = generate(cuda(true, 2, 0));
     assert_eq!(metrics.decode_rows, metrics.decode_launches, "{metrics:?}");
     assert_eq!(tight, reference, "a pool for one sequence");
+    assert_eq!(
+        digests, cold_digests,
+        "a pool for one sequence: logits digests"
+    );
 }
 
 /// The backend builds the same engine for `Device::CudaSim` as for the host router, and both

@@ -263,9 +263,25 @@ pub fn mamba_conv(
     unsafe { rt.launch(k, dims, &args, stream) }
 }
 
-/// The SSM of one Mamba layer for every run (ARCH.md §3.3-3.4): the chunked scan for runs of
-/// two tokens or more and the single-step recurrence for runs of one token, both continuing
-/// from and advancing the state in the slots (`slots.layer_offset` is the layer's conv history;
+/// How [`mamba_ssm`] scans a prefill run (a decode row is a run of one token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SsmScan {
+    /// Every run, of any length, through the token-by-token recurrence (`mamba_ssm_run`): each
+    /// token goes through exactly the operations of a decode row, so a position's output and
+    /// state are the same bits however the sequence was cut into runs (prefix-cache hits,
+    /// prefill chunks, decode rows). Parallel over heads × channels × state lanes, sequential
+    /// over the run's tokens.
+    #[default]
+    Sequential,
+    /// Runs of two tokens or more through the chunked scan (SSD, `mamba_ssm_chunked`, chunks of
+    /// up to 64 tokens from each run's start), runs of one through the recurrence: more parallel
+    /// work for long prompts, equal to `Sequential` only to rounding, so a prefix hit or another
+    /// chunking changes the last bits (caches on/off are then not bit-transparent).
+    Chunked,
+}
+
+/// The SSM of one Mamba layer for every run (ARCH.md §3.3-3.4), as `scan` says (see
+/// [`SsmScan`]), continuing from and advancing the state in the slots (`slots.layer_offset` is the layer's conv history;
 /// its SSM state follows). `y [rows, inner] = S·C + D x`; xBC after the conv in
 /// `xbc [rows, conv_dim]`, dt before softplus in `proj` columns `inner + conv_dim..`; `dt_min`
 /// is the lower clamp of dt (0 for none). `run_lens` are the runs' lengths as uploaded.
@@ -282,6 +298,7 @@ pub fn mamba_ssm(
     proj: DeviceSlice,
     params: [DeviceSlice; 3],
     dt_min: f32,
+    scan: SsmScan,
 ) -> Result<()> {
     let chunked = Kernel::MambaSsmChunked;
     shape.check(chunked)?;
@@ -326,7 +343,8 @@ pub fn mamba_ssm(
         to_u32(chunked, "runs", step.num_runs)?,
         1,
     ];
-    if run_lens.iter().any(|&len| len > 1) {
+    let chunk_runs = scan == SsmScan::Chunked && run_lens.iter().any(|&len| len > 1);
+    if chunk_runs {
         // The largest chunk (a power of two up to 64) whose tiles fit the shared memory.
         let floats = |q: usize| 3 * q + 2 * q * n + q * p + q * q;
         let chunk = [64usize, 32, 16, 8, 4, 2, 1]
@@ -353,16 +371,22 @@ pub fn mamba_ssm(
         // runs whose rows or slot are out of range.
         unsafe { rt.launch(chunked, dims, &args, stream)? };
     }
-    if run_lens.contains(&1) {
-        let k = Kernel::MambaSsmStep;
+    // The runs the chunked scan leaves: those of one token when it ran, else all of them.
+    let max_len = if chunk_runs { 1 } else { u32::MAX };
+    if run_lens
+        .iter()
+        .any(|&len| len == 1 || (len > 1 && !chunk_runs))
+    {
+        let k = Kernel::MambaSsmRun;
         let mut args = common(k)?;
-        args.push(KernelArg::F32(dt_min));
+        args.extend([KernelArg::F32(dt_min), KernelArg::U32(max_len)]);
         let dims = LaunchDims {
             grid,
             block: [LAYER_THREADS, 1, 1],
             shared_bytes: 0,
         };
-        // SAFETY: as above, for `mamba_ssm_step`'s parameters (the same less chunk and min_len).
+        // SAFETY: as above, for `mamba_ssm_run`'s parameters (the same less chunk and min_len,
+        // plus max_len); the kernel walks only runs whose rows are in range.
         unsafe { rt.launch(k, dims, &args, stream)? };
     }
     Ok(())
@@ -701,14 +725,18 @@ pub struct AttentionWork {
 }
 
 /// The tiles and singles of a step's runs (start position, length) for [`AttentionWork`], as
-/// host words: runs of two rows or more are cut into tiles of at most `tile_rows` rows, runs of
-/// one row are singles. Answers `(tiles, singles)`.
-pub fn attention_plan(run_lens: &[usize], tile_rows: usize) -> (Vec<u32>, Vec<u32>) {
+/// host words: runs are cut into tiles of at most `tile_rows` rows, but runs of one row are
+/// singles (the split kernel's) when `singles` is set. Answers `(tiles, singles)`.
+pub fn attention_plan(
+    run_lens: &[usize],
+    tile_rows: usize,
+    singles_on: bool,
+) -> (Vec<u32>, Vec<u32>) {
     let tile_rows = tile_rows.max(1);
     let (mut tiles, mut singles) = (Vec::new(), Vec::new());
     let mut row = 0usize;
     for &len in run_lens {
-        if len == 1 {
+        if len == 1 && singles_on {
             singles.push(row as u32);
         } else {
             let mut done = 0;
