@@ -8,13 +8,15 @@
 //! A step is a list of runs ([`StepRun`]): consecutive positions of one sequence (a prefill
 //! chunk, or one decode token), each with its block table and state slot. Rows are the runs'
 //! tokens, run after run, in position order. Every layer handles all rows at once: GEMMs batch
-//! them; the Mamba2 conv and SSM walk each run in order (the chunked scan for runs of two tokens or
-//! more, the single-step recurrence for one token), continuing from the slot's state; attention
+//! them; the Mamba2 conv and SSM walk each run in order (token by token with a decode step's
+//! operations; the chunked scan for prefill runs in [`ForwardMode::Fast`]), continuing from the
+//! slot's state; attention
 //! writes every row's K/V first, then each row attends keys `0..=pos` of its table, so rows of a
 //! prefill chunk see the chunk's earlier rows and any cached or earlier-computed blocks. Prefill
 //! runs attend in flash-style query tiles (`kernels::attention_tiled`: keys and values staged in
-//! shared memory, read once per tile of up to 16 queries), decode rows by the split kernel; both
-//! split long contexts across thread blocks and merge.
+//! shared memory, read once per tile of up to 16 queries), decode rows as one-row tiles (by the
+//! split kernel in [`ForwardMode::Fast`]); both split long contexts across thread blocks and
+//! merge.
 //!
 //! # The MTP head
 //! A model whose checkpoint carries `mtp.*` tensors keeps its MTP head in the image too
@@ -36,7 +38,9 @@
 //! Against the host model (`model::Model`, f32) the device forward differs only by rounding: its
 //! reductions run in other orders (block sums, the SSD chunk algebra, online softmax), GEMMs are
 //! cuBLAS (or the host sgemm on `SimRuntime`). `tests/forward.rs` measures it: within 1e-4 of
-//! the host logits with f32 weights; the bf16 bound is derived there.
+//! the host logits with f32 weights; the bf16 bound is derived there. Among its own steps, in
+//! [`ForwardMode::Exact`] (the default), a position's logits are the same bits however the work
+//! is cut (`tests/invariance.rs`), which makes the router's caches bit-transparent.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
