@@ -21,7 +21,7 @@ use crate::config::DtClamp;
 use crate::experts::{ExpertBatch, ExpertPool};
 use crate::lora::{LoraAdapter, Target};
 use crate::math::{
-    dot_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
+    exp_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
 };
 use crate::state::{KvPool, MambaStates};
 use crate::weights::{
@@ -51,6 +51,8 @@ pub struct Scratch {
     proj: Vec<f32>,
     mixed: Vec<f32>,
     out: Vec<f32>,
+    // Attention: the tasks' outputs, tile after tile (see `attention`).
+    attn: Vec<f32>,
     // Mamba: conv outputs of every row, the scan's outputs (run-major, see `mamba`).
     conv_out: Vec<f32>,
     scan: Vec<f32>,
@@ -107,6 +109,10 @@ impl Scratch {
         take(&mut scratch.out, rows * d);
         take(&mut scratch.proj, rows * widest);
         take(&mut scratch.mixed, rows * widest);
+        take(
+            &mut scratch.attn,
+            rows * config.num_attention_heads * config.head_dim,
+        );
         scratch
     }
 
@@ -1065,13 +1071,26 @@ fn ssm_step<S: pulp::Simd>(
 
 /// Causal GQA attention without positional encoding (ARCH.md §4) over the paged pool.
 ///
-/// One task per (row, KV head) computes that row's query heads of the KV head's group: it streams
-/// the row's keys and values `0..=pos` tile by tile (a tile is the part of one KV block the query
-/// may see, so tiles are fixed by absolute positions), with an online softmax (running max `m`,
-/// running sum `l`, output rescaled by `exp(m_old - m_new)` when the max grows). The result of a
-/// query depends only on its position, its keys and the block size: not on the other rows, the
-/// chunking of the prompt or the thread count. Tasks write disjoint `group x head_dim` slices of
-/// `mixed` (the row's heads of that group are adjacent).
+/// One task per (query tile, KV head): a query tile is up to [`QUERY_ROWS`] consecutive rows of
+/// one sequence, and the task computes all of that KV head's query heads for those rows at once,
+/// so each key and value is read once per tile of queries rather than once per query head and
+/// row. Keys are streamed in tiles of [`KEY_TILE`] positions fixed by absolute position (tile `t`
+/// holds positions `64t..64t + 64`, whatever the block size) with an online softmax (running max
+/// `m`, running sum `l`, output rescaled by `exp(m_old - m_new)`).
+///
+/// **Evaluation order.** For one query at position `p`, everything is a function of `p` and the
+/// keys and values `0..=p` alone:
+/// - its score against key `j` is one fused multiply-add chain over the head dimension in order,
+///   times the scale (vector lanes run across queries, never along the chain);
+/// - a key after `p` in a tile (another query of the tile sees it) scores `-inf`, which leaves
+///   the tile's max unchanged, weighs exactly 0 ([`exp_simd`]) and adds exactly 0 to `l`; a tile
+///   entirely after `p` leaves `m` unchanged and rescales by `exp(0) = 1`, so tiles the query does
+///   not see change no bit of it;
+/// - `l` adds the weights in key order; the output is one fused multiply-add chain per element
+///   over the keys `<= p` in order, rescaled at each tile, divided by `l` at the end.
+///
+/// So a query's output does not depend on the other rows of its tile or batch, on how its
+/// sequence was chunked, on the block size, on the thread count or on the vector width.
 fn attention(
     config: &Config,
     w: &AttentionWeights,
@@ -1129,26 +1148,60 @@ fn attention(
         data[start..start + nkv * hd].copy_from_slice(k_new);
         data[start + value_offset..start + value_offset + nkv * hd].copy_from_slice(v_new);
     }
-    let scale = (hd as f64).powf(-0.5) as f32;
     let group = nh / nkv;
-    let kv = &*kv;
-    let proj = &scratch.proj[..m * qkv_dim];
-    let mixed = take(&mut scratch.mixed, m * nh * hd);
+    // Query tiles as (first row, rows): runs cut into pieces of at most QUERY_ROWS rows.
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    for (first, len) in rows.runs() {
+        let mut row = first;
+        while row < first + len {
+            let count = QUERY_ROWS.min(first + len - row);
+            tiles.push((row, count));
+            row += count;
+        }
+    }
+    // Each task writes its rows' heads of its group, `rows x group x hd`, into its own part of
+    // `attn` (tile after tile, KV head after KV head); they are scattered into `mixed` below.
+    let attn = take(&mut scratch.attn, m * nh * hd);
+    let mut tasks: Vec<TileTask<'_>> = Vec::with_capacity(tiles.len() * nkv);
+    let mut rest = attn;
+    for &(first_row, count) in &tiles {
+        for kv_head in 0..nkv {
+            let (out, tail) = rest.split_at_mut(count * group * hd);
+            rest = tail;
+            tasks.push(TileTask {
+                first_row,
+                rows: count,
+                kv_head,
+                out,
+            });
+        }
+    }
+    let ctx = TileContext {
+        kv,
+        layer,
+        rows,
+        proj: &scratch.proj[..m * qkv_dim],
+        qkv_dim,
+        group,
+        head_dim: hd,
+        scale: (hd as f64).powf(-0.5) as f32,
+    };
     let kernels = scratch.mm.kernels;
-    kernels.for_each_chunk(mixed, group * hd, |index, out| {
-        let (i, kv_head) = (index / nkv, index % nkv);
-        let q = &proj[i * qkv_dim + kv_head * group * hd..i * qkv_dim + (kv_head + 1) * group * hd];
-        let query = Query {
-            kv,
-            layer,
-            kv_head,
-            pos: rows.pos(i),
-            blocks: rows.blocks(i),
-            head_dim: hd,
-            scale,
-        };
-        kernels.arch.dispatch(AttendRow { query, q, out });
+    kernels.for_each_task(&mut tasks, |task| {
+        kernels.arch.dispatch(AttendTile { ctx: &ctx, task });
     });
+    drop(tasks);
+    let mixed = take(&mut scratch.mixed, m * nh * hd);
+    let mut from = 0;
+    for &(first_row, count) in &tiles {
+        for kv_head in 0..nkv {
+            for row in first_row..first_row + count {
+                let to = row * nh * hd + kv_head * group * hd;
+                mixed[to..to + group * hd].copy_from_slice(&scratch.attn[from..from + group * hd]);
+                from += group * hd;
+            }
+        }
+    }
     let out = take(&mut scratch.out, m * config.hidden_size);
     matmul(
         &mut scratch.mm,
@@ -1167,88 +1220,262 @@ fn attention(
     }
 }
 
-/// One row's query heads of one KV group, as a [`pulp::WithSimd`] operation so the loops are
-/// compiled for the CPU's vector instructions (no result depends on them: see `gemm`).
-struct AttendRow<'a> {
-    query: Query<'a>,
-    q: &'a [f32],
-    out: &'a mut [f32],
-}
+/// Keys per tile of the online softmax; tiles start at multiples of it.
+const KEY_TILE: usize = 64;
+/// Rows (positions of one sequence) per attention task.
+const QUERY_ROWS: usize = 8;
+/// Keys one pass of the score kernel reads at once (independent chains per query vector).
+const KEY_STEP: usize = 4;
+/// Value vectors one pass of the output kernel accumulates at once.
+const VALUE_STEP: usize = 4;
 
-impl pulp::WithSimd for AttendRow<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, simd: S) {
-        let hd = self.query.head_dim;
-        for (q, out) in self.q.chunks_exact(hd).zip(self.out.chunks_exact_mut(hd)) {
-            self.query.attend(simd, q, out);
-        }
-    }
-}
-
-/// Keys a tile holds at most (a KV block larger than this is cut into tiles of this size).
-const TILE: usize = 64;
-
-/// What one query row reads: its KV head's keys and values at positions `0..=pos`.
-struct Query<'a> {
+/// What every attention task of one layer call reads.
+struct TileContext<'a> {
     kv: &'a KvPool,
     layer: usize,
-    kv_head: usize,
-    pos: usize,
-    blocks: &'a [u32],
+    rows: &'a Rows<'a, 'a>,
+    /// The rows' `q | k | v` projections, `qkv_dim` floats each.
+    proj: &'a [f32],
+    qkv_dim: usize,
+    group: usize,
     head_dim: usize,
     scale: f32,
 }
 
-impl Query<'_> {
-    /// `out = softmax(q·Kᵀ · scale) · V` over positions `0..=pos`, tile by tile with an online
-    /// softmax (see [`attention`]).
+/// One task: rows `first_row..first_row + rows` (one sequence's, in position order) and the
+/// query heads of KV head `kv_head`; `out` is `rows x group x head_dim`.
+struct TileTask<'a> {
+    first_row: usize,
+    rows: usize,
+    kv_head: usize,
+    out: &'a mut [f32],
+}
+
+/// [`attend_tile`] as a [`pulp::WithSimd`] operation, so its loops are compiled for the CPU's
+/// vector and FMA instructions (no result depends on them: see [`attention`]).
+struct AttendTile<'a, 'b> {
+    ctx: &'a TileContext<'a>,
+    task: &'a mut TileTask<'b>,
+}
+
+impl pulp::WithSimd for AttendTile<'_, '_> {
+    type Output = ();
+
     #[inline(always)]
-    fn attend<S: pulp::Simd>(&self, simd: S, q: &[f32], out: &mut [f32]) {
-        let hd = self.head_dim;
-        let block_size = self.kv.block_size();
-        let stride = self.kv.key_stride();
-        let value_offset = self.kv.value_offset();
-        let data = self.kv.data();
-        let mut scores = [0.0f32; TILE];
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
-        out.fill(0.0);
-        let mut start = 0;
-        while start <= self.pos {
-            let block = self.blocks[start / block_size];
-            let offset = start % block_size;
-            let len = (block_size - offset).min(TILE).min(self.pos + 1 - start);
-            let first = self.kv.key_index(self.layer, block, offset, self.kv_head);
-            let scores = &mut scores[..len];
-            let mut tile_max = f32::NEG_INFINITY;
-            for (j, score) in scores.iter_mut().enumerate() {
-                let at = first + j * stride;
-                *score = dot_simd(simd, q, &data[at..at + hd]) * self.scale;
-                tile_max = tile_max.max(*score);
-            }
-            if tile_max > max {
-                // exp(-inf) = 0 on the first tile, when nothing has been summed yet.
-                let rescale = (max - tile_max).exp();
-                sum *= rescale;
-                for o in out.iter_mut() {
-                    *o *= rescale;
-                }
-                max = tile_max;
-            }
-            for (j, &score) in scores.iter().enumerate() {
-                let weight = (score - max).exp();
-                sum += weight;
-                let at = first + j * stride + value_offset;
-                for (o, &v) in out.iter_mut().zip(&data[at..at + hd]) {
-                    *o += weight * v;
-                }
-            }
-            start += len;
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        attend_tile(simd, self.ctx, self.task);
+    }
+}
+
+/// One task of [`attention`]. Queries are numbered `row * group + head` within the task and
+/// padded with zero queries to whole vectors (`width` lanes); a padded lane's results are never
+/// read.
+#[inline(always)]
+fn attend_tile<S: pulp::Simd>(simd: S, ctx: &TileContext<'_>, task: &mut TileTask<'_>) {
+    let (hd, group) = (ctx.head_dim, ctx.group);
+    let lanes = S::F32_LANES;
+    let queries = task.rows * group;
+    let vectors = queries.div_ceil(lanes);
+    let width = vectors * lanes;
+    let kv = ctx.kv;
+    let (block_size, value_offset, data) = (kv.block_size(), kv.value_offset(), kv.data());
+    let blocks = ctx.rows.blocks(task.first_row);
+    let positions: Vec<usize> = (0..queries)
+        .map(|q| ctx.rows.pos(task.first_row + q / group))
+        .collect();
+    let last = positions.iter().copied().max().unwrap_or(0);
+    // The queries transposed, vector-major: lane `q % lanes` of vector `(q / lanes) * hd + d`
+    // holds element `d` of query `q`, so a vector of queries multiplies one key element.
+    let mut transposed = vec![0.0f32; vectors * hd * lanes];
+    for (q, _) in positions.iter().enumerate() {
+        let row = task.first_row + q / group;
+        let head = task.kv_head * group + q % group;
+        let start = row * ctx.qkv_dim + head * hd;
+        let (v, lane) = (q / lanes, q % lanes);
+        for (d, &x) in ctx.proj[start..start + hd].iter().enumerate() {
+            transposed[(v * hd + d) * lanes + lane] = x;
         }
-        let inv = 1.0 / sum;
+    }
+    let (queries_t, _) = S::as_simd_f32s(&transposed);
+    // Scores, then weights, of the current key tile: `KEY_TILE x width`, key-major.
+    let mut scores = vec![0.0f32; KEY_TILE * width];
+    let mut max = vec![f32::NEG_INFINITY; width];
+    let mut sum = vec![0.0f32; width];
+    let mut rescale = vec![1.0f32; width];
+    let mut keys = [0usize; KEY_TILE];
+    task.out.fill(0.0);
+    let mut start = 0;
+    while start <= last {
+        let len = KEY_TILE.min(last + 1 - start);
+        for (j, key) in keys[..len].iter_mut().enumerate() {
+            let p = start + j;
+            *key = kv.key_index(
+                ctx.layer,
+                blocks[p / block_size],
+                p % block_size,
+                task.kv_head,
+            );
+        }
+        let keys = &keys[..len];
+        tile_scores(simd, ctx, queries_t, vectors, data, keys, &mut scores);
+        // Keys after a query's position score -inf for it.
+        for (q, &p) in positions.iter().enumerate() {
+            let seen = (p + 1).saturating_sub(start).min(len);
+            for j in seen..len {
+                scores[j * width + q] = f32::NEG_INFINITY;
+            }
+        }
+        {
+            let (scores_v, _) = S::as_mut_simd_f32s(&mut scores[..len * width]);
+            let (max_v, _) = S::as_mut_simd_f32s(&mut max);
+            let (sum_v, _) = S::as_mut_simd_f32s(&mut sum);
+            let (rescale_v, _) = S::as_mut_simd_f32s(&mut rescale);
+            for v in 0..vectors {
+                let mut tile_max = simd.splat_f32s(f32::NEG_INFINITY);
+                for j in 0..len {
+                    tile_max = simd.max_f32s(tile_max, scores_v[j * vectors + v]);
+                }
+                let new_max = simd.max_f32s(max_v[v], tile_max);
+                // exp(-inf) = 0 on the first tile, when nothing has been summed yet.
+                let factor = exp_simd(simd, simd.sub_f32s(max_v[v], new_max));
+                let mut total = simd.mul_f32s(sum_v[v], factor);
+                for j in 0..len {
+                    let score = &mut scores_v[j * vectors + v];
+                    *score = exp_simd(simd, simd.sub_f32s(*score, new_max));
+                    total = simd.add_f32s(total, *score);
+                }
+                max_v[v] = new_max;
+                sum_v[v] = total;
+                rescale_v[v] = factor;
+            }
+        }
+        for (q, (&p, out)) in positions
+            .iter()
+            .zip(task.out.chunks_exact_mut(hd))
+            .enumerate()
+        {
+            let seen = (p + 1).saturating_sub(start).min(len);
+            if seen == 0 {
+                continue;
+            }
+            let factor = rescale[q];
+            for o in out.iter_mut() {
+                *o *= factor;
+            }
+            accumulate_values(
+                simd,
+                out,
+                &scores,
+                width,
+                q,
+                data,
+                &keys[..seen],
+                value_offset,
+            );
+        }
+        start += len;
+    }
+    for (out, &total) in task.out.chunks_exact_mut(hd).zip(&sum) {
+        let inv = 1.0 / total;
         for o in out.iter_mut() {
             *o *= inv;
+        }
+    }
+}
+
+/// `scores[j * width + q] = (q · key j) * scale` for the tile's keys (`keys`: their indices into
+/// `data`) and every query lane; see [`attention`] for the order.
+#[inline(always)]
+fn tile_scores<S: pulp::Simd>(
+    simd: S,
+    ctx: &TileContext<'_>,
+    queries_t: &[S::f32s],
+    vectors: usize,
+    data: &[f32],
+    keys: &[usize],
+    scores: &mut [f32],
+) {
+    let hd = ctx.head_dim;
+    let scale = simd.splat_f32s(ctx.scale);
+    let (scores_v, _) = S::as_mut_simd_f32s(&mut scores[..keys.len() * vectors * S::F32_LANES]);
+    for v in 0..vectors {
+        let q = &queries_t[v * hd..(v + 1) * hd];
+        let mut steps = keys.chunks_exact(KEY_STEP);
+        let mut j = 0;
+        for step in &mut steps {
+            let [r0, r1, r2, r3]: [&[f32]; KEY_STEP] =
+                std::array::from_fn(|i| &data[step[i]..step[i] + hd]);
+            let mut acc = [simd.splat_f32s(0.0); KEY_STEP];
+            for ((((&qd, &k0), &k1), &k2), &k3) in q.iter().zip(r0).zip(r1).zip(r2).zip(r3) {
+                acc[0] = simd.mul_add_f32s(qd, simd.splat_f32s(k0), acc[0]);
+                acc[1] = simd.mul_add_f32s(qd, simd.splat_f32s(k1), acc[1]);
+                acc[2] = simd.mul_add_f32s(qd, simd.splat_f32s(k2), acc[2]);
+                acc[3] = simd.mul_add_f32s(qd, simd.splat_f32s(k3), acc[3]);
+            }
+            for (i, a) in acc.into_iter().enumerate() {
+                scores_v[(j + i) * vectors + v] = simd.mul_f32s(a, scale);
+            }
+            j += KEY_STEP;
+        }
+        for &key in steps.remainder() {
+            let row = &data[key..key + hd];
+            let mut acc = simd.splat_f32s(0.0);
+            for (&qd, &kd) in q.iter().zip(row) {
+                acc = simd.mul_add_f32s(qd, simd.splat_f32s(kd), acc);
+            }
+            scores_v[j * vectors + v] = simd.mul_f32s(acc, scale);
+            j += 1;
+        }
+    }
+}
+
+/// `out[d] = fma(weight_j, value_j[d], out[d])` for the keys `keys` in order, `weight_j` being
+/// `weights[j * width + q]`: lanes run across `d`, [`VALUE_STEP`] vectors of `out` at a time.
+#[allow(clippy::too_many_arguments)] // one kernel's operands; a struct would only rename them
+#[inline(always)]
+fn accumulate_values<S: pulp::Simd>(
+    simd: S,
+    out: &mut [f32],
+    weights: &[f32],
+    width: usize,
+    q: usize,
+    data: &[f32],
+    keys: &[usize],
+    value_offset: usize,
+) {
+    let lanes = S::F32_LANES;
+    let (out_v, out_tail) = S::as_mut_simd_f32s(out);
+    let whole = out_v.len() * lanes;
+    let mut steps = out_v.chunks_exact_mut(VALUE_STEP);
+    let mut first = 0;
+    for step in &mut steps {
+        let mut acc: [S::f32s; VALUE_STEP] = std::array::from_fn(|i| step[i]);
+        for (j, &key) in keys.iter().enumerate() {
+            let weight = simd.splat_f32s(weights[j * width + q]);
+            let at = key + value_offset + first;
+            let (values, _) = S::as_simd_f32s(&data[at..at + VALUE_STEP * lanes]);
+            for (a, &v) in acc.iter_mut().zip(values) {
+                *a = simd.mul_add_f32s(weight, v, *a);
+            }
+        }
+        step.copy_from_slice(&acc);
+        first += VALUE_STEP * lanes;
+    }
+    for o in steps.into_remainder() {
+        let mut acc = *o;
+        for (j, &key) in keys.iter().enumerate() {
+            let weight = simd.splat_f32s(weights[j * width + q]);
+            let at = key + value_offset + first;
+            let (values, _) = S::as_simd_f32s(&data[at..at + lanes]);
+            acc = simd.mul_add_f32s(weight, values[0], acc);
+        }
+        *o = acc;
+        first += lanes;
+    }
+    for (d, o) in out_tail.iter_mut().enumerate() {
+        for (j, &key) in keys.iter().enumerate() {
+            let value = data[key + value_offset + whole + d];
+            *o = weights[j * width + q].mul_add(value, *o);
         }
     }
 }

@@ -76,29 +76,59 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     fold(acc, tail)
 }
 
-/// [`dot`] with explicit 8-lane vectors where the instruction set has them (AVX2: one register
-/// holds the 8 lanes): the very same operations in the same order, so the same bits, without
-/// relying on the compiler to keep the lanes apart (it interleaves them with shuffles otherwise).
+/// `e^x` in every lane, for a softmax's `x - max` (so `x <= 0`; above 88 the result saturates at
+/// about `e^88` instead of overflowing). `-inf` gives exactly 0, as does anything whose `e^x` is
+/// below the smallest normal float (`x < ln 2^-126`); `exp(0)` is exactly 1; NaN stays NaN.
+///
+/// `x = n ln 2 + r` with `n` the nearest integer to `x log2 e` (`|r| <= ln 2 / 2`), `e^r` by its
+/// Taylor polynomial of degree 7 in Horner form (truncation below 1e-8 relatively, a tenth of an
+/// ulp) and `2^n` built in the exponent bits. Every lane runs the same fused multiply-adds, so a
+/// value's result does not depend on the lane it sits in or on the vector width.
 #[inline(always)]
-pub(crate) fn dot_simd<S: pulp::Simd>(simd: S, a: &[f32], b: &[f32]) -> f32 {
-    if S::F32_LANES != LANES {
-        return dot(a, b);
+pub(crate) fn exp_simd<S: pulp::Simd>(simd: S, x: S::f32s) -> S::f32s {
+    // ln 2^-126: below it e^x is subnormal (flushed to 0 here, like -inf).
+    const MIN: f32 = -87.336_544;
+    // 88 log2 e < 127, so 2^n stays a normal float.
+    const MAX: f32 = 88.0;
+    // 1.5 * 2^23: adding it rounds a float below 2^22 to the nearest integer (ties to even).
+    const ROUND: f32 = 12_582_912.0;
+    // ln 2 in two parts: the float nearest ln 2 and the rest.
+    const LN2_HI: f32 = std::f32::consts::LN_2;
+    const LN2_LO: f32 = -1.904_654_3e-9;
+    let clamped = simd.min_f32s(simd.max_f32s(x, simd.splat_f32s(MIN)), simd.splat_f32s(MAX));
+    let shifted = simd.mul_add_f32s(
+        clamped,
+        simd.splat_f32s(std::f32::consts::LOG2_E),
+        simd.splat_f32s(ROUND),
+    );
+    let n = simd.sub_f32s(shifted, simd.splat_f32s(ROUND));
+    let r = simd.mul_add_f32s(n, simd.splat_f32s(-LN2_HI), clamped);
+    let r = simd.mul_add_f32s(n, simd.splat_f32s(-LN2_LO), r);
+    // 1 + r + r²/2! + ... + r⁷/7!
+    let mut p = simd.splat_f32s(1.0 / 5040.0);
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = simd.mul_add_f32s(p, r, simd.splat_f32s(c));
     }
-    let (va, ta) = S::as_simd_f32s(a);
-    let (vb, tb) = S::as_simd_f32s(b);
-    let mut acc = simd.splat_f32s(0.0);
-    for (&x, &y) in va.iter().zip(vb) {
-        acc = simd.add_f32s(acc, simd.mul_f32s(x, y));
-    }
-    let mut lanes = [0.0f32; LANES];
-    lanes.copy_from_slice(bytemuck::cast_slice::<S::f32s, f32>(std::slice::from_ref(
-        &acc,
-    )));
-    let mut tail = 0.0f32;
-    for (x, y) in ta.iter().zip(tb) {
-        tail += x * y;
-    }
-    fold(lanes, tail)
+    // The low bits of `shifted` hold n (ROUND's low 23 bits are 0x400000, whose low 9 bits are
+    // 0): shifting n + 127 into the exponent field gives the bits of 2^n, n in -126..=127.
+    let biased = simd.add_u32s(simd.transmute_u32s_f32s(shifted), simd.splat_u32s(127));
+    let scale = simd.wrapping_dyn_shl_u32s(biased, simd.splat_u32s(23));
+    let e = simd.mul_f32s(p, simd.transmute_f32s_u32s(scale));
+    let e = simd.select_f32s(
+        simd.less_than_f32s(x, simd.splat_f32s(MIN)),
+        simd.splat_f32s(0.0),
+        e,
+    );
+    // NaN is the one value not equal to itself.
+    simd.select_f32s(simd.equal_f32s(x, x), e, x)
 }
 
 /// `Σ a_i²`, same order as [`dot`].
@@ -150,28 +180,11 @@ pub(crate) fn relu2(values: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pulp::WithSimd;
 
     #[test]
     fn scalar_kernels() {
         assert_eq!(dot(&[1.0; 19], &[2.0; 19]), 38.0);
-        // The explicit-vector form is the same function, bit for bit, on any lengths.
-        let a: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
-        let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.91).cos()).collect();
-        struct Both<'a>(&'a [f32], &'a [f32]);
-        impl pulp::WithSimd for Both<'_> {
-            type Output = Vec<(u32, u32)>;
-            fn with_simd<S: pulp::Simd>(self, simd: S) -> Self::Output {
-                (0..=self.0.len())
-                    .map(|n| {
-                        let (x, y) = (&self.0[..n], &self.1[..n]);
-                        (dot(x, y).to_bits(), dot_simd(simd, x, y).to_bits())
-                    })
-                    .collect()
-            }
-        }
-        for (plain, simd) in pulp::Arch::new().dispatch(Both(&a, &b)) {
-            assert_eq!(plain, simd);
-        }
         assert_eq!(sum_squares(&[3.0, 4.0]), 25.0);
         assert_eq!(softplus(30.0), 30.0);
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
@@ -184,5 +197,66 @@ mod tests {
         rms_norm(&[3.0, 4.0], &[1.0, 2.0], 0.0, &mut out);
         let inv = 1.0 / 12.5f32.sqrt();
         assert_eq!(out, [3.0 * inv, 2.0 * (4.0 * inv)]);
+    }
+
+    /// [`exp_simd`] of every value (padded to whole vectors with zeros).
+    struct ExpAll<'a>(&'a [f32]);
+
+    impl pulp::WithSimd for ExpAll<'_> {
+        type Output = Vec<f32>;
+
+        fn with_simd<S: pulp::Simd>(self, simd: S) -> Vec<f32> {
+            let mut values = self.0.to_vec();
+            values.resize(self.0.len().next_multiple_of(S::F32_LANES), 0.0);
+            let (vectors, _) = S::as_mut_simd_f32s(&mut values);
+            for v in vectors {
+                *v = exp_simd(simd, *v);
+            }
+            values.truncate(self.0.len());
+            values
+        }
+    }
+
+    /// Distance in units in the last place between two positive floats.
+    fn ulps(a: f32, b: f32) -> u32 {
+        a.to_bits().abs_diff(b.to_bits())
+    }
+
+    #[test]
+    fn vector_exp_is_within_one_ulp_and_exact_where_the_softmax_needs_it() {
+        // Every 9,973rd float from -87.3 to 0 (112,000 values), then steps of 0.01 up to 88.
+        let mut x: Vec<f32> = Vec::new();
+        let mut bits = (-87.3f32).to_bits();
+        while bits > 0x8000_0000 {
+            x.push(f32::from_bits(bits));
+            bits -= 9_973;
+        }
+        x.extend((0..=8800).map(|i| i as f32 / 100.0));
+        let fast = pulp::Arch::new().dispatch(ExpAll(&x));
+        // The same bits without vector instructions (the lanes never mix).
+        assert_eq!(
+            fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            ExpAll(&x)
+                .with_simd(pulp::Scalar::new())
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        );
+        let worst = x
+            .iter()
+            .zip(&fast)
+            .map(|(&x, &e)| ulps(e, (x as f64).exp() as f32))
+            .max();
+        assert_eq!(
+            worst,
+            Some(1),
+            "largest error in ulps over {} values",
+            x.len()
+        );
+        let special = [0.0, -0.0, f32::NEG_INFINITY, -87.34, -100.0, 1.0, f32::NAN];
+        let got = pulp::Arch::new().dispatch(ExpAll(&special));
+        assert_eq!(&got[..5], &[1.0, 1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(got[5], std::f32::consts::E);
+        assert!(got[6].is_nan());
     }
 }

@@ -189,12 +189,6 @@ impl KvPool {
             + (offset * self.kv_heads + head) * self.head_dim
     }
 
-    /// Distance from one position's key to the next position's in a block.
-    #[inline]
-    pub(crate) fn key_stride(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-
     /// Distance from a key to its value.
     #[inline]
     pub(crate) fn value_offset(&self) -> usize {
