@@ -87,7 +87,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[inline(always)]
 pub(crate) fn exp_simd<S: pulp::Simd>(simd: S, x: S::f32s) -> S::f32s {
     // ln 2^-126: below it e^x is subnormal (flushed to 0 here, like -inf).
-    const MIN: f32 = -87.336_544;
+    const MIN: f32 = -87.336_54;
     // 88 log2 e < 127, so 2^n stays a normal float.
     const MAX: f32 = 88.0;
     // 1.5 * 2^23: adding it rounds a float below 2^22 to the nearest integer (ties to even).
