@@ -1226,8 +1226,8 @@ const KEY_TILE: usize = 64;
 const QUERY_ROWS: usize = 8;
 /// Keys one pass of the score kernel reads at once (independent chains per query vector).
 const KEY_STEP: usize = 4;
-/// Value vectors one pass of the output kernel accumulates at once.
-const VALUE_STEP: usize = 4;
+/// Value vectors one pass of the output kernel accumulates at once (a 64-wide head on AVX2).
+const VALUE_STEP: usize = 8;
 
 /// What every attention task of one layer call reads.
 struct TileContext<'a> {
@@ -1384,7 +1384,8 @@ fn attend_tile<S: pulp::Simd>(simd: S, ctx: &TileContext<'_>, task: &mut TileTas
 }
 
 /// `scores[j * width + q] = (q · key j) * scale` for the tile's keys (`keys`: their indices into
-/// `data`) and every query lane; see [`attention`] for the order.
+/// `data`) and every query lane; see [`attention`] for the order. Two query vectors and
+/// [`KEY_STEP`] keys at a time: each key element is broadcast once for 16 queries.
 #[inline(always)]
 fn tile_scores<S: pulp::Simd>(
     simd: S,
@@ -1398,34 +1399,68 @@ fn tile_scores<S: pulp::Simd>(
     let hd = ctx.head_dim;
     let scale = simd.splat_f32s(ctx.scale);
     let (scores_v, _) = S::as_mut_simd_f32s(&mut scores[..keys.len() * vectors * S::F32_LANES]);
-    for v in 0..vectors {
-        let q = &queries_t[v * hd..(v + 1) * hd];
-        let mut steps = keys.chunks_exact(KEY_STEP);
-        let mut j = 0;
-        for step in &mut steps {
-            let [r0, r1, r2, r3]: [&[f32]; KEY_STEP] =
-                std::array::from_fn(|i| &data[step[i]..step[i] + hd]);
-            let mut acc = [simd.splat_f32s(0.0); KEY_STEP];
-            for ((((&qd, &k0), &k1), &k2), &k3) in q.iter().zip(r0).zip(r1).zip(r2).zip(r3) {
-                acc[0] = simd.mul_add_f32s(qd, simd.splat_f32s(k0), acc[0]);
-                acc[1] = simd.mul_add_f32s(qd, simd.splat_f32s(k1), acc[1]);
-                acc[2] = simd.mul_add_f32s(qd, simd.splat_f32s(k2), acc[2]);
-                acc[3] = simd.mul_add_f32s(qd, simd.splat_f32s(k3), acc[3]);
-            }
-            for (i, a) in acc.into_iter().enumerate() {
-                scores_v[(j + i) * vectors + v] = simd.mul_f32s(a, scale);
-            }
-            j += KEY_STEP;
+    let query = |v: usize| &queries_t[v * hd..(v + 1) * hd];
+    let mut v = 0;
+    while v < vectors {
+        if v + 2 <= vectors {
+            score_block(simd, [query(v), query(v + 1)], data, hd, keys, |j, i, s| {
+                scores_v[j * vectors + v + i] = simd.mul_f32s(s, scale);
+            });
+            v += 2;
+        } else {
+            score_block(simd, [query(v)], data, hd, keys, |j, _, s| {
+                scores_v[j * vectors + v] = simd.mul_f32s(s, scale);
+            });
+            v += 1;
         }
-        for &key in steps.remainder() {
-            let row = &data[key..key + hd];
-            let mut acc = simd.splat_f32s(0.0);
-            for (&qd, &kd) in q.iter().zip(row) {
-                acc = simd.mul_add_f32s(qd, simd.splat_f32s(kd), acc);
+    }
+}
+
+/// The fused multiply-add chains `Σ_d q[d] * key_j[d]` of `QV` query vectors against every key
+/// of `keys`, handed to `store(j, query vector, chain)`.
+#[inline(always)]
+fn score_block<S: pulp::Simd, const QV: usize>(
+    simd: S,
+    queries: [&[S::f32s]; QV],
+    data: &[f32],
+    hd: usize,
+    keys: &[usize],
+    mut store: impl FnMut(usize, usize, S::f32s),
+) {
+    let queries = queries.map(|q| &q[..hd]);
+    let mut steps = keys.chunks_exact(KEY_STEP);
+    let mut j = 0;
+    for step in &mut steps {
+        let rows: [&[f32]; KEY_STEP] = std::array::from_fn(|i| &data[step[i]..step[i] + hd]);
+        let mut acc = [[simd.splat_f32s(0.0); KEY_STEP]; QV];
+        for d in 0..hd {
+            let k: [S::f32s; KEY_STEP] = std::array::from_fn(|i| simd.splat_f32s(rows[i][d]));
+            for (acc, q) in acc.iter_mut().zip(&queries) {
+                for (a, &k) in acc.iter_mut().zip(&k) {
+                    *a = simd.mul_add_f32s(q[d], k, *a);
+                }
             }
-            scores_v[j * vectors + v] = simd.mul_f32s(acc, scale);
-            j += 1;
         }
+        for (i, acc) in acc.into_iter().enumerate() {
+            for (s, a) in acc.into_iter().enumerate() {
+                store(j + s, i, a);
+            }
+        }
+        j += KEY_STEP;
+    }
+    for &key in steps.remainder() {
+        let row = &data[key..key + hd];
+        let mut acc = [simd.splat_f32s(0.0); QV];
+        for (d, &x) in row.iter().enumerate() {
+            let k = simd.splat_f32s(x);
+            for (a, q) in acc.iter_mut().zip(&queries) {
+                *a = simd.mul_add_f32s(q[d], k, *a);
+            }
+        }
+        for (i, a) in acc.into_iter().enumerate() {
+            store(j, i, a);
+        }
+        j += 1;
     }
 }
 
@@ -1444,14 +1479,15 @@ fn accumulate_values<S: pulp::Simd>(
     value_offset: usize,
 ) {
     let lanes = S::F32_LANES;
+    let weights = &weights[..keys.len() * width];
     let (out_v, out_tail) = S::as_mut_simd_f32s(out);
     let whole = out_v.len() * lanes;
     let mut steps = out_v.chunks_exact_mut(VALUE_STEP);
     let mut first = 0;
     for step in &mut steps {
         let mut acc: [S::f32s; VALUE_STEP] = std::array::from_fn(|i| step[i]);
-        for (j, &key) in keys.iter().enumerate() {
-            let weight = simd.splat_f32s(weights[j * width + q]);
+        for (&key, &weight) in keys.iter().zip(weights[q..].iter().step_by(width)) {
+            let weight = simd.splat_f32s(weight);
             let at = key + value_offset + first;
             let (values, _) = S::as_simd_f32s(&data[at..at + VALUE_STEP * lanes]);
             for (a, &v) in acc.iter_mut().zip(values) {
@@ -1463,19 +1499,17 @@ fn accumulate_values<S: pulp::Simd>(
     }
     for o in steps.into_remainder() {
         let mut acc = *o;
-        for (j, &key) in keys.iter().enumerate() {
-            let weight = simd.splat_f32s(weights[j * width + q]);
+        for (&key, &weight) in keys.iter().zip(weights[q..].iter().step_by(width)) {
             let at = key + value_offset + first;
             let (values, _) = S::as_simd_f32s(&data[at..at + lanes]);
-            acc = simd.mul_add_f32s(weight, values[0], acc);
+            acc = simd.mul_add_f32s(simd.splat_f32s(weight), values[0], acc);
         }
         *o = acc;
         first += lanes;
     }
     for (d, o) in out_tail.iter_mut().enumerate() {
-        for (j, &key) in keys.iter().enumerate() {
-            let value = data[key + value_offset + whole + d];
-            *o = weights[j * width + q].mul_add(value, *o);
+        for (&key, &weight) in keys.iter().zip(weights[q..].iter().step_by(width)) {
+            *o = weight.mul_add(data[key + value_offset + whole + d], *o);
         }
     }
 }
