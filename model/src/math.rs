@@ -122,13 +122,13 @@ pub(crate) fn exp_simd<S: pulp::Simd>(simd: S, x: S::f32s) -> S::f32s {
     let biased = simd.add_u32s(simd.transmute_u32s_f32s(shifted), simd.splat_u32s(127));
     let scale = simd.wrapping_dyn_shl_u32s(biased, simd.splat_u32s(23));
     let e = simd.mul_f32s(p, simd.transmute_f32s_u32s(scale));
-    let e = simd.select_f32s(
+    let e = simd.select_f32s_m32s(
         simd.less_than_f32s(x, simd.splat_f32s(MIN)),
         simd.splat_f32s(0.0),
         e,
     );
     // NaN is the one value not equal to itself.
-    simd.select_f32s(simd.equal_f32s(x, x), e, x)
+    simd.select_f32s_m32s(simd.equal_f32s(x, x), e, x)
 }
 
 /// `Σ a_i²`, same order as [`dot`].
