@@ -834,7 +834,7 @@ impl Config {
             }
         };
         let kinds = |kinds: &[LayerKind]| kinds.iter().map(|k| k.block_type()).collect::<Vec<_>>();
-        let value = serde_json::json!({
+        let mut value = serde_json::json!({
             "architectures": ["NemotronHForCausalLM"],
             "model_type": "nemotron_h",
             "vocab_size": self.vocab_size,
@@ -874,8 +874,12 @@ impl Config {
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
             "pad_token_id": self.pad_token_id,
-            "max_position_embeddings": self.max_position_embeddings,
         });
+        // An undeclared context length is left out rather than written as `null`: transformers
+        // (5.x) rejects `"max_position_embeddings": null`, and an absent key reads back as `None`.
+        if let (Some(limit), Some(map)) = (self.max_position_embeddings, value.as_object_mut()) {
+            map.insert("max_position_embeddings".into(), limit.into());
+        }
         serde_json::to_string_pretty(&value).unwrap_or_default()
     }
 
@@ -992,6 +996,19 @@ mod tests {
         for config in [Config::tiny_demo(), Config::small_512()] {
             assert_eq!(Config::from_json_str(&config.to_hf_json()).unwrap(), config);
         }
+    }
+
+    /// transformers rejects `"max_position_embeddings": null`: an undeclared length is left out,
+    /// a declared one is written as the number.
+    #[test]
+    fn hf_json_leaves_out_an_undeclared_context_length() {
+        let undeclared: serde_json::Value =
+            serde_json::from_str(&Config::tiny_demo().to_hf_json()).unwrap();
+        assert_eq!(undeclared.get("max_position_embeddings"), None);
+        let mut config = Config::tiny_demo();
+        config.max_position_embeddings = Some(4096);
+        let declared: serde_json::Value = serde_json::from_str(&config.to_hf_json()).unwrap();
+        assert_eq!(declared["max_position_embeddings"], serde_json::json!(4096));
     }
 
     /// Replaces (or with `None` removes) top-level keys of the fixture config and parses it.
