@@ -356,14 +356,7 @@ fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Resu
             format!("row {row}'s sequence was released"),
         ));
     }
-    let track = inner.mtp.entry(tenure).or_default();
-    if pos < track.consumed || track.ring.contains_key(&pos) {
-        return Ok(EffectOutcome::Unit);
-    }
-    track.ring.insert(pos, data);
-    while track.ring.len() > crate::CATCHUP_RING {
-        // The oldest goes: the head skips it at its next catch-up.
-        track.ring.pop_first();
-    }
+    // A full ring forgets its oldest position: the head skips it at its next catch-up.
+    inner.mtp.entry(tenure).or_default().keep(pos, data);
     Ok(EffectOutcome::Unit)
 }

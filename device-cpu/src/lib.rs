@@ -178,25 +178,10 @@ pub enum RouterError {
 use router_book::book::{self, BookMut, BookShape};
 use router_book::{Caches, PendingFeed, RingEntry, SlotOwner, Tenure};
 
-/// Positions an MTP catch-up ring holds at most (a `Verify` of 4 drafts keeps 5).
-pub(crate) const CATCHUP_RING: usize = 16;
-
 /// A sequence's MTP head: the positions it has consumed and the main model's hidden states it
-/// has not consumed yet (the catch-up ring), by position.
-#[derive(Debug, Default)]
-pub(crate) struct MtpTrack {
-    /// The head's K/V and state cover positions `..consumed`.
-    pub consumed: usize,
-    pub ring: BTreeMap<usize, Vec<f32>>,
-}
-
-impl MtpTrack {
-    /// Forgets the ring's positions at and past `len` (dropped by a truncation or rollback).
-    pub fn forget_from(&mut self, len: usize) {
-        self.ring.retain(|&pos, _| pos < len);
-        self.consumed = self.consumed.min(len);
-    }
-}
+/// has not consumed yet (the catch-up ring), by position (`router_book::spec`'s, holding host
+/// floats).
+pub(crate) type MtpTrack = router_book::spec::MtpTrack<Vec<f32>>;
 
 /// The hidden states a step kept (decode and verify rows on a model with an MTP head), for
 /// `SaveHiddenCatchup`.
@@ -230,8 +215,6 @@ pub(crate) struct Inner {
     pub tenures: BTreeMap<u64, Tenure>,
     pub ring: Vec<Option<RingEntry>>,
     pub next_step: u64,
-    /// Blocks a plan reserved and has not handed to its rows yet (empty between calls).
-    pub fresh: Vec<u32>,
     pub executor: Executor,
     pub unsettled: VecDeque<u64>,
     pub stash: BTreeMap<u64, Result<StepResult<LogitsHandle>>>,
@@ -329,7 +312,12 @@ impl Inner {
 
     /// The tables the shared bookkeeping works on.
     pub fn book(&mut self) -> BookMut<'_> {
-        BookMut {
+        self.book_and_tracks().0
+    }
+
+    /// The shared bookkeeping's tables and the MTP catch-up rings, borrowed together.
+    pub fn book_and_tracks(&mut self) -> (BookMut<'_>, &mut BTreeMap<u64, MtpTrack>) {
+        let book = BookMut {
             cache: &mut self.cache,
             slots: &mut self.slots,
             tenures: &mut self.tenures,
@@ -337,7 +325,8 @@ impl Inner {
             pending: &mut self.pending,
             resolved: &mut self.resolved,
             failed: &mut self.failed,
-        }
+        };
+        (book, &mut self.mtp)
     }
 
     /// Brings a sequence up to date with what the device finished since it was last seen:
@@ -368,10 +357,6 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    pub fn ring_row(&self, slot: usize) -> usize {
-        self.max_seqs + self.checkpoint_slots + slot
-    }
-
     /// The sizes the shared bookkeeping checks against.
     pub fn book(&self) -> BookShape {
         BookShape {
@@ -566,7 +551,6 @@ impl CpuRouter {
             tenures: BTreeMap::new(),
             ring: vec![None; snapshot_slots],
             next_step: 1,
-            fresh: Vec::new(),
             executor,
             unsettled: VecDeque::new(),
             stash: BTreeMap::new(),

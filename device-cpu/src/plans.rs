@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use device_io::{DeviceError, Readback, Result};
+use device_io::{Readback, Result};
 
 use crate::device::{DecodeJobRow, MtpChunk, Op, StepJob};
 use crate::{CpuSeq, Inner, Shape};
@@ -22,10 +22,6 @@ use router_book::book::BookMut;
 use router_book::plans::{self as shared, FeedSources, PrefillOp};
 
 pub(crate) use router_book::plans::Inputs;
-
-pub(crate) fn invalid(what: &'static str, detail: String) -> DeviceError {
-    DeviceError::Invalid { what, detail }
-}
 
 /// How the host gets a step's token positions back: the masks (flattened, empty for none) and
 /// where host logits go.
@@ -50,14 +46,6 @@ fn host_sink(readback: Readback<'_>) -> Option<&mut Vec<f32>> {
         Readback::HostLogits { into } => Some(into),
         Readback::Argmax | Readback::ArgmaxMasked { .. } => None,
     }
-}
-
-/// Takes `count` blocks into `inner.fresh`, evicting cached ones if the free list runs dry; on
-/// failure gives back what it took and answers the typed error.
-pub(crate) fn reserve_blocks(inner: &mut Inner, count: usize) -> Result<()> {
-    inner.fresh.clear();
-    inner.fresh = shared::reserve_blocks(&mut inner.cache, count)?;
-    Ok(())
 }
 
 /// A validated plan's job, and where its host logits go (when asked for).
@@ -227,17 +215,4 @@ pub(crate) fn decode<'a>(
         });
     }
     Ok((job, host_sink(readback)))
-}
-
-/// Refuses a row that cannot take a decode-like step: failed, foreign, without a slot, rolled
-/// back, with its prompt incomplete, or past the context after `extra` more positions.
-pub(crate) fn check_row(
-    shape: &Shape,
-    inner: &Inner,
-    what: &'static str,
-    i: usize,
-    seq: &CpuSeq,
-    extra: usize,
-) -> Result<()> {
-    shared::check_row(&shape.book(), &inner.tenures, what, i, seq, extra)
 }

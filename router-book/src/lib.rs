@@ -12,6 +12,9 @@
 //! - [`plans`]: the plans' bookkeeping (`Prefill` with the prefix cache's attach, Marconi
 //!   checkpoints restored and taken, chunking and blocks; `Decode` / `DecodeFed` with the fed
 //!   inputs; the row checks), turned into an ordered list of device work the router runs;
+//! - [`spec`]: the speculative plans' bookkeeping, in the same three phases (`Verify`: its
+//!   checks, the blocks and reservation ledger entry of each row, the snapshot ring's entries;
+//!   `Draft`: the MTP catch-up rings, the rows that draft, the blocks lent to draft positions);
 //! - [`image`]: the spill image format, its writer and its validating reader;
 //! - [`events`]: the prefix cache's events (`device_io`'s cache event bus) in kv-cache's
 //!   hash-chain key scheme, whichever index holds the blocks.
@@ -25,6 +28,7 @@ pub mod events;
 pub mod image;
 pub mod plans;
 pub mod seq;
+pub mod spec;
 
 pub use book::{BookMut, BookShape, PendingFeed, RingEntry, SlotOwner, Tenure, FED_PLACEHOLDER};
 pub use cache::{Attach, CacheConfig, CacheStats, Caches, CheckpointSlot, PinHandle};

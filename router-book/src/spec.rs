@@ -1,0 +1,424 @@
+//! The speculative plans' bookkeeping, shared by every router: `Verify` (a row's next token and
+//! its drafts as one run of the main model), in the three phases of [`crate::plans`] (validate,
+//! reserve, commit), so a refused plan changes nothing and both routers refuse alike.
+//!
+//! # Verify
+//!
+//! Row `i` feeds `inputs[i]` at positions `c..c + n` (`c` its `computed_len`): the blocks those
+//! positions need are taken and recorded in the row's reservation ledger entry (committing the
+//! one before, as `ReserveKv` does), the tokens and the length move to the run's end, and
+//! `snapshots[i][j]` becomes a ring entry of this sequence at position `c + j + 1` holding the
+//! main model's Mamba layers only (`RingEntry::main_only`): the router writes the state after
+//! input `j` there as the run passes. `TruncateKv` and `SsmSnapshotRestore` then keep the
+//! accepted positions. The plan reaches no token position in the sense of a decode (no feed
+//! cell, `token_rows` all `None`): every position's argmax comes back as the row's run.
+//!
+//! # Draft
+//!
+//! A row drafts when its MTP catch-up ring ([`MtpTrack`]) holds position `c - 1` (the main
+//! model's hidden state there, kept by a prefill or by `SaveHiddenCatchup`); the head first
+//! consumes the ring's contiguous positions up to `c - 1` (the last one with the row's next
+//! token), for good; then the router drafts `k` tokens on a scratch copy of the head's state.
+//! Blocks the sequence does not hold for the draft positions are lent for the step only. A row
+//! whose ring lacks `c - 1` drafts nothing.
+
+use std::ops::Range;
+
+use device_io::{DeviceError, Readback, Result};
+
+use crate::book::{BookMut, BookShape, RingEntry};
+use crate::plans::{check_row, readback_masks, reserve_blocks, StepBook};
+use crate::{Reservation, RouterSeq};
+
+fn invalid(what: &'static str, detail: String) -> DeviceError {
+    DeviceError::Invalid { what, detail }
+}
+
+/// Refuses a token outside the vocabulary.
+pub fn check_token(shape: &BookShape, what: &'static str, i: usize, token: u32) -> Result<()> {
+    let vocab_size = shape.layout.vocab_size;
+    if token as usize >= vocab_size {
+        return Err(invalid(
+            what,
+            format!("row {i} feeds token id {token}, outside the vocabulary of {vocab_size}"),
+        ));
+    }
+    Ok(())
+}
+
+/// One row of a committed `Verify`: its tokens at positions `start..start + tokens.len()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyRow {
+    /// The row's tokens in [`VerifyPlan::tokens`].
+    pub tokens: Range<usize>,
+    /// The position of its first token.
+    pub start: usize,
+    /// Its live state slot.
+    pub slot: usize,
+    /// Its block table in [`StepBook::blocks`] (covering the run's end).
+    pub blocks: Range<usize>,
+    /// On a hybrid model, when the plan names snapshot slots: the state rows (ring rows) that
+    /// receive the main model's Mamba state after each of the row's first `tokens.len() - 1`
+    /// inputs; else `None`.
+    pub snapshots: Option<Vec<usize>>,
+}
+
+/// A committed `Verify`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VerifyPlan {
+    /// Tables and tenures (no masks; no row reaches a decode's token position).
+    pub step: StepBook,
+    /// Every row's inputs, row after row.
+    pub tokens: Vec<u32>,
+    /// The rows, in plan order.
+    pub rows: Vec<VerifyRow>,
+}
+
+/// `Verify`: validates every row (inputs, readback, snapshot slots: distinct, inside the ring,
+/// one per draft), reserves the blocks the rows' positions need, then commits (see the module
+/// docs). `ArgmaxMasked` is `Unsupported`.
+pub fn verify(
+    shape: &BookShape,
+    book: &mut BookMut<'_>,
+    inputs: &[&[u32]],
+    snapshots: &[&[usize]],
+    readback: &Readback<'_>,
+    rows: &mut [&mut RouterSeq],
+) -> Result<VerifyPlan> {
+    const WHAT: &str = "Verify";
+    // Phase 1: validate.
+    if inputs.len() != rows.len() {
+        return Err(invalid(
+            WHAT,
+            format!("{} inputs for {} rows", inputs.len(), rows.len()),
+        ));
+    }
+    if matches!(readback, Readback::ArgmaxMasked { .. }) {
+        return Err(DeviceError::Unsupported {
+            what: "Verify with ArgmaxMasked",
+        });
+    }
+    readback_masks(shape, WHAT, rows.len(), readback)?;
+    if !snapshots.is_empty() && snapshots.len() != rows.len() {
+        return Err(invalid(
+            WHAT,
+            format!("{} snapshot lists for {} rows", snapshots.len(), rows.len()),
+        ));
+    }
+    let mut ring_used = vec![false; shape.snapshot_slots];
+    for (i, (seq, input)) in rows.iter().zip(inputs).enumerate() {
+        if input.is_empty() {
+            return Err(invalid(WHAT, format!("row {i} feeds no token")));
+        }
+        check_row(shape, book.tenures, WHAT, i, seq, input.len())?;
+        for &token in input.iter() {
+            check_token(shape, WHAT, i, token)?;
+        }
+        if let Some(slots) = snapshots.get(i) {
+            if slots.len() != input.len() - 1 {
+                return Err(invalid(
+                    WHAT,
+                    format!(
+                        "row {i} names {} snapshot slots for {} drafts",
+                        slots.len(),
+                        input.len() - 1
+                    ),
+                ));
+            }
+            for &slot in slots.iter() {
+                if slot >= shape.snapshot_slots {
+                    return Err(invalid(
+                        WHAT,
+                        format!(
+                            "ring slot {slot} is outside the {} snapshot slots",
+                            shape.snapshot_slots
+                        ),
+                    ));
+                }
+                if std::mem::replace(&mut ring_used[slot], true) {
+                    return Err(invalid(WHAT, format!("ring slot {slot} is named twice")));
+                }
+            }
+        }
+    }
+
+    // Phase 2: reserve the blocks every row's positions need.
+    let needs = |seq: &RouterSeq, n: usize| {
+        (seq.computed_len + n)
+            .div_ceil(shape.block_size)
+            .saturating_sub(seq.blocks.len())
+    };
+    let total: usize = rows
+        .iter()
+        .zip(inputs)
+        .map(|(seq, input)| needs(seq, input.len()))
+        .sum();
+    let mut fresh = reserve_blocks(book.cache, total)?;
+
+    // Phase 3: commit.
+    let mut plan = VerifyPlan::default();
+    for (i, (seq, input)) in rows.iter_mut().zip(inputs).enumerate() {
+        let n = input.len();
+        let added: Vec<u32> = (0..needs(seq, n))
+            .map(|_| fresh.pop().expect("reserved above"))
+            .collect();
+        seq.blocks.extend_from_slice(&added);
+        if let Some(superseded) = seq.reservation.take().and_then(|r| r.superseded) {
+            book.cache.free_checkpoint_slot(superseded.1);
+        }
+        let c = seq.computed_len;
+        seq.reservation = Some(Reservation {
+            at: c,
+            blocks: added,
+            superseded: None,
+        });
+        let tenure = seq.tenure.expect("validated");
+        let slot = seq.slot.expect("validated");
+        let mut rows_snapshots = None;
+        if let Some(slots) = snapshots.get(i) {
+            for (j, &ring) in slots.iter().enumerate() {
+                book.ring[ring] = Some(RingEntry {
+                    tenure,
+                    pos: c + j + 1,
+                    main_only: true,
+                });
+            }
+            if shape.hybrid {
+                rows_snapshots = Some(slots.iter().map(|&ring| shape.ring_row(ring)).collect());
+            }
+        }
+        let blocks = plan.step.blocks.len()..plan.step.blocks.len() + seq.blocks.len();
+        plan.step.blocks.extend_from_slice(&seq.blocks);
+        let tokens = plan.tokens.len()..plan.tokens.len() + n;
+        plan.tokens.extend_from_slice(input);
+        plan.rows.push(VerifyRow {
+            tokens,
+            start: c,
+            slot,
+            blocks,
+            snapshots: rows_snapshots,
+        });
+        seq.tokens.extend_from_slice(input);
+        seq.computed_len += n;
+        // A boundary inside the run passed with the state moving on; one at its end is offered
+        // once the core has kept it (`TruncateKv`).
+        seq.checkpoint_due = false;
+        plan.step.token_rows.push(None);
+        plan.step.tenures.push(tenure);
+    }
+    Ok(plan)
+}
+
+/// Positions an MTP catch-up ring holds at most (a `Verify` of 4 drafts keeps 5), and so the
+/// most drafts a `Draft` step makes per row.
+pub const CATCHUP_RING: usize = 16;
+
+/// A sequence's MTP head: the positions it has consumed and the main model's hidden states it
+/// has not consumed yet (the catch-up ring), by position; `H` is how the router holds one
+/// hidden state (host floats, a device cell).
+#[derive(Debug)]
+pub struct MtpTrack<H> {
+    /// The head's K/V and state cover positions `..consumed`.
+    pub consumed: usize,
+    /// Hidden states by position.
+    pub ring: std::collections::BTreeMap<usize, H>,
+}
+
+impl<H> Default for MtpTrack<H> {
+    fn default() -> Self {
+        MtpTrack {
+            consumed: 0,
+            ring: std::collections::BTreeMap::new(),
+        }
+    }
+}
+
+impl<H> MtpTrack<H> {
+    /// Forgets the ring's positions at and past `len` (dropped by a truncation or rollback);
+    /// answers what it dropped.
+    pub fn forget_from(&mut self, len: usize) -> Vec<H> {
+        let dropped = self.ring.split_off(&len).into_values().collect();
+        self.consumed = self.consumed.min(len);
+        dropped
+    }
+
+    /// `SaveHiddenCatchup`'s rule: a position the head consumed or the ring holds is not saved
+    /// again (`hidden` comes back); else it is kept, and a ring over [`CATCHUP_RING`] forgets its
+    /// oldest positions (they come back: the head skips them at its next catch-up).
+    pub fn keep(&mut self, pos: usize, hidden: H) -> Vec<H> {
+        if pos < self.consumed || self.ring.contains_key(&pos) {
+            return vec![hidden];
+        }
+        self.ring.insert(pos, hidden);
+        let mut forgotten = Vec::new();
+        while self.ring.len() > CATCHUP_RING {
+            if let Some((_, oldest)) = self.ring.pop_first() {
+                forgotten.push(oldest);
+            }
+        }
+        forgotten
+    }
+}
+
+/// A drafting row's catch-up: the head consumes positions `start..start + hidden.len()`, the
+/// last of them the sequence's latest, fed the token after each (`tokens`, the last the row's
+/// next token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Catchup<H> {
+    /// The first position consumed.
+    pub start: usize,
+    /// The token after each position.
+    pub tokens: Vec<u32>,
+    /// The main model's hidden state at each position, taken out of the ring.
+    pub hidden: Vec<H>,
+}
+
+/// One row of a committed `Draft`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraftRow<H> {
+    /// The catch-up, when the row drafts (its ring held its latest position); `None`: it drafts
+    /// nothing.
+    pub catchup: Option<Catchup<H>>,
+    /// The position of the row's next token (its `computed_len`).
+    pub next_pos: usize,
+    /// Its block table in [`StepBook::blocks`], with blocks lent for the draft positions.
+    pub blocks: Range<usize>,
+    /// Its live state slot.
+    pub slot: usize,
+}
+
+/// A committed `Draft`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraftPlan<H> {
+    /// Tables and tenures (no row reaches a token position).
+    pub step: StepBook,
+    /// The rows, in plan order.
+    pub rows: Vec<DraftRow<H>>,
+    /// Blocks lent to the draft positions the sequences do not cover: the router gives them
+    /// back (`Caches::release`) once the step's device work is queued, since device work runs
+    /// in order and nothing later sees them before the step finished.
+    pub lent: Vec<u32>,
+    /// Hidden states the rings forgot (positions behind a gap, which the head now skips).
+    pub dropped: Vec<H>,
+}
+
+/// `Draft`: validates every row (tokens, `k` in `1..=CATCHUP_RING`), picks the rows whose ring
+/// holds their latest position, lends blocks for their draft positions, then takes each
+/// drafting row's catch-up out of its ring for good (see `device-cpu`'s `spec` module docs).
+pub fn draft<H>(
+    shape: &BookShape,
+    book: &mut BookMut<'_>,
+    tracks: &mut std::collections::BTreeMap<u64, MtpTrack<H>>,
+    tokens: &[u32],
+    k: usize,
+    rows: &mut [&mut RouterSeq],
+) -> Result<DraftPlan<H>> {
+    const WHAT: &str = "Draft";
+    // Phase 1: validate.
+    if tokens.len() != rows.len() {
+        return Err(invalid(
+            WHAT,
+            format!("{} tokens for {} rows", tokens.len(), rows.len()),
+        ));
+    }
+    if k == 0 {
+        return Err(invalid(
+            WHAT,
+            "k is 0; draft at least one token".to_string(),
+        ));
+    }
+    if k > CATCHUP_RING {
+        return Err(invalid(
+            WHAT,
+            format!("k is {k}, at most {CATCHUP_RING} drafts per step"),
+        ));
+    }
+    for (i, (seq, &token)) in rows.iter().zip(tokens).enumerate() {
+        check_row(shape, book.tenures, WHAT, i, seq, k)?;
+        check_token(shape, WHAT, i, token)?;
+    }
+
+    // Which rows draft: those whose ring holds their latest position.
+    let drafting: Vec<bool> = rows
+        .iter()
+        .map(|seq| {
+            let c = seq.computed_len;
+            c > 0
+                && seq.tenure.is_some_and(|tenure| {
+                    tracks
+                        .get(&tenure)
+                        .is_some_and(|track| track.ring.contains_key(&(c - 1)))
+                })
+        })
+        .collect();
+
+    // Phase 2: blocks for the draft positions the sequences do not cover, for this step only.
+    let needs = |seq: &RouterSeq| {
+        (seq.computed_len + k - 1)
+            .div_ceil(shape.block_size)
+            .saturating_sub(seq.blocks.len())
+    };
+    let total: usize = rows
+        .iter()
+        .zip(&drafting)
+        .filter(|(_, &d)| d)
+        .map(|(seq, _)| needs(seq))
+        .sum();
+    let lent = reserve_blocks(book.cache, total)?;
+    let mut spare = lent.iter().copied();
+
+    // Phase 3: commit (the catch-up is for good; the drafts are not).
+    let mut plan = DraftPlan {
+        step: StepBook::default(),
+        rows: Vec::with_capacity(rows.len()),
+        lent: Vec::new(),
+        dropped: Vec::new(),
+    };
+    for ((seq, &token), &drafts) in rows.iter().zip(tokens).zip(&drafting) {
+        let tenure = seq.tenure.expect("validated");
+        let slot = seq.slot.expect("validated");
+        let c = seq.computed_len;
+        let start_block = plan.step.blocks.len();
+        plan.step.blocks.extend_from_slice(&seq.blocks);
+        let mut catchup = None;
+        if drafts {
+            plan.step.blocks.extend(spare.by_ref().take(needs(seq)));
+            let track = tracks.get_mut(&tenure).expect("checked above");
+            // The ring's contiguous positions ending at `c - 1`, from the first not consumed.
+            let mut start = c - 1;
+            while start > track.consumed && track.ring.contains_key(&(start - 1)) {
+                start -= 1;
+            }
+            let mut next = Vec::with_capacity(c - start);
+            let mut hidden = Vec::with_capacity(c - start);
+            for pos in start..c {
+                hidden.push(track.ring.remove(&pos).expect("contiguous above"));
+                next.push(if pos + 1 < c {
+                    seq.tokens[pos + 1]
+                } else {
+                    token
+                });
+            }
+            // Positions before `start` (a gap in the ring) are behind the head now: forgotten.
+            let newer = track.ring.split_off(&c);
+            plan.dropped
+                .extend(std::mem::replace(&mut track.ring, newer).into_values());
+            track.consumed = c;
+            catchup = Some(Catchup {
+                start,
+                tokens: next,
+                hidden,
+            });
+        }
+        plan.rows.push(DraftRow {
+            catchup,
+            next_pos: c,
+            blocks: start_block..plan.step.blocks.len(),
+            slot,
+        });
+        plan.step.token_rows.push(None);
+        plan.step.tenures.push(tenure);
+    }
+    plan.lent = lent;
+    Ok(plan)
+}
