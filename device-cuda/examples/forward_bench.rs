@@ -228,6 +228,7 @@ fn parity(rt: &dyn Runtime, name: &str, dtype: DType) -> (f32, bool) {
                 len: tokens.len(),
                 slot: 0,
                 blocks: &table,
+                snapshots: &[],
             }];
             let ours = device.step(rt, &runs, &tokens, &[tokens.len() as u32 - 1]);
             for (a, b) in ours.iter().zip(&host) {
@@ -332,6 +333,7 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
             len: n,
             slot: 0,
             blocks: &table,
+            snapshots: &[],
         }];
         let out = StepOutput {
             logit_rows: &rows,
@@ -453,6 +455,7 @@ fn bench(rt: &dyn Runtime, config: &Config, big: bool) -> bool {
                     len: 1,
                     slot: s,
                     blocks: &tables[s],
+                    snapshots: &[],
                 })
                 .collect();
             device
@@ -500,6 +503,7 @@ fn bench(rt: &dyn Runtime, config: &Config, big: bool) -> bool {
                 len: part.len(),
                 slot: 0,
                 blocks: &table,
+                snapshots: &[],
             }];
             device.step(rt, &runs, part, &[part.len() as u32 - 1]);
         }

@@ -1,5 +1,6 @@
 //! `cargo xtask gpu-check` runs this on a machine with an NVIDIA GPU: every kernel on the
-//! `CudaRuntime` against the same inputs on `SimRuntime`, a router step (prefill and decode) on both, the router's
+//! `CudaRuntime` against the same inputs on `SimRuntime`, router steps (prefill, decode, and a
+//! speculative verification with its rewind) on both, the router's
 //! effects on both from the same spill images (outcomes, images and state rows bit for bit), and the
 //! device-to-device bandwidth of the copies the effects make (slot compaction, snapshot copies,
 //! the spill gather) against one plain `cuMemcpyDtoDAsync` of the same bytes (target: at least
@@ -275,17 +276,20 @@ fn bandwidth(rt: &dyn Runtime) -> bool {
     ok
 }
 
-/// One router step on both runtimes: a 21-token prefill with host logits and a decode, bf16
-/// weights; the logits agree within 1e-3 relative and the tokens are the same.
+/// Router steps on both runtimes, bf16 weights: a 21-token prefill with host logits, a decode,
+/// then a speculative verification (the next token and three drafts in one run, the Mamba
+/// state after each draft written to the ring), `TruncateKv` keeping two positions with the
+/// `SsmSnapshotRestore` of the snapshot there, and one more decode with host logits; the logits
+/// agree within 1e-3 relative and the tokens are the same.
 fn step_check(gpu: CudaRuntime) -> bool {
-    use device_io::{DeviceIo, Readback, SeqSpec, Sequence, StepPlan};
+    use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
     let model = Model::random(Config::tiny_demo(), 7).unwrap();
     let config = CudaRouterConfig {
         max_step_tokens: 64,
         ..CudaRouterConfig::new(256 << 20, 4, 256)
     };
     let prompt: Vec<u32> = (0..21).map(|i| (i * 37 + 5) % 256).collect();
-    let run = |router: &CudaRouter| -> (Vec<f32>, Option<u32>) {
+    let run = |router: &CudaRouter| -> (Vec<f32>, Option<(u32, Vec<u32>)>) {
         let mut seq = router_book::RouterSeq::create(SeqSpec {
             id: 1,
             prompt: &prompt,
@@ -305,7 +309,48 @@ fn step_check(gpu: CudaRuntime) -> bool {
         };
         let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
         let token = router.await_result(ticket).unwrap().rows[0].token;
-        (logits, token)
+        let next = token.unwrap_or(0);
+        let inputs = [next, 7, 11, 13];
+        let mut verified = Vec::new();
+        let plan = StepPlan::Verify {
+            inputs: &[&inputs],
+            snapshots: &[&[0, 1, 2]],
+            readback: Readback::HostLogits {
+                into: &mut verified,
+            },
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        let argmax = router.await_result(ticket).unwrap().tokens;
+        let keep = seq.computed_len - 2;
+        router
+            .apply(Effect::TruncateKv {
+                seq: &mut seq,
+                len: keep,
+            })
+            .unwrap();
+        router
+            .apply(Effect::SsmSnapshotRestore {
+                seq: &mut seq,
+                slot: 1,
+            })
+            .unwrap();
+        let mut after = Vec::new();
+        let plan = StepPlan::Decode {
+            tokens: &[argmax[1]],
+            readback: Readback::HostLogits { into: &mut after },
+        };
+        let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
+        router.await_result(ticket).unwrap();
+        router
+            .apply(Effect::ReleaseSeq {
+                seq: &mut seq,
+                cache: false,
+                what: "done",
+            })
+            .unwrap();
+        logits.extend(verified);
+        logits.extend(after);
+        (logits, token.map(|t| (t, argmax)))
     };
     let on_gpu = CudaRouter::new(&model, Box::new(gpu), config.clone()).unwrap();
     let on_sim = CudaRouter::sim(&model, config).unwrap();
@@ -317,7 +362,7 @@ fn step_check(gpu: CudaRuntime) -> bool {
             .zip(&b)
             .all(|(x, y)| (x - y).abs() <= 1e-3 * (1.0 + y.abs()));
     println!(
-        "gpu-check: router prefill + decode step (bf16 weights) vs SimRuntime {}",
+        "gpu-check: router prefill, decode and verify steps (bf16 weights) vs SimRuntime {}",
         if ok { "ok" } else { "MISMATCH" }
     );
     ok

@@ -21,12 +21,15 @@ __device__ __forceinline__ float mamba_softplus(float a) { return a > 20.0f ? a 
 
 // Grid: (ceil(conv_dim / blockDim.x), runs). One thread per (run, channel) walks the run's tokens
 // in order: conv over the K-1 previous inputs and this one, bias, SiLU into `out` [rows, conv_dim];
-// the last K-1 inputs go back to the slot's conv history.
+// the last K-1 inputs go back to the slot's conv history. `snapshots` (null, or one word per row:
+// a state slot, or any value >= num_slots for none) receives the history as it is after the
+// row's token: a verification's rewind points.
 extern "C" __global__ void mamba_conv(float* out, const float* proj, float* states, const float* weight,
                                       const float* bias, const unsigned int* runs, unsigned int num_runs,
                                       unsigned int num_rows, unsigned int conv_dim, unsigned int proj_dim,
                                       unsigned int xbc_offset, unsigned int kernel, unsigned long long slot_floats,
-                                      unsigned long long layer_offset, unsigned int num_slots) {
+                                      unsigned long long layer_offset, unsigned int num_slots,
+                                      const unsigned int* snapshots) {
     unsigned int run = blockIdx.y;
     unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (run >= num_runs || c >= conv_dim || kernel == 0 || kernel > MAMBA_MAX_HISTORY + 1) return;
@@ -49,6 +52,13 @@ extern "C" __global__ void mamba_conv(float* out, const float* proj, float* stat
         if (keep > 0) {
             for (unsigned int j = 0; j + 1 < keep; ++j) hist[j] = hist[j + 1];
             hist[keep - 1] = x;
+        }
+        if (snapshots) {
+            unsigned int snap = snapshots[row];
+            if (snap < num_slots) {
+                float* copy = states + (size_t)snap * slot_floats + layer_offset;
+                for (unsigned int j = 0; j < keep; ++j) copy[(size_t)j * conv_dim + c] = hist[j];
+            }
         }
     }
     for (unsigned int j = 0; j < keep; ++j) history[(size_t)j * conv_dim + c] = hist[j];
@@ -159,6 +169,8 @@ extern "C" __global__ void mamba_ssm_chunked(float* y, const float* xbc, const f
 // operations in the same order whatever run it is part of and wherever the run starts, so a
 // position's output and state do not depend on how the sequence was cut into runs (prefix hits,
 // prefill chunks, decode rows): the bit-exact scan (forward.rs `SsmScan::Sequential`).
+// `snapshots` (null, or one word per row: a state slot, or any value >= num_slots for none)
+// receives the head's state as it is after the row's token: a verification's rewind points.
 extern "C" __global__ void mamba_ssm_run(float* y, const float* xbc, const float* proj, float* states,
                                          const float* dt_bias, const float* a, const float* d_skip,
                                          const unsigned int* runs, unsigned int num_runs, unsigned int num_rows,
@@ -166,7 +178,7 @@ extern "C" __global__ void mamba_ssm_run(float* y, const float* xbc, const float
                                          unsigned int groups, unsigned int conv_dim, unsigned int proj_dim,
                                          unsigned int dt_offset, unsigned long long slot_floats,
                                          unsigned long long ssm_offset, unsigned int num_slots, float dt_min,
-                                         unsigned int max_len) {
+                                         unsigned int max_len, const unsigned int* snapshots) {
     unsigned int head = blockIdx.x;
     unsigned int run = blockIdx.y;
     if (run >= num_runs || head >= heads || groups == 0 || heads % groups != 0) return;
@@ -190,10 +202,16 @@ extern "C" __global__ void mamba_ssm_run(float* y, const float* xbc, const float
             const float* b = v + inner + g * state;
             const float* c = v + inner + (groups + g) * state;
             float x = v[head * head_dim + p];
+            float* copy = nullptr;
+            if (snapshots && snapshots[row] < num_slots) {
+                copy = states + (size_t)snapshots[row] * slot_floats + ssm_offset +
+                       ((size_t)head * head_dim + p) * state;
+            }
             float acc = 0.0f;
             for (unsigned int n = lane; n < state; n += 32) {
                 float next = sp[n] * decay + (dt * b[n]) * x;
                 sp[n] = next;
+                if (copy) copy[n] = next;
                 acc += next * c[n];
             }
             acc = warp_sum(acc);

@@ -706,9 +706,9 @@ impl Workspace {
             cursor = align(cursor + bytes.max(1));
             r
         };
-        // Row positions and runs, runs, tables, logit rows, and the attention plan (tiles of two
-        // words and single rows: at most two words a row).
-        let desc_words = 2 * m + 6 * limits.max_runs + limits.max_table + m + 2 * m;
+        // Row positions and runs, runs, tables, logit rows, the attention plan (tiles of two
+        // words and single rows: at most two words a row), and the rows' snapshot slots.
+        let desc_words = 2 * m + 6 * limits.max_runs + limits.max_table + m + 2 * m + m;
         let ws = Workspace {
             limits,
             partial_entries,
@@ -764,6 +764,11 @@ pub struct StepRun<'a> {
     /// The sequence's block table; covers `start_pos + len` positions when the model has
     /// attention.
     pub blocks: &'a [u32],
+    /// Empty, or the state slots that receive the Mamba state (every Mamba layer of the stack
+    /// the step runs) as it is after each of the run's first `snapshots.len()` tokens (at most
+    /// `len`): a verification's rewind points. Distinct across the step, and none a run's slot.
+    /// A step with snapshots scans token by token whatever the [`ForwardMode`].
+    pub snapshots: &'a [usize],
 }
 
 /// The device's KV pool and state slots, in the host model's layouts.
@@ -888,8 +893,12 @@ impl Staging {
 /// Which stack a step runs, and its hidden streams.
 #[derive(Debug, Clone, Copy)]
 enum Entry {
-    /// The main model; `hidden_out` takes the final-normed rows of the logit rows.
-    Main { hidden_out: Option<DeviceSlice> },
+    /// The main model; `hidden_out` takes the final-normed rows of the logit rows, or of every
+    /// row with `all_rows`.
+    Main {
+        hidden_out: Option<DeviceSlice>,
+        all_rows: bool,
+    },
     /// The MTP head over `hidden_in` (one row per step row).
     Mtp {
         hidden_in: DeviceSlice,
@@ -900,8 +909,11 @@ enum Entry {
 /// A checked step's descriptor (see [`DeviceModel::describe`]).
 struct Described {
     /// Row positions, row runs, runs (six words each), block tables, logit rows, attention
-    /// tiles (two words each), attention single rows.
+    /// tiles (two words each), attention single rows, and (when a run has any) each row's
+    /// snapshot slot (`u32::MAX`: none).
     words: Vec<u32>,
+    /// Whether the descriptor ends with the rows' snapshot slots.
+    snapshots: bool,
     /// Each run's length.
     lens: Vec<usize>,
     rows: usize,
@@ -1217,6 +1229,10 @@ impl DeviceModel {
         let mut tables = Vec::new();
         let mut slots = Vec::with_capacity(runs.len());
         let mut writes = Vec::new();
+        // Each row's snapshot slot, when any run names one.
+        let any_snapshots = mamba && runs.iter().any(|run| !run.snapshots.is_empty());
+        let mut row_snap: Vec<u32> = Vec::new();
+        let mut snap_slots = Vec::new();
         let u32_of = |value: usize, what: &str| {
             u32::try_from(value)
                 .map_err(|_| CudaError::BadRange(format!("forward step: {what} {value} > u32")))
@@ -1267,9 +1283,29 @@ impl DeviceModel {
                 u32_of(table.len(), "table length")?,
             ]);
             tables.extend_from_slice(table);
+            if run.snapshots.len() > run.len {
+                return bad(format!(
+                    "run {i}: {} snapshot slots for {} tokens",
+                    run.snapshots.len(),
+                    run.len
+                ));
+            }
+            if let Some(&slot) = run.snapshots.iter().find(|&&s| s >= state.num_slots) {
+                return bad(format!(
+                    "run {i}: snapshot slot {slot} of {} slots",
+                    state.num_slots
+                ));
+            }
+            snap_slots.extend_from_slice(run.snapshots);
             for j in 0..run.len {
                 row_pos.push(u32_of(run.start_pos + j, "position")?);
                 row_run.push(i as u32);
+                if any_snapshots {
+                    row_snap.push(match run.snapshots.get(j) {
+                        Some(&slot) => u32_of(slot, "snapshot slot")?,
+                        None => u32::MAX,
+                    });
+                }
             }
         }
         if tables.len() > limits.max_table {
@@ -1282,6 +1318,13 @@ impl DeviceModel {
         slots.sort_unstable();
         if mamba && slots.windows(2).any(|w| w[0] == w[1]) {
             return bad("two runs share a state slot".to_owned());
+        }
+        snap_slots.sort_unstable();
+        if snap_slots.windows(2).any(|w| w[0] == w[1]) {
+            return bad("a snapshot slot is named twice".to_owned());
+        }
+        if let Some(slot) = snap_slots.iter().find(|s| slots.binary_search(s).is_ok()) {
+            return bad(format!("snapshot slot {slot} is a run's live slot"));
         }
         writes.sort_unstable();
         if let Some(w) = writes.windows(2).find(|w| w[0] == w[1]) {
@@ -1315,7 +1358,9 @@ impl DeviceModel {
         let (num_tiles, num_singles) = (tiles.len() / 2, singles.len());
         words.extend(tiles);
         words.extend(singles);
+        words.extend(row_snap);
         Ok(Described {
+            snapshots: any_snapshots,
             words,
             lens,
             rows,
@@ -1392,7 +1437,10 @@ impl DeviceModel {
             runs,
             tokens,
             out,
-            Entry::Main { hidden_out: None },
+            Entry::Main {
+                hidden_out: None,
+                all_rows: false,
+            },
         )
     }
 
@@ -1421,6 +1469,38 @@ impl DeviceModel {
             out,
             Entry::Main {
                 hidden_out: Some(hidden_out),
+                all_rows: false,
+            },
+        )
+    }
+
+    /// [`DeviceModel::forward`], also writing the final-normed hidden state of every row of the
+    /// step to `hidden_out` (`rows * hidden_size` f32): the MTP head's input over a prefill
+    /// chunk. (The norm is the residual-norm kernel's over all rows: equal to the logit rows'
+    /// selected norm only to rounding.)
+    #[allow(clippy::too_many_arguments)] // forward's arguments and the hidden output.
+    pub fn forward_all_hidden(
+        &self,
+        rt: &dyn Runtime,
+        workspace: DeviceSlice,
+        ws: &Workspace,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        tokens: DeviceSlice,
+        out: &StepOutput<'_>,
+        hidden_out: DeviceSlice,
+    ) -> Result<()> {
+        self.run(
+            rt,
+            workspace,
+            ws,
+            state,
+            runs,
+            tokens,
+            out,
+            Entry::Main {
+                hidden_out: Some(hidden_out),
+                all_rows: true,
             },
         )
     }
@@ -1516,9 +1596,12 @@ impl DeviceModel {
             }
         };
         match entry {
-            Entry::Main { hidden_out } => {
+            Entry::Main {
+                hidden_out,
+                all_rows,
+            } => {
                 if let Some(h) = hidden_out {
-                    hidden_bytes("hidden outputs", h, logit_count)?;
+                    hidden_bytes("hidden outputs", h, if all_rows { m } else { logit_count })?;
                     if h.overlaps(&workspace) {
                         return Err(CudaError::BadRange(
                             "forward step: the hidden outputs overlap the workspace".to_owned(),
@@ -1591,11 +1674,20 @@ impl DeviceModel {
             tables: desc.range(8 * m + num_runs * 24, table_len * 4)?,
             rows: m,
             num_runs,
+            snapshots: None,
         };
         let logit_at = 8 * m + num_runs * 24 + table_len * 4;
         let logit_idx = desc.range(logit_at, logit_count * 4)?;
         let tiles_at = logit_at + logit_count * 4;
         let (num_tiles, num_singles) = (described.num_tiles, described.num_singles);
+        let step = StepRows {
+            snapshots: if described.snapshots {
+                Some(desc.range(tiles_at + num_tiles * 8 + num_singles * 4, m * 4)?)
+            } else {
+                None
+            },
+            ..step
+        };
         let tile_rows = kernels::attention_tile_rows(c.head_dim);
         let attention_work = AttentionWork {
             tiles: desc.range(tiles_at, num_tiles * 8)?,
@@ -1833,6 +1925,13 @@ impl DeviceModel {
                 None => kernels::add_into(rt, s, hidden, block_out, m * d)?,
             }
         }
+        if let Entry::Main {
+            hidden_out: Some(h),
+            all_rows: true,
+        } = entry
+        {
+            kernels::residual_rmsnorm(rt, s, hidden, None, h, self.floats(final_norm)?, m, d, eps)?;
+        }
         if logit_count == 0 {
             return Ok(());
         }
@@ -1860,7 +1959,8 @@ impl DeviceModel {
             false,
         )?;
         let hidden_out = match entry {
-            Entry::Main { hidden_out } => hidden_out,
+            Entry::Main { all_rows: true, .. } => None,
+            Entry::Main { hidden_out, .. } => hidden_out,
             Entry::Mtp { hidden_out, .. } => Some(hidden_out),
         };
         match hidden_out {

@@ -27,9 +27,25 @@
 //!
 //! # Effects this router has nothing for
 //!
-//! `SaveHiddenCatchup` (no MTP catch-up ring: no `Draft` here) and `EpShutdown` (no
-//! expert-parallel workers: one device) answer `Unit` and change nothing; `Verify` and `Draft`
-//! answer `Unsupported`.
+//! `EpShutdown` (no expert-parallel workers: one device) answers `Unit` and changes nothing.
+//!
+//! # Speculation
+//!
+//! A `Verify` writes the main model's Mamba layers after each draft into the ring rows it names
+//! (`router_book::spec`, the `step` module); `SsmSnapshotRestore` of such a snapshot copies
+//! those layers only (the first ones of a state row) into the live row, and `TruncateKv` is the
+//! shared bookkeeping's (the KV past the kept positions is never read again: no prefix-cache
+//! insert covers it, and the next step overwrites it).
+//!
+//! On a model with an MTP head the router keeps each sequence's catch-up ring
+//! (`router_book::spec::MtpTrack`) as device cells of one hidden state each (the MTP regions of
+//! `MtpLayout`): a prefill keeps the prompt's last position, and `SaveHiddenCatchup` copies a
+//! row of the latest settled decode or verification (kept in the step's half of
+//! `step_hidden`) into a free cell; `TruncateKv`, `Rollback` and `ReleaseSeq` free the cells
+//! of the positions they drop, and `Draft` those it consumes. A spilled and restored sequence
+//! has no ring (the image holds none) and drafts nothing until it has one again. `SyncSecondary`
+//! is the copy stream's join: the catch-up itself runs inside the next `Draft`, after every
+//! step before it on the compute stream, as on the host router.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -39,6 +55,7 @@ use device_io::{
 };
 use router_book::book::{self, BookMut};
 use router_book::image;
+use router_book::spec::MtpTrack;
 use router_book::{Caches, LogitsHandle, PendingFeed, RingEntry, RouterSeq, SlotOwner, Tenure};
 
 use crate::error::CudaError;
@@ -70,6 +87,24 @@ pub(crate) struct Inner {
     pub last_rows: Vec<(u64, bool)>,
     pub last_token_rows: Vec<Option<usize>>,
     pub last_argmax: Option<(u64, Vec<Option<u32>>)>,
+    /// The MTP head of each tenure that has one running, its ring holding catch-up cells.
+    pub mtp: BTreeMap<u64, MtpTrack<u32>>,
+    /// Catch-up cells no ring holds.
+    pub free_cells: Vec<u32>,
+    /// The hidden states the latest steps kept (at most one per half of `step_hidden`).
+    pub step_hidden: Vec<StepHidden>,
+    /// The latest ticket `await_result` handed over.
+    pub settled: Option<u64>,
+}
+
+/// The hidden states a decode or verification kept in its half of the MTP regions'
+/// `step_hidden`, for `SaveHiddenCatchup`.
+#[derive(Debug, Clone)]
+pub(crate) struct StepHidden {
+    pub ticket: u64,
+    pub half: usize,
+    /// Per row: tenure, first position, positions, first hidden row.
+    pub rows: Vec<(u64, usize, usize, usize)>,
 }
 
 /// The logits of one step in the logits buffer.
@@ -82,7 +117,7 @@ pub(crate) struct LogitsHeld {
 }
 
 impl Inner {
-    pub fn new(cache: Caches, live_slots: usize, snapshot_slots: usize) -> Self {
+    pub fn new(cache: Caches, live_slots: usize, snapshot_slots: usize, cells: usize) -> Self {
         Inner {
             cache,
             slots: vec![None; live_slots],
@@ -98,11 +133,36 @@ impl Inner {
             last_rows: Vec::new(),
             last_token_rows: Vec::new(),
             last_argmax: None,
+            mtp: BTreeMap::new(),
+            free_cells: (0..cells as u32).rev().collect(),
+            step_hidden: Vec::new(),
+            settled: None,
+        }
+    }
+
+    /// Forgets the MTP catch-up positions of `tenure` at and past `len` (a rollback or
+    /// truncation dropped them); their cells are free again.
+    pub fn forget_catchup(&mut self, tenure: Option<u64>, len: usize) {
+        if let Some(track) = tenure.and_then(|tenure| self.mtp.get_mut(&tenure)) {
+            let dropped = track.forget_from(len);
+            self.free_cells.extend(dropped);
+        }
+    }
+
+    /// Drops the MTP head of `tenure` (a released sequence); its cells are free again.
+    pub fn drop_track(&mut self, tenure: Option<u64>) {
+        if let Some(track) = tenure.and_then(|tenure| self.mtp.remove(&tenure)) {
+            self.free_cells.extend(track.ring.into_values());
         }
     }
 
     pub fn book(&mut self) -> BookMut<'_> {
-        BookMut {
+        self.book_and_tracks().0
+    }
+
+    /// The shared bookkeeping's tables and the MTP catch-up rings, borrowed together.
+    pub fn book_and_tracks(&mut self) -> (BookMut<'_>, &mut BTreeMap<u64, MtpTrack<u32>>) {
+        let book = BookMut {
             cache: &mut self.cache,
             slots: &mut self.slots,
             tenures: &mut self.tenures,
@@ -110,7 +170,8 @@ impl Inner {
             pending: &mut self.pending,
             resolved: &mut self.resolved,
             failed: &mut self.failed,
-        }
+        };
+        (book, &mut self.mtp)
     }
 }
 
@@ -228,6 +289,29 @@ impl CudaRouter {
         let run = || -> std::result::Result<(), CudaError> {
             let src = self.state_row(from)?;
             let dst = self.state_row(to)?;
+            self.runtime().copy(dst, src, Stream::Compute)
+        };
+        run().map_err(effect_err)
+    }
+
+    /// Queues the copy of the main model's Mamba layers (the first ones of a row; an MTP head's
+    /// follow) of state row `from` to row `to`, on the compute stream after the steps launched
+    /// before: what a `Verify` snapshot holds.
+    fn copy_main_layers(&self, from: usize, to: usize) -> Result<()> {
+        let layout = model::MambaStates::new(self.model_config(), 0)
+            .map_err(|err| DeviceError::Failed {
+                phase: Phase::Effect,
+                message: err.to_string(),
+            })?
+            .layout();
+        let main_layers = self.model_config().count(model::LayerKind::Mamba);
+        let bytes = 4 * main_layers * layout.layer_floats();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let run = || -> std::result::Result<(), CudaError> {
+            let src = self.state_row(from)?.range(0, bytes)?;
+            let dst = self.state_row(to)?.range(0, bytes)?;
             self.runtime().copy(dst, src, Stream::Compute)
         };
         run().map_err(effect_err)
@@ -461,6 +545,101 @@ impl CudaRouter {
         Ok(EffectOutcome::HostLogits { elem_bytes: 4 })
     }
 
+    /// `SaveHiddenCatchup`: keeps the hidden state of row `row` of the latest settled step at
+    /// position `pos` in a free catch-up cell of the row's sequence's ring (a copy on the compute
+    /// stream from the step's half of `step_hidden`, which the step after next overwrites, in
+    /// stream order after this copy). A no-op without an MTP head; the host router's checks and
+    /// messages. With every cell taken (more live tenures than slots hold rings) the position is
+    /// not kept: the head skips it, as a full ring's oldest.
+    fn save_hidden(&self, inner: &mut Inner, row: usize, pos: usize) -> Result<EffectOutcome> {
+        const WHAT: &str = "SaveHiddenCatchup";
+        let layout = *self.mtp_layout();
+        if layout.total == 0 {
+            return Ok(EffectOutcome::Unit);
+        }
+        let Some(ticket) = inner.settled else {
+            return Err(invalid(WHAT, "no step has settled yet".to_string()));
+        };
+        let Some(step) = inner.step_hidden.iter().find(|h| h.ticket == ticket) else {
+            return Err(invalid(
+                WHAT,
+                format!("step {ticket} kept no hidden states (a prefill keeps its own)"),
+            ));
+        };
+        let Some(&(tenure, start, len, offset)) = step.rows.get(row) else {
+            return Err(invalid(
+                WHAT,
+                format!(
+                    "row {row} is outside step {ticket}'s {} rows",
+                    step.rows.len()
+                ),
+            ));
+        };
+        if pos < start || pos >= start + len {
+            return Err(invalid(
+                WHAT,
+                format!(
+                    "row {row} of step {ticket} computed positions {start}..{}, not {pos}",
+                    start + len
+                ),
+            ));
+        }
+        if !inner.tenures.contains_key(&tenure) {
+            return Err(invalid(WHAT, format!("row {row}'s sequence was released")));
+        }
+        let half = step.half;
+        let track = inner.mtp.entry(tenure).or_default();
+        if pos < track.consumed || track.ring.contains_key(&pos) {
+            return Ok(EffectOutcome::Unit);
+        }
+        let Some(cell) = inner.free_cells.pop() else {
+            tracing::debug!(
+                tenure,
+                pos,
+                "no free MTP catch-up cell; the head skips the position"
+            );
+            return Ok(EffectOutcome::Unit);
+        };
+        let row_bytes = layout.row as usize;
+        let hidden_row = offset + pos - start;
+        let copied = (|| -> std::result::Result<(), CudaError> {
+            let src = self.mtp_region(
+                layout.step_hidden as usize + half * layout.half as usize + hidden_row * row_bytes,
+                row_bytes,
+            )?;
+            let dst = self.cell(cell)?;
+            self.runtime().copy(dst, src, Stream::Compute)
+        })();
+        if let Err(err) = copied {
+            inner.free_cells.push(cell);
+            return Err(effect_err(err));
+        }
+        let track = inner.mtp.entry(tenure).or_default();
+        let forgotten = track.keep(pos, cell);
+        inner.free_cells.extend(forgotten);
+        Ok(EffectOutcome::Unit)
+    }
+
+    /// `bytes` bytes at `offset` of the MTP regions.
+    pub(crate) fn mtp_region(
+        &self,
+        offset: usize,
+        bytes: usize,
+    ) -> std::result::Result<DeviceSlice, CudaError> {
+        self.buffers()?
+            .mtp
+            .as_ref()
+            .ok_or_else(|| CudaError::BadRange("the model has no MTP head".to_owned()))?
+            .range(offset, bytes)
+    }
+
+    /// Catch-up cell `cell`.
+    pub(crate) fn cell(&self, cell: u32) -> std::result::Result<DeviceSlice, CudaError> {
+        let layout = self.mtp_layout();
+        let row = layout.row as usize;
+        self.mtp_region(layout.cells as usize + cell as usize * row, row)
+    }
+
     fn quiesce(&self, stream: u64) -> Result<EffectOutcome> {
         let Some(which) = Stream::from_index(stream) else {
             return Err(invalid(
@@ -526,7 +705,8 @@ impl DeviceIo for CudaRouter {
     }
 
     /// Runs the plans' shared bookkeeping, then enqueues the step on the compute stream and
-    /// returns at once (see the `step` module); `Verify` and `Draft` answer `Unsupported`.
+    /// returns at once (see the `step` module); `Draft` answers `Unsupported` on a model
+    /// without an MTP head.
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut RouterSeq]) -> Result<Ticket> {
         let mut inner = self.lock()?;
         self.launch_step(&mut inner, plan, rows)
@@ -545,7 +725,9 @@ impl DeviceIo for CudaRouter {
         match effect {
             Effect::ReleaseSeq { seq, cache, what } => {
                 book::sync(&mut inner.book(), seq);
+                let tenure = seq.tenure;
                 book::release(&shape, &mut inner.book(), seq, cache, what)?;
+                inner.drop_track(tenure);
                 Ok(EffectOutcome::Unit)
             }
             Effect::CompactSlot { seq, target } => {
@@ -570,12 +752,10 @@ impl DeviceIo for CudaRouter {
             }
             Effect::SsmSnapshotRestore { seq, slot } => {
                 book::sync(&mut inner.book(), seq);
-                // Only a `Verify` writes a main-layers-only snapshot, and this router has none.
+                // A snapshot a `Verify` wrote holds the main model's Mamba layers only.
                 let mut copy_ring = |from: usize, to: usize, main_only: bool| {
                     if main_only {
-                        Err(DeviceError::Unsupported {
-                            what: "a Verify snapshot on the CUDA router",
-                        })
+                        self.copy_main_layers(from, to)
                     } else {
                         self.copy_row(from, to)
                     }
@@ -588,16 +768,21 @@ impl DeviceIo for CudaRouter {
             }
             Effect::Rollback { seq } => {
                 book::sync(&mut inner.book(), seq);
-                book::rollback(&shape, &mut inner.book(), seq).map(|_| EffectOutcome::Unit)
+                let at = book::rollback(&shape, &mut inner.book(), seq)?;
+                inner.forget_catchup(seq.tenure, at);
+                Ok(EffectOutcome::Unit)
             }
             Effect::TruncateKv { seq, len } => {
                 book::sync(&mut inner.book(), seq);
-                book::truncate_kv(&shape, &mut inner.book(), seq, len).map(|_| EffectOutcome::Unit)
+                let len = book::truncate_kv(&shape, &mut inner.book(), seq, len)?;
+                inner.forget_catchup(seq.tenure, len);
+                Ok(EffectOutcome::Unit)
             }
             Effect::Quiesce { stream } => self.quiesce(stream),
             Effect::SyncSecondary => self.sync_secondary(),
-            // No catch-up ring and no expert workers yet: see the module docs.
-            Effect::SaveHiddenCatchup { .. } | Effect::EpShutdown => Ok(EffectOutcome::Unit),
+            Effect::SaveHiddenCatchup { row, pos } => self.save_hidden(&mut inner, row, pos),
+            // No expert workers: one device.
+            Effect::EpShutdown => Ok(EffectOutcome::Unit),
         }
     }
 

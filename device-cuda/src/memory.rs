@@ -113,10 +113,15 @@ pub struct MemoryPlan {
     pub checkpoint_slots: usize,
     /// Snapshot ring slots.
     pub snapshot_slots: usize,
+    /// Scratch state rows, one per live slot, where a `Draft` runs the MTP head's drafts on a
+    /// copy of the live state (a model with an MTP head; 0 otherwise).
+    pub scratch_slots: usize,
+    /// The MTP head's regions ([`MtpLayout`]; 0 without a head).
+    pub mtp_bytes: u64,
     /// Activations of the largest step: the forward step's [`Workspace`](crate::Workspace) for
     /// [`forward_limits`].
     pub workspace_bytes: u64,
-    /// Logits of two steps in flight (depth 2), `max_seqs` rows each, f32.
+    /// Logits of two steps in flight (depth 2), [`MemoryPlan::logit_rows`] rows each, f32.
     pub logits_bytes: u64,
     /// Per-step inputs and outputs of two steps (tokens, host tokens and feed sources of a fed
     /// step, argmax outputs, masks) and the feed cells: [`IoLayout`].
@@ -144,7 +149,8 @@ pub fn forward_limits(router: &CudaRouterConfig) -> ForwardLimits {
 ///
 /// In a half: the step's tokens (`max_step_tokens` u32, what the forward step reads), the host
 /// tokens and the feed sources of a `DecodeFed` (`max_seqs` u32 / i32 each), the argmax outputs
-/// (`max_seqs` u32) and the masks (`max_seqs × vocab` bytes). The feed cells (`max_seqs` u32)
+/// (one u32 per logits row: `logit_rows`, a verification's positions included) and the masks
+/// (`max_seqs × vocab` bytes). The feed cells (`max_seqs` u32)
 /// hold the argmax of each token row of the latest step that took one; a `DecodeFed` reads
 /// them on the compute stream before its own argmax overwrites them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,18 +174,25 @@ pub struct IoLayout {
 }
 
 impl IoLayout {
-    /// The layout for steps of up to `max_step_tokens` tokens over `max_seqs` rows of `vocab`.
-    pub fn new(max_step_tokens: usize, max_seqs: usize, vocab: usize) -> IoLayout {
+    /// The layout for steps of up to `max_step_tokens` tokens over `max_seqs` rows of `vocab`,
+    /// with up to `logit_rows` rows of logits.
+    pub fn new(
+        max_step_tokens: usize,
+        max_seqs: usize,
+        logit_rows: usize,
+        vocab: usize,
+    ) -> IoLayout {
         let tokens = align(4 * max_step_tokens as u64);
         let rows = align(4 * max_seqs as u64);
+        let outs = align(4 * logit_rows.max(max_seqs) as u64);
         let masks = align(max_seqs as u64 * vocab as u64);
-        let half = tokens + 3 * rows + masks;
+        let half = tokens + 2 * rows + outs + masks;
         IoLayout {
             tokens: 0,
             host_tokens: tokens,
             sources: tokens + rows,
             out: tokens + 2 * rows,
-            mask: tokens + 3 * rows,
+            mask: tokens + 2 * rows + outs,
             half,
             feed: 2 * half,
             total: 2 * half + rows,
@@ -272,13 +285,27 @@ impl MemoryPlan {
         let forward = Workspace::new(config, forward_limits(router))
             .map_err(|err| PlanError::Model(err.to_string()))?;
         let workspace_bytes = align(forward.bytes() as u64);
-        let rows = router.max_seqs as u64;
+        let scratch_slots = if config.mtp_kinds().is_empty() {
+            0
+        } else {
+            router.max_seqs
+        };
+        let mtp_bytes = MtpLayout::new(config, router).total;
+        let rows = (router.max_seqs + router.snapshot_slots) as u64;
         let vocab = config.vocab_size as u64;
         let logits_bytes = 2 * align(4 * rows * vocab);
-        let io_bytes =
-            IoLayout::new(router.max_step_tokens, router.max_seqs, config.vocab_size).total;
+        let io_bytes = IoLayout::new(
+            router.max_step_tokens,
+            router.max_seqs,
+            router.max_seqs + router.snapshot_slots,
+            config.vocab_size,
+        )
+        .total;
         let fixed = align(weight_bytes)
-            + align(state_slot_bytes * (router.max_seqs + router.snapshot_slots) as u64)
+            + align(
+                state_slot_bytes * (router.max_seqs + router.snapshot_slots + scratch_slots) as u64,
+            )
+            + mtp_bytes
             + workspace_bytes
             + logits_bytes
             + io_bytes;
@@ -328,10 +355,19 @@ impl MemoryPlan {
             live_slots: router.max_seqs,
             checkpoint_slots,
             snapshot_slots: router.snapshot_slots,
+            scratch_slots,
+            mtp_bytes,
             workspace_bytes,
             logits_bytes,
             io_bytes,
         })
+    }
+
+    /// The most rows of logits one step leaves: a decode's `max_seqs`, or a `Verify`'s
+    /// positions, one per row plus one per draft (the drafts of a step are at most the snapshot
+    /// ring's slots, one ring slot each).
+    pub fn logit_rows(&self) -> usize {
+        self.live_slots + self.snapshot_slots
     }
 
     /// Bytes of the KV pool.
@@ -339,10 +375,19 @@ impl MemoryPlan {
         self.kv_block_bytes * self.num_blocks as u64
     }
 
-    /// Bytes of every state slot: live, checkpoint and ring rows, in that order.
+    /// State rows: live, checkpoint, ring and scratch rows, in that order.
+    pub fn state_rows(&self) -> usize {
+        self.live_slots + self.checkpoint_slots + self.snapshot_slots + self.scratch_slots
+    }
+
+    /// The scratch state row of live slot `slot` (a model with an MTP head).
+    pub fn scratch_row(&self, slot: usize) -> usize {
+        self.live_slots + self.checkpoint_slots + self.snapshot_slots + slot
+    }
+
+    /// Bytes of every state row.
     pub fn state_bytes(&self) -> u64 {
-        self.state_slot_bytes
-            * (self.live_slots + self.checkpoint_slots + self.snapshot_slots) as u64
+        self.state_slot_bytes * self.state_rows() as u64
     }
 
     /// Every region's bytes added up (at most the budget).
@@ -353,5 +398,75 @@ impl MemoryPlan {
             + self.workspace_bytes
             + self.logits_bytes
             + self.io_bytes
+            + self.mtp_bytes
+    }
+}
+
+/// Byte offsets of the MTP head's regions, one buffer (a model with an MTP head; all zero
+/// otherwise), each row `hidden_size` f32:
+/// - `step_hidden`: per half (step `t` uses half `t % 2`), the final-normed hidden state of each
+///   logits row of a decode or verification on the main model: what `SaveHiddenCatchup` keeps;
+/// - `cells`: the catch-up rings' hidden states, `max_seqs × CATCHUP_RING` cells;
+/// - `staging`: a prefill call's hidden states (every row), or a draft's catch-up inputs
+///   (`max(max_step_tokens, CATCHUP_RING)` rows);
+/// - `ping`, `pong`: a draft's hidden inputs and outputs, `max_seqs` rows each;
+/// - `drafts`: a draft's tokens, `max_seqs × CATCHUP_RING` u32, depth-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MtpLayout {
+    /// Bytes of one hidden row.
+    pub row: u64,
+    /// The step halves' hidden rows.
+    pub step_hidden: u64,
+    /// Bytes of a half of `step_hidden`.
+    pub half: u64,
+    /// The catch-up cells.
+    pub cells: u64,
+    /// How many cells.
+    pub num_cells: usize,
+    /// Staging rows.
+    pub staging: u64,
+    /// Rows of `staging`.
+    pub staging_rows: usize,
+    /// Draft hidden inputs.
+    pub ping: u64,
+    /// Draft hidden outputs.
+    pub pong: u64,
+    /// Draft tokens.
+    pub drafts: u64,
+    /// Bytes of the whole buffer (0 without a head).
+    pub total: u64,
+}
+
+impl MtpLayout {
+    /// The layout for `config` under `router` (empty when the model has no MTP head).
+    pub fn new(config: &Config, router: &CudaRouterConfig) -> MtpLayout {
+        if config.mtp_kinds().is_empty() {
+            return MtpLayout::default();
+        }
+        let row = 4 * config.hidden_size as u64;
+        let logit_rows = (router.max_seqs + router.snapshot_slots) as u64;
+        let num_cells = router.max_seqs * router_book::spec::CATCHUP_RING;
+        let staging_rows = router.max_step_tokens.max(router_book::spec::CATCHUP_RING);
+        let half = align(row * logit_rows);
+        let step_hidden = 0;
+        let cells = step_hidden + 2 * half;
+        let staging = cells + align(row * num_cells as u64);
+        let ping = staging + align(row * staging_rows as u64);
+        let pong = ping + align(row * router.max_seqs as u64);
+        let drafts = pong + align(row * router.max_seqs as u64);
+        let total = drafts + align(4 * num_cells as u64);
+        MtpLayout {
+            row,
+            step_hidden,
+            half,
+            cells,
+            num_cells,
+            staging,
+            staging_rows,
+            ping,
+            pong,
+            drafts,
+            total,
+        }
     }
 }

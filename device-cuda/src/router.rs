@@ -18,7 +18,7 @@ use router_book::{BookShape, CacheConfig, Caches};
 use crate::error::CudaError;
 use crate::forward::{DeviceModel, WeightImage, Workspace};
 use crate::io::Inner;
-use crate::memory::{forward_limits, CudaRouterConfig, IoLayout, MemoryPlan, PlanError};
+use crate::memory::{forward_limits, CudaRouterConfig, IoLayout, MemoryPlan, MtpLayout, PlanError};
 use crate::runtime::{DeviceBuffer, Event, PinnedBuffer, Runtime, Stream};
 use crate::{CudaRuntime, SimRuntime};
 
@@ -46,6 +46,10 @@ pub(crate) struct Buffers {
     pub io: DeviceBuffer,
     /// Per half: where a step's argmax outputs come to the host.
     pub out_pinned: Vec<PinnedBuffer>,
+    /// The MTP head's regions ([`MtpLayout`]), on a model with a head.
+    pub mtp: Option<DeviceBuffer>,
+    /// Per half: where a draft's tokens come to the host (on a model with a head).
+    pub draft_pinned: Vec<PinnedBuffer>,
 }
 
 /// The CUDA router. See the module docs.
@@ -57,6 +61,7 @@ pub struct CudaRouter {
     router: CudaRouterConfig,
     plan: MemoryPlan,
     io: IoLayout,
+    mtp: MtpLayout,
     /// The weights, on the device.
     model: Option<DeviceModel>,
     workspace: Workspace,
@@ -83,8 +88,10 @@ impl CudaRouter {
         let io = IoLayout::new(
             router.max_step_tokens,
             router.max_seqs,
+            plan.logit_rows(),
             model.config().vocab_size,
         );
+        let mtp = MtpLayout::new(model.config(), &router);
         let book_shape = BookShape {
             block_size: plan.block_size,
             max_seqs: plan.live_slots,
@@ -122,11 +129,17 @@ impl CudaRouter {
             router,
             plan,
             io,
+            mtp,
             model: None,
             workspace,
             buffers: None,
             book_shape,
-            inner: Mutex::new(Inner::new(cache, plan.live_slots, plan.snapshot_slots)),
+            inner: Mutex::new(Inner::new(
+                cache,
+                plan.live_slots,
+                plan.snapshot_slots,
+                mtp.num_cells,
+            )),
             join: Some(join),
             step_events,
         };
@@ -155,7 +168,8 @@ impl CudaRouter {
         let mut device_model = DeviceModel::upload(rt, model, image)?;
         device_model.set_mode(self.router.forward_mode);
         self.model = Some(device_model);
-        let out_bytes = 4 * plan.live_slots;
+        let out_bytes = 4 * plan.logit_rows();
+        let mtp = self.mtp;
         let buffers = Buffers {
             kv: rt.alloc(size(plan.kv_bytes()))?,
             states: rt.alloc(size(plan.state_bytes()))?,
@@ -163,6 +177,17 @@ impl CudaRouter {
             logits: rt.alloc(size(plan.logits_bytes))?,
             io: rt.alloc(size(plan.io_bytes))?,
             out_pinned: vec![rt.alloc_pinned(out_bytes)?, rt.alloc_pinned(out_bytes)?],
+            mtp: if mtp.total > 0 {
+                Some(rt.alloc(size(mtp.total))?)
+            } else {
+                None
+            },
+            draft_pinned: if mtp.total > 0 {
+                let bytes = 4 * mtp.num_cells;
+                vec![rt.alloc_pinned(bytes)?, rt.alloc_pinned(bytes)?]
+            } else {
+                Vec::new()
+            },
         };
         self.buffers = Some(buffers);
         Ok(())
@@ -224,6 +249,11 @@ impl CudaRouter {
         &self.io
     }
 
+    /// The MTP head's regions (empty without a head).
+    pub(crate) fn mtp_layout(&self) -> &MtpLayout {
+        &self.mtp
+    }
+
     /// The event of half `half`'s step.
     pub(crate) fn step_event(&self, half: usize) -> &Event {
         &self.step_events[half]
@@ -261,7 +291,7 @@ impl CudaRouter {
             freed = freed.and(done);
         }
         if let Some(buffers) = self.buffers.take() {
-            for pinned in buffers.out_pinned {
+            for pinned in buffers.out_pinned.into_iter().chain(buffers.draft_pinned) {
                 let done = rt.free_pinned(pinned);
                 freed = freed.and(done);
             }
@@ -271,7 +301,10 @@ impl CudaRouter {
                 buffers.workspace,
                 buffers.logits,
                 buffers.io,
-            ] {
+            ]
+            .into_iter()
+            .chain(buffers.mtp)
+            {
                 let done = rt.free(buffer);
                 freed = freed.and(done);
             }

@@ -1,5 +1,6 @@
-//! The CUDA router's plans: `Prefill`, `Decode` and `DecodeFed` through the bookkeeping of
-//! `router_book::plans` (the host router's), then [`DeviceModel::forward`] on the compute stream.
+//! The CUDA router's plans: `Prefill`, `Decode`, `DecodeFed` and `Verify` through the
+//! bookkeeping of `router_book::plans` and `router_book::spec` (the host router's), then
+//! [`DeviceModel::forward`] on the compute stream.
 //!
 //! # A step on the device
 //!
@@ -20,6 +21,22 @@
 //!   outputs and the feed cells, the outputs copied to the step's pinned buffer, and the step's
 //!   event.
 //!
+//! A `Verify` (the bookkeeping of `router_book::spec`, the host router's) is one forward call
+//! (more only past `max_step_tokens`, whole rows each) in which each row is one run of its next
+//! token and drafts: every position a logits row, and the Mamba state after each draft written
+//! by the scan kernels into the ring rows the plan names (`StepRun::snapshots`). Its argmax covers
+//! every position and leaves the feed cells alone (no `DecodeFed` may name a verified row). In
+//! `ForwardMode::Exact` every position is the bits a decode step of that token gives.
+//!
+//! On a model with an MTP head, a prefill call keeps every row's hidden state and runs the head
+//! over the positions whose next token the prompt holds (`prefill_head`), keeping the prompt's
+//! last position in the row's catch-up ring; a decode or verification keeps its logit rows'
+//! hidden states for `SaveHiddenCatchup`. A `Draft` (`router_book::spec`'s bookkeeping) runs
+//! the head's catch-up over each drafting row's ring (its cells gathered into one buffer), the
+//! first drafts by device argmax, then `k - 1` one-position steps per row on scratch copies of
+//! the live state, each fed the draft before without leaving the device; the drafts come back
+//! through the half's pinned buffer.
+//!
 //! Step `t` uses half `t % 2` of the logits and per-step buffers (two steps in flight), so at
 //! depth 2 the host reads step `t` while `t + 1` computes. `await_result` waits for the step's
 //! event, reads its argmax from the pinned buffer, and resolves the fed positions it produced.
@@ -37,13 +54,15 @@ use std::ops::Range;
 
 use device_io::{
     DeviceError, Phase, PrefillReport, Readback, Result, RowOutput, StepPlan, StepResult, Ticket,
+    TokenRun,
 };
 use router_book::plans::{self, DecodePlan, FeedSources, Input, Inputs, PrefillOp, StepBook};
+use router_book::spec::{DraftPlan, MtpTrack, VerifyPlan};
 use router_book::{LogitsHandle, RouterSeq};
 
 use crate::error::CudaError;
 use crate::forward::{DeviceState, StepOutput, StepRun};
-use crate::io::{device_error, Inner, LogitsHeld};
+use crate::io::{device_error, Inner, LogitsHeld, StepHidden};
 use crate::kernels;
 use crate::router::CudaRouter;
 use crate::runtime::{DeviceSlice, Stream};
@@ -62,8 +81,13 @@ pub(crate) struct Flight {
     pub reports: Option<Vec<PrefillReport>>,
     /// The host asked for the logits (rows then answer `logits_row`, not `token`).
     pub host: bool,
-    /// The argmax of each token row, once read.
+    /// The argmax of each token row (a `Verify`: of every position), once read.
     pub argmax: Option<Vec<u32>>,
+    /// A `Verify`: each row's positions among the step's logits rows.
+    pub runs: Option<Vec<TokenRun>>,
+    /// A `Draft`: which rows drafted, and the drafts per row (the argmax is then the drafts,
+    /// row after row).
+    pub draft: Option<(Vec<bool>, usize)>,
 }
 
 /// One run of a forward call: positions `start..start + len` on `slot`, with the block table
@@ -74,6 +98,8 @@ struct Run {
     len: usize,
     slot: usize,
     blocks: Range<usize>,
+    /// State rows receiving the Mamba state after each of the run's first tokens.
+    snapshots: Vec<usize>,
 }
 
 /// The device work of a step, in order.
@@ -91,7 +117,39 @@ enum Work {
         tokens: Tokens,
         logit_rows: Vec<u32>,
         first_token_row: usize,
+        hidden: Hidden,
     },
+}
+
+/// What a forward call keeps of the main model's hidden states (a model with an MTP head).
+#[derive(Debug, Clone)]
+enum Hidden {
+    /// Nothing (no MTP head).
+    None,
+    /// The logit rows' hidden states, in the step's half of `step_hidden` (decode,
+    /// verification): what `SaveHiddenCatchup` keeps.
+    Keep,
+    /// A prefill call: every row's hidden state in `staging`, then the MTP head over each
+    /// piece's positions whose next token the prompt holds, and the prompt's last position kept
+    /// in a catch-up cell.
+    Prefill(Vec<MtpPiece>),
+}
+
+/// The MTP head's part of one run of a prefill call.
+#[derive(Debug, Clone)]
+struct MtpPiece {
+    /// The run, in the call.
+    run: usize,
+    /// The token after each of the run's first `next.len()` positions.
+    next: Vec<u32>,
+    /// The run's row at the prompt's last position, and the cell its hidden state goes to.
+    keep: Option<(usize, u32)>,
+}
+
+/// The catch-up rings a prefill on a model with an MTP head updates.
+struct MtpBook<'a> {
+    tracks: &'a mut std::collections::BTreeMap<u64, MtpTrack<u32>>,
+    free_cells: &'a mut Vec<u32>,
 }
 
 /// Where a forward call's tokens come from.
@@ -109,6 +167,8 @@ struct Batch {
     tokens: Vec<u32>,
     logit_rows: Vec<u32>,
     first_token_row: Option<usize>,
+    /// The MTP head's pieces (a prefill on a model with a head).
+    pieces: Option<Vec<MtpPiece>>,
 }
 
 impl Batch {
@@ -124,20 +184,38 @@ impl Batch {
         if self.runs.is_empty() {
             return;
         }
+        let mtp = self.pieces.is_some();
         let batch = std::mem::take(self);
+        if mtp {
+            self.pieces = Some(Vec::new());
+        }
         work.push(Work::Forward {
             runs: batch.runs,
             tokens: Tokens::Host(batch.tokens),
             logit_rows: batch.logit_rows,
             first_token_row: batch.first_token_row.unwrap_or(next_token_row),
+            hidden: match batch.pieces {
+                Some(pieces) => Hidden::Prefill(pieces),
+                None => Hidden::None,
+            },
         });
     }
 }
 
-/// A prefill's ops as forward calls and state copies (see the module docs).
-fn prefill_work(ops: Vec<PrefillOp>, rows: &[&mut RouterSeq], max_rows: usize) -> Vec<Work> {
+/// A prefill's ops as forward calls and state copies (see the module docs); with `mtp`, each
+/// run's MTP head part too, as the host router runs it: the head consumes the positions whose
+/// next token is in the prompt, and the prompt's last position is kept in the row's ring.
+fn prefill_work(
+    ops: Vec<PrefillOp>,
+    rows: &[&mut RouterSeq],
+    max_rows: usize,
+    mut mtp: Option<MtpBook<'_>>,
+) -> Vec<Work> {
     let mut work = Vec::new();
-    let mut batch = Batch::default();
+    let mut batch = Batch {
+        pieces: mtp.is_some().then(Vec::new),
+        ..Batch::default()
+    };
     let mut token_row = 0;
     for op in ops {
         match op {
@@ -161,7 +239,23 @@ fn prefill_work(ops: Vec<PrefillOp>, rows: &[&mut RouterSeq], max_rows: usize) -
                 blocks,
                 emit,
             } => {
-                let tokens = &rows[row].tokens;
+                let seq = &*rows[row];
+                let tokens = &seq.tokens;
+                // The head consumes positions `start..known`; the prompt's last is kept.
+                let known = stop.min(seq.prompt_len.saturating_sub(1));
+                let mut keep_cell = None;
+                if let Some(book) = mtp.as_mut() {
+                    let tenure = seq.tenure.expect("assigned by the bookkeeping");
+                    let track = book.tracks.entry(tenure).or_default();
+                    track.consumed = known.max(start);
+                    if stop == seq.prompt_len {
+                        if let Some(cell) = book.free_cells.pop() {
+                            let forgotten = track.keep(stop - 1, cell);
+                            book.free_cells.extend(forgotten);
+                            keep_cell = track.ring.get(&(stop - 1)).copied();
+                        }
+                    }
+                }
                 let mut pos = start;
                 while pos < stop {
                     if batch.has_slot(slot) || batch.rows() == max_rows {
@@ -173,8 +267,19 @@ fn prefill_work(ops: Vec<PrefillOp>, rows: &[&mut RouterSeq], max_rows: usize) -
                         len: end - pos,
                         slot,
                         blocks: blocks.clone(),
+                        snapshots: Vec::new(),
                     });
                     batch.tokens.extend_from_slice(&tokens[pos..end]);
+                    if let Some(pieces) = batch.pieces.as_mut() {
+                        let consumed = known.min(end).saturating_sub(pos);
+                        pieces.push(MtpPiece {
+                            run: batch.runs.len() - 1,
+                            next: tokens[pos + 1..pos + 1 + consumed].to_vec(),
+                            keep: keep_cell
+                                .filter(|_| end == stop)
+                                .map(|cell| (end - 1 - pos, cell)),
+                        });
+                    }
                     if end == stop && emit {
                         batch.logit_rows.push((batch.rows() - 1) as u32);
                         batch.first_token_row.get_or_insert(token_row);
@@ -199,6 +304,7 @@ fn decode_work(plan: &DecodePlan, last_token_rows: &[Option<usize>]) -> Vec<Work
             len: 1,
             slot: row.slot,
             blocks: row.blocks.clone(),
+            snapshots: Vec::new(),
         })
         .collect();
     let mut host = Vec::with_capacity(plan.rows.len());
@@ -233,7 +339,59 @@ fn decode_work(plan: &DecodePlan, last_token_rows: &[Option<usize>]) -> Vec<Work
         tokens,
         logit_rows: (0..plan.rows.len() as u32).collect(),
         first_token_row: 0,
+        hidden: Hidden::None,
     }]
+}
+
+/// Each decode row's hidden state: tenure, position, one position, its logits row.
+fn decode_kept(plan: &DecodePlan) -> Vec<(u64, usize, usize, usize)> {
+    plan.rows
+        .iter()
+        .zip(&plan.step.tenures)
+        .enumerate()
+        .map(|(i, (row, &tenure))| (tenure, row.pos, 1, i))
+        .collect()
+}
+
+/// Makes every forward call of `work` keep its logit rows' hidden states (a decode or
+/// verification on a model with an MTP head).
+fn keep_hidden(work: &mut [Work]) {
+    for item in work {
+        if let Work::Forward { hidden, .. } = item {
+            *hidden = Hidden::Keep;
+        }
+    }
+}
+
+/// A verification as forward calls: whole rows (each a run of its positions, with its snapshot
+/// rows), as many per call as `max_rows` allows, every position a logits row.
+fn verify_work(plan: &VerifyPlan, max_rows: usize) -> Vec<Work> {
+    let mut work = Vec::new();
+    let mut batch = Batch::default();
+    let mut token_row = 0;
+    for row in &plan.rows {
+        let len = row.tokens.len();
+        if batch.rows() + len > max_rows {
+            batch.flush(&mut work, token_row);
+        }
+        batch.runs.push(Run {
+            start: row.start,
+            len,
+            slot: row.slot,
+            blocks: row.blocks.clone(),
+            snapshots: row.snapshots.clone().unwrap_or_default(),
+        });
+        for j in 0..len {
+            batch.logit_rows.push((batch.rows() + j) as u32);
+        }
+        batch.first_token_row.get_or_insert(token_row);
+        token_row += len;
+        batch
+            .tokens
+            .extend_from_slice(&plan.tokens[row.tokens.clone()]);
+    }
+    batch.flush(&mut work, token_row);
+    work
 }
 
 fn u32_bytes(values: &[u32]) -> Vec<u8> {
@@ -271,7 +429,11 @@ impl CudaRouter {
         let shape = *self.book_shape();
         let ticket = inner.next_step;
         let max_rows = self.router_config().max_step_tokens;
-        let (step, work, reports, host) = match plan {
+        let mtp = self.mtp_layout().total > 0;
+        // Per row of a decode or verification on a model with an MTP head: tenure, first
+        // position, positions, first hidden row (what `SaveHiddenCatchup` may keep).
+        let mut kept: Option<Vec<(u64, usize, usize, usize)>> = None;
+        let (step, mut work, reports, host, runs) = match plan {
             StepPlan::Prefill { budgets, readback } => {
                 let mut bind = |adapter: Option<u32>| match adapter {
                     None => Ok(None),
@@ -287,14 +449,25 @@ impl CudaRouter {
                     rows,
                     &mut bind,
                 )?;
-                let work = prefill_work(plan.ops, rows, max_rows);
-                (plan.step, work, Some(plan.reports), host_sink(readback))
+                let book = mtp.then_some(MtpBook {
+                    tracks: &mut inner.mtp,
+                    free_cells: &mut inner.free_cells,
+                });
+                let work = prefill_work(plan.ops, rows, max_rows, book);
+                (
+                    plan.step,
+                    work,
+                    Some(plan.reports),
+                    host_sink(readback),
+                    None,
+                )
             }
             StepPlan::Decode { tokens, readback } => {
                 let plan =
                     self.decode_plan(inner, ticket, Inputs::Tokens(tokens), &readback, rows)?;
                 let work = decode_work(&plan, &inner.last_token_rows);
-                (plan.step, work, None, host_sink(readback))
+                kept = mtp.then(|| decode_kept(&plan));
+                (plan.step, work, None, host_sink(readback), None)
             }
             StepPlan::DecodeFed { sources, masks } => {
                 if depth < 2 {
@@ -308,16 +481,67 @@ impl CudaRouter {
                 let plan =
                     self.decode_plan(inner, ticket, Inputs::Fed(sources), &readback, rows)?;
                 let work = decode_work(&plan, &inner.last_token_rows);
-                (plan.step, work, None, None)
+                kept = mtp.then(|| decode_kept(&plan));
+                (plan.step, work, None, None, None)
             }
-            // Speculative decoding (verification, the MTP head's drafts) is not built here.
-            StepPlan::Verify { .. } => return Err(DeviceError::Unsupported { what: "Verify" }),
-            StepPlan::Draft { .. } => return Err(DeviceError::Unsupported { what: "Draft" }),
+            StepPlan::Verify {
+                inputs,
+                snapshots,
+                readback,
+            } => {
+                self.check_verify(inputs)?;
+                let plan = router_book::spec::verify(
+                    &shape,
+                    &mut inner.book(),
+                    inputs,
+                    snapshots,
+                    &readback,
+                    rows,
+                )?;
+                let work = verify_work(&plan, max_rows);
+                let mut start = 0;
+                let runs: Vec<TokenRun> = plan
+                    .rows
+                    .iter()
+                    .map(|row| {
+                        let run = TokenRun {
+                            start,
+                            len: row.tokens.len(),
+                        };
+                        start += run.len;
+                        run
+                    })
+                    .collect();
+                kept = mtp.then(|| {
+                    plan.rows
+                        .iter()
+                        .zip(&plan.step.tenures)
+                        .zip(&runs)
+                        .map(|((row, &tenure), run)| (tenure, row.start, run.len, run.start))
+                        .collect()
+                });
+                (plan.step, work, None, host_sink(readback), Some(runs))
+            }
+            StepPlan::Draft { tokens, k } => {
+                if !mtp {
+                    return Err(DeviceError::Unsupported { what: "Draft" });
+                }
+                let (mut book, tracks) = inner.book_and_tracks();
+                let plan = router_book::spec::draft(&shape, &mut book, tracks, tokens, k, rows)?;
+                return self.launch_draft(inner, ticket, plan, k);
+            }
         };
+        if kept.is_some() {
+            keep_hidden(&mut work);
+        }
         inner.next_step += 1;
         let half = (ticket % 2) as usize;
-        let logit_rows = step.token_rows.iter().flatten().count();
-        let enqueued = self.enqueue(half, &step, &work, logit_rows);
+        // A verification's rows leave every position's logits and no feed cell.
+        let logit_rows = match &runs {
+            Some(runs) => runs.iter().map(|run| run.len).sum(),
+            None => step.token_rows.iter().flatten().count(),
+        };
+        let enqueued = self.enqueue(half, &step, &work, logit_rows, runs.is_none());
         inner.last_rows = step
             .tenures
             .iter()
@@ -327,6 +551,10 @@ impl CudaRouter {
         inner.last_token_rows = step.token_rows.clone();
         if let Err(err) = enqueued {
             return Err(self.fail_step(inner, &step.tenures, err));
+        }
+        inner.step_hidden.retain(|held| held.half != half);
+        if let Some(rows) = kept {
+            inner.step_hidden.push(StepHidden { ticket, half, rows });
         }
         inner.logits.retain(|held| held.half != half);
         inner.logits.push(LogitsHeld {
@@ -344,6 +572,8 @@ impl CudaRouter {
             reports,
             host: host.is_some(),
             argmax: None,
+            runs,
+            draft: None,
         });
         if let Some(into) = host {
             let read = || -> std::result::Result<Vec<f32>, CudaError> {
@@ -368,6 +598,37 @@ impl CudaRouter {
             }
         }
         Ok(Ticket(ticket))
+    }
+
+    /// Refuses, before any bookkeeping, a `Verify` this router's buffers cannot hold: more
+    /// positions than a step's logits rows, or a row longer than a forward call.
+    fn check_verify(&self, inputs: &[&[u32]]) -> Result<()> {
+        let positions: usize = inputs.iter().map(|input| input.len()).sum();
+        let most = self.plan().logit_rows();
+        if positions > most {
+            return Err(DeviceError::Invalid {
+                what: "Verify",
+                detail: format!(
+                    "{positions} positions; a step of this router holds the logits of at most \
+                     {most} (max_seqs plus one per snapshot ring slot)"
+                ),
+            });
+        }
+        let max_rows = self.router_config().max_step_tokens;
+        if let Some((i, input)) = inputs
+            .iter()
+            .enumerate()
+            .find(|(_, input)| input.len() > max_rows)
+        {
+            return Err(DeviceError::Invalid {
+                what: "Verify",
+                detail: format!(
+                    "row {i} feeds {} tokens, over max_step_tokens {max_rows}",
+                    input.len()
+                ),
+            });
+        }
+        Ok(())
     }
 
     fn decode_plan(
@@ -444,6 +705,7 @@ impl CudaRouter {
         step: &StepBook,
         work: &[Work],
         logit_rows: usize,
+        feed: bool,
     ) -> std::result::Result<(), CudaError> {
         let rt = self.runtime();
         let s = Stream::Compute;
@@ -452,15 +714,7 @@ impl CudaRouter {
         let io = *self.io_layout();
         let vocab = self.model_config().vocab_size;
         let model = self.device_model()?;
-        let state = DeviceState {
-            kv: buffers.kv.all(),
-            num_blocks: plan.num_blocks,
-            block_size: plan.block_size,
-            block_floats: (plan.kv_block_bytes / 4) as usize,
-            states: buffers.states.all(),
-            num_slots: plan.live_slots + plan.checkpoint_slots + plan.snapshot_slots,
-            slot_floats: (plan.state_slot_bytes / 4) as usize,
-        };
+        let state = self.device_state()?;
         let row_bytes = plan.state_slot_bytes as usize;
         let state_row = |row: usize| buffers.states.range(row * row_bytes, row_bytes);
         let logits = self.logits_half(half)?;
@@ -482,6 +736,7 @@ impl CudaRouter {
                     tokens,
                     logit_rows: call_rows,
                     first_token_row,
+                    hidden,
                 } => {
                     let m: usize = runs.iter().map(|run| run.len).sum();
                     let token_slice = self.io_half(half, io.tokens, 4 * m)?;
@@ -512,22 +767,53 @@ impl CudaRouter {
                             len: run.len,
                             slot: run.slot,
                             blocks: &step.blocks[run.blocks.clone()],
+                            snapshots: &run.snapshots,
                         })
                         .collect();
                     let out_logits =
                         logits.range(first_token_row * vocab * 4, call_rows.len() * vocab * 4)?;
-                    model.forward(
-                        rt,
-                        buffers.workspace.all(),
-                        self.workspace(),
-                        &state,
-                        &step_runs,
-                        token_slice,
-                        &StepOutput {
-                            logit_rows: call_rows,
-                            logits: out_logits,
-                        },
-                    )?;
+                    let out = StepOutput {
+                        logit_rows: call_rows,
+                        logits: out_logits,
+                    };
+                    let ws = (buffers.workspace.all(), self.workspace());
+                    let mtp = self.mtp_layout();
+                    let row = mtp.row as usize;
+                    match hidden {
+                        Hidden::None => {
+                            model.forward(rt, ws.0, ws.1, &state, &step_runs, token_slice, &out)?
+                        }
+                        Hidden::Keep => {
+                            let at = mtp.step_hidden as usize
+                                + half * mtp.half as usize
+                                + first_token_row * row;
+                            let kept = self.mtp_region(at, call_rows.len() * row)?;
+                            model.forward_hidden(
+                                rt,
+                                ws.0,
+                                ws.1,
+                                &state,
+                                &step_runs,
+                                token_slice,
+                                &out,
+                                kept,
+                            )?;
+                        }
+                        Hidden::Prefill(pieces) => {
+                            let staging = self.mtp_region(mtp.staging as usize, m * row)?;
+                            model.forward_all_hidden(
+                                rt,
+                                ws.0,
+                                ws.1,
+                                &state,
+                                &step_runs,
+                                token_slice,
+                                &out,
+                                staging,
+                            )?;
+                            self.prefill_head(half, &state, &step_runs, pieces, staging)?;
+                        }
+                    }
                 }
             }
         }
@@ -558,7 +844,11 @@ impl CudaRouter {
                 logit_rows,
                 vocab,
                 out,
-                Some(feed_cells.range(0, 4 * logit_rows)?),
+                if feed {
+                    Some(feed_cells.range(0, 4 * logit_rows)?)
+                } else {
+                    None
+                },
             )?;
             rt.copy_to_pinned(&buffers.out_pinned[half], 0, out, s)?;
         }
@@ -573,17 +863,30 @@ impl CudaRouter {
             return Ok(());
         }
         let (half, rows, ticket) = (flight.half, flight.logit_rows, flight.ticket);
+        let draft = flight
+            .draft
+            .as_ref()
+            .map(|(drafting, k)| (drafting.iter().filter(|&&d| d).count(), *k));
         let read = || -> std::result::Result<Vec<u32>, CudaError> {
             self.runtime().sync_event(self.step_event(half))?;
-            let mut bytes = vec![0u8; 4 * rows];
-            if rows > 0 {
-                self.runtime()
-                    .read_pinned(&self.buffers()?.out_pinned[half], 0, &mut bytes)?;
+            let buffers = self.buffers()?;
+            let (pinned, words) = match draft {
+                Some((n, k)) => (&buffers.draft_pinned, n * k),
+                None => (&buffers.out_pinned, rows),
+            };
+            let mut bytes = vec![0u8; 4 * words];
+            if words > 0 {
+                self.runtime().read_pinned(&pinned[half], 0, &mut bytes)?;
             }
-            Ok(bytes
+            let words: Vec<u32> = bytes
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect())
+                .collect();
+            // A draft's tokens come depth after depth; the result gives them row after row.
+            Ok(match draft {
+                Some((n, k)) => (0..n * k).map(|i| words[(i % k) * n + i / k]).collect(),
+                None => words,
+            })
         };
         let argmax = match read() {
             Ok(argmax) => argmax,
@@ -637,7 +940,49 @@ impl CudaRouter {
             .pop_front()
             .ok_or(DeviceError::UnknownTicket(ticket))?;
         settled?;
+        inner.settled = Some(ticket.0);
         let argmax = flight.argmax.unwrap_or_default();
+        if let Some((drafting, k)) = flight.draft {
+            // A draft: `k` tokens per drafting row, none for the others; no logits.
+            let mut start = 0;
+            let rows = drafting
+                .iter()
+                .map(|&d| {
+                    let len = if d { k } else { 0 };
+                    let run = TokenRun { start, len };
+                    start += len;
+                    RowOutput {
+                        run: Some(run),
+                        ..RowOutput::default()
+                    }
+                })
+                .collect();
+            return Ok(StepResult {
+                ticket,
+                rows,
+                logits: None,
+                tokens: argmax,
+            });
+        }
+        if let Some(runs) = flight.runs {
+            // A verification: every position's argmax, each row's span of them.
+            let rows = runs
+                .iter()
+                .map(|run| RowOutput {
+                    logits_row: flight.host.then_some(run.start),
+                    run: Some(*run),
+                    ..RowOutput::default()
+                })
+                .collect();
+            return Ok(StepResult {
+                ticket,
+                rows,
+                logits: (flight.logit_rows > 0).then_some(LogitsHandle {
+                    step: flight.ticket,
+                }),
+                tokens: argmax,
+            });
+        }
         let rows = flight
             .token_rows
             .iter()
@@ -664,6 +1009,338 @@ impl CudaRouter {
                 step: flight.ticket,
             }),
             tokens: Vec::new(),
+        })
+    }
+}
+
+/// One drafting row of a `Draft` on the device.
+struct Drafting<'a> {
+    /// The catch-up's first position, next tokens and cells.
+    catchup: &'a router_book::spec::Catchup<u32>,
+    next_pos: usize,
+    slot: usize,
+    blocks: &'a [u32],
+}
+
+impl CudaRouter {
+    /// The MTP head's part of a prefill call (after its main forward left every row's hidden
+    /// state in `staging`): for each piece, the head over the positions whose next token the
+    /// prompt holds, then the prompt's last position's hidden state into its catch-up cell.
+    fn prefill_head(
+        &self,
+        half: usize,
+        state: &DeviceState,
+        runs: &[StepRun<'_>],
+        pieces: &[MtpPiece],
+        staging: DeviceSlice,
+    ) -> std::result::Result<(), CudaError> {
+        let rt = self.runtime();
+        let s = Stream::Compute;
+        let model = self.device_model()?;
+        let buffers = self.buffers()?;
+        let mtp = self.mtp_layout();
+        let row = mtp.row as usize;
+        let io = *self.io_layout();
+        // Zero-length outputs (the head's logits and hidden outputs are not wanted here), outside
+        // the workspace.
+        let nothing = self.mtp_region(mtp.pong as usize, 0)?;
+        let mut first_rows = Vec::with_capacity(runs.len());
+        let mut first = 0;
+        for run in runs {
+            first_rows.push(first);
+            first += run.len;
+        }
+        for piece in pieces {
+            let run = &runs[piece.run];
+            let first = first_rows[piece.run];
+            let n = piece.next.len();
+            if n > 0 {
+                let tokens = self.io_half(half, io.tokens, 4 * n)?;
+                rt.upload(tokens, &u32_bytes(&piece.next), s)?;
+                model.mtp(
+                    rt,
+                    buffers.workspace.all(),
+                    self.workspace(),
+                    state,
+                    &[StepRun { len: n, ..*run }],
+                    tokens,
+                    staging.range(first * row, n * row)?,
+                    &StepOutput {
+                        logit_rows: &[],
+                        logits: nothing,
+                    },
+                    nothing,
+                )?;
+            }
+            if let Some((at, cell)) = piece.keep {
+                rt.copy(self.cell(cell)?, staging.range((first + at) * row, row)?, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `Draft`: the committed plan's catch-up and drafts on the device (see the module docs),
+    /// then the step's flight.
+    fn launch_draft(
+        &self,
+        inner: &mut Inner,
+        ticket: u64,
+        plan: DraftPlan<u32>,
+        k: usize,
+    ) -> Result<Ticket> {
+        inner.next_step += 1;
+        let half = (ticket % 2) as usize;
+        let drafting: Vec<bool> = plan.rows.iter().map(|r| r.catchup.is_some()).collect();
+        let rows: Vec<Drafting<'_>> = plan
+            .rows
+            .iter()
+            .filter_map(|r| {
+                r.catchup.as_ref().map(|catchup| Drafting {
+                    catchup,
+                    next_pos: r.next_pos,
+                    slot: r.slot,
+                    blocks: &plan.step.blocks[r.blocks.clone()],
+                })
+            })
+            .collect();
+        let enqueued = self.enqueue_draft(half, &rows, k);
+        // The catch-up cells and the lent blocks are free again for work queued after.
+        for r in &plan.rows {
+            if let Some(catchup) = &r.catchup {
+                inner.free_cells.extend_from_slice(&catchup.hidden);
+            }
+        }
+        inner.free_cells.extend_from_slice(&plan.dropped);
+        for &block in &plan.lent {
+            inner.cache.release(block);
+        }
+        inner.last_rows = plan.step.tenures.iter().map(|&t| (t, false)).collect();
+        inner.last_token_rows = plan.step.token_rows.clone();
+        if let Err(err) = enqueued {
+            return Err(self.fail_step(inner, &plan.step.tenures, err));
+        }
+        // The draft wrote its logits into this half: none are held there now.
+        inner.logits.retain(|held| held.half != half);
+        inner.step_hidden.retain(|held| held.half != half);
+        inner.unsettled.push_back(ticket);
+        inner.flights.push_back(Flight {
+            ticket,
+            half,
+            logit_rows: 0,
+            token_rows: plan.step.token_rows,
+            tenures: plan.step.tenures,
+            reports: None,
+            host: false,
+            argmax: None,
+            runs: None,
+            draft: Some((drafting, k)),
+        });
+        Ok(Ticket(ticket))
+    }
+
+    /// Enqueues a draft: the catch-up of every drafting row (its ring's hidden states gathered
+    /// into `staging`, the head over them on the live state, in calls of whole pieces), the
+    /// first drafts (device argmax of each row's last catch-up position), then `k - 1` steps of
+    /// one position per row on the rows' scratch state rows, each fed the draft before (on the
+    /// device) and the head's hidden output before; the drafts, depth after depth, go to the
+    /// half's pinned buffer.
+    fn enqueue_draft(
+        &self,
+        half: usize,
+        rows: &[Drafting<'_>],
+        k: usize,
+    ) -> std::result::Result<(), CudaError> {
+        let rt = self.runtime();
+        let s = Stream::Compute;
+        let buffers = self.buffers()?;
+        let plan = self.plan();
+        let model = self.device_model()?;
+        let mtp = *self.mtp_layout();
+        let io = *self.io_layout();
+        let row = mtp.row as usize;
+        let vocab = self.model_config().vocab_size;
+        let n = rows.len();
+        if n == 0 {
+            return rt.record(self.step_event(half), s);
+        }
+        let state = self.device_state()?;
+        let logits = self.logits_half(half)?;
+        let ws = (buffers.workspace.all(), self.workspace());
+        let (mut ping, mut pong) = (mtp.ping as usize, mtp.pong as usize);
+        let nothing = self.mtp_region(mtp.drafts as usize, 0)?;
+        // 1. The catch-up, in calls of at most `limit` rows: a row's positions may be cut into
+        //    pieces (the head continues from its state and K/V exactly); only a row's last piece
+        //    gives logits (its first draft) and a hidden output.
+        let limit = mtp.staging_rows.min(self.router_config().max_step_tokens);
+        let mut call: Vec<(usize, usize, usize)> = Vec::new(); // (drafting row, from, len)
+        let flush = |call: &mut Vec<(usize, usize, usize)>| -> std::result::Result<(), CudaError> {
+            if call.is_empty() {
+                return Ok(());
+            }
+            let m: usize = call.iter().map(|c| c.2).sum();
+            let mut tokens = Vec::with_capacity(m);
+            let mut runs = Vec::with_capacity(call.len());
+            let mut logit_rows = Vec::new();
+            let mut emitting = Vec::new();
+            let mut at = 0;
+            for &(i, from, len) in call.iter() {
+                let r = &rows[i];
+                let catchup = r.catchup;
+                for (j, &cell) in catchup.hidden[from..from + len].iter().enumerate() {
+                    let dst = self.mtp_region(mtp.staging as usize + (at + j) * row, row)?;
+                    rt.copy(dst, self.cell(cell)?, s)?;
+                }
+                tokens.extend_from_slice(&catchup.tokens[from..from + len]);
+                runs.push(StepRun {
+                    start_pos: catchup.start + from,
+                    len,
+                    slot: r.slot,
+                    blocks: r.blocks,
+                    snapshots: &[],
+                });
+                if from + len == catchup.hidden.len() {
+                    logit_rows.push((at + len - 1) as u32);
+                    emitting.push(i);
+                }
+                at += len;
+            }
+            let token_slice = self.io_half(half, io.tokens, 4 * m)?;
+            rt.upload(token_slice, &u32_bytes(&tokens), s)?;
+            // Emitting rows are consecutive drafting rows: their logits and hidden outputs are
+            // consecutive rows of the half's logits and of `ping`.
+            let (out_logits, hidden_out) = match emitting.first() {
+                Some(&first) => (
+                    logits.range(first * vocab * 4, emitting.len() * vocab * 4)?,
+                    self.mtp_region(ping + first * row, emitting.len() * row)?,
+                ),
+                None => (nothing, nothing),
+            };
+            model.mtp(
+                rt,
+                ws.0,
+                ws.1,
+                &state,
+                &runs,
+                token_slice,
+                self.mtp_region(mtp.staging as usize, m * row)?,
+                &StepOutput {
+                    logit_rows: &logit_rows,
+                    logits: out_logits,
+                },
+                hidden_out,
+            )?;
+            call.clear();
+            Ok(())
+        };
+        let mut in_call = 0;
+        for (i, r) in rows.iter().enumerate() {
+            let total = r.catchup.hidden.len();
+            let mut from = 0;
+            while from < total {
+                if in_call == limit {
+                    flush(&mut call)?;
+                    in_call = 0;
+                }
+                let len = (total - from).min(limit - in_call);
+                call.push((i, from, len));
+                in_call += len;
+                from += len;
+            }
+        }
+        flush(&mut call)?;
+        // 2. The first drafts.
+        let cur = self.io_half(half, io.out, 4 * n)?;
+        let drafts = |depth: usize| self.mtp_region(mtp.drafts as usize + depth * n * 4, n * 4);
+        kernels::argmax(
+            rt,
+            s,
+            logits.range(0, n * vocab * 4)?,
+            None,
+            n,
+            vocab,
+            cur,
+            None,
+        )?;
+        rt.copy(drafts(0)?, cur, s)?;
+        // 3. The other drafts, on scratch copies of the live state (the head's own K/V at the
+        //    draft positions is overwritten by the next catch-up).
+        let row_bytes = plan.state_slot_bytes as usize;
+        let scratch = |slot: usize| {
+            if row_bytes > 0 {
+                plan.scratch_row(slot)
+            } else {
+                slot
+            }
+        };
+        if k > 1 && row_bytes > 0 {
+            for r in rows {
+                let src = buffers.states.range(r.slot * row_bytes, row_bytes)?;
+                let dst = buffers
+                    .states
+                    .range(scratch(r.slot) * row_bytes, row_bytes)?;
+                rt.copy(dst, src, s)?;
+            }
+        }
+        let all_rows: Vec<u32> = (0..n as u32).collect();
+        for depth in 1..k {
+            let runs: Vec<StepRun<'_>> = rows
+                .iter()
+                .map(|r| StepRun {
+                    start_pos: r.next_pos + depth - 1,
+                    len: 1,
+                    slot: scratch(r.slot),
+                    blocks: r.blocks,
+                    snapshots: &[],
+                })
+                .collect();
+            model.mtp(
+                rt,
+                ws.0,
+                ws.1,
+                &state,
+                &runs,
+                cur,
+                self.mtp_region(ping, n * row)?,
+                &StepOutput {
+                    logit_rows: &all_rows,
+                    logits: logits.range(0, n * vocab * 4)?,
+                },
+                self.mtp_region(pong, n * row)?,
+            )?;
+            kernels::argmax(
+                rt,
+                s,
+                logits.range(0, n * vocab * 4)?,
+                None,
+                n,
+                vocab,
+                cur,
+                None,
+            )?;
+            rt.copy(drafts(depth)?, cur, s)?;
+            std::mem::swap(&mut ping, &mut pong);
+        }
+        rt.copy_to_pinned(
+            &buffers.draft_pinned[half],
+            0,
+            self.mtp_region(mtp.drafts as usize, n * k * 4)?,
+            s,
+        )?;
+        rt.record(self.step_event(half), s)
+    }
+
+    /// The KV pool and every state row, as the forward step takes them.
+    fn device_state(&self) -> std::result::Result<DeviceState, CudaError> {
+        let buffers = self.buffers()?;
+        let plan = self.plan();
+        Ok(DeviceState {
+            kv: buffers.kv.all(),
+            num_blocks: plan.num_blocks,
+            block_size: plan.block_size,
+            block_floats: (plan.kv_block_bytes / 4) as usize,
+            states: buffers.states.all(),
+            num_slots: plan.state_rows(),
+            slot_floats: (plan.state_slot_bytes / 4) as usize,
         })
     }
 }

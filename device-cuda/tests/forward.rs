@@ -240,6 +240,7 @@ impl Pair {
                 len: tokens.len(),
                 slot: seqs[*seq].slot,
                 blocks: &seqs[*seq].blocks,
+                snapshots: &[],
             })
             .collect();
         let all: Vec<u32> = runs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
@@ -654,6 +655,7 @@ fn back_to_back(
                         len: rows,
                         slot: *slot,
                         blocks: table,
+                        snapshots: &[],
                     }],
                     token_buf.all(),
                     &StepOutput {
@@ -809,6 +811,7 @@ impl MtpDevice {
             len: rows,
             slot,
             blocks: &self.blocks,
+            snapshots: &[],
         }];
         let out = StepOutput {
             logit_rows: &logit_rows,
@@ -1024,6 +1027,7 @@ fn mtp_refusals_are_typed_errors() {
                     len: 2,
                     slot: 0,
                     blocks: &dev.blocks,
+                    snapshots: &[],
                 }],
                 tokens.all(),
                 hidden_in.all(),

@@ -73,6 +73,7 @@ fn run(model: &Model, split_keys: usize, cut: &Cut) -> Vec<u32> {
                 len,
                 slot: seq,
                 blocks: &tables[seq],
+                snapshots: &[],
             })
             .collect();
         let all: Vec<u32> = step

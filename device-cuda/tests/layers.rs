@@ -88,6 +88,7 @@ fn step(rt: &dyn Runtime, runs: &[(usize, usize, usize, Vec<u32>)]) -> Step {
         tables: bufs[3].range(0, tables.len() * 4).unwrap(),
         rows,
         num_runs: runs.len(),
+        snapshots: None,
     };
     Step { bufs, step }
 }

@@ -46,8 +46,9 @@ fn the_budget_is_split_as_documented() {
         (rest / 4) / plan.state_slot_bytes
     );
     assert!(plan.total_bytes() <= router.budget_bytes);
-    // Logits of two steps of 4 rows of 256 f32.
-    assert_eq!(plan.logits_bytes, 2 * 4 * 256 * 4);
+    // Logits of two steps of 4 rows and 4 verified drafts (one per ring slot) of 256 f32.
+    assert_eq!(plan.logit_rows(), 8);
+    assert_eq!(plan.logits_bytes, 2 * 8 * 256 * 4);
 
     let small = CudaRouterConfig {
         budget_bytes: fixed + 8 * plan.kv_block_bytes,

@@ -351,7 +351,9 @@ mod cpu {
             plan.workspace_bytes
                 + plan.logits_bytes
                 + plan.io_bytes
-                + plan.state_slot_bytes * (options.max_seqs + options.snapshot_slots) as u64
+                + plan.state_slot_bytes
+                    * (options.max_seqs + options.snapshot_slots + plan.scratch_slots) as u64
+                + plan.mtp_bytes
                 + weights
                 + rest
                 + (1 << 20)

@@ -1,8 +1,9 @@
 //! The whole CUDA router (on `SimRuntime`) computing steps against the host router, through
 //! `DeviceIo` alone: both fixtures, every prompt case, prefill in chunks of several sizes with
 //! several rows a step, batched decode, depth 2 with fed inputs, a prefix-cache hit with the
-//! Marconi checkpoint restored through it, spill and restore mid-decode, and compaction between
-//! steps.
+//! Marconi checkpoint restored through it, spill and restore mid-decode, compaction between
+//! steps, and speculative verification (`Verify`, then `TruncateKv` and `SsmSnapshotRestore` of
+//! the accepted prefix).
 //!
 //! Numbers: with f32 weights every logit is within [`F32_TOLERANCE`] of the host router's and
 //! the greedy ids are the same. With bf16 weights the device rounds the GEMM matrices and the
@@ -37,7 +38,12 @@ fn fixture(name: &str) -> Model {
 }
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(fixture_dir(name).join("cases.json")).unwrap();
+    prompts_in(&fixture_dir(name))
+}
+
+/// The prompt cases of the fixture folder `dir`.
+fn prompts_in(dir: &std::path::Path) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     json["cases"]
         .as_array()
@@ -668,4 +674,329 @@ fn spill_restore_and_compaction_mid_decode_keep_the_tokens() {
     release(&host, &mut on_host, false);
     release(&device, &mut restored, false);
     Box::new(device).teardown().unwrap();
+}
+
+/// A `Verify` step with host logits: every position's argmax, each row's span, the logits.
+fn verify<D: Router>(
+    router: &D,
+    inputs: &[&[u32]],
+    snapshots: &[&[usize]],
+    rows: &mut [&mut RouterSeq],
+) -> (Vec<u32>, Vec<(usize, usize)>, Vec<f32>) {
+    let mut logits = Vec::new();
+    let plan = StepPlan::Verify {
+        inputs,
+        snapshots,
+        readback: Readback::HostLogits { into: &mut logits },
+    };
+    let ticket = router.launch(plan, rows).unwrap();
+    let result = router.await_result(ticket).unwrap();
+    let spans = result
+        .rows
+        .iter()
+        .map(|row| {
+            let run = row.run.unwrap();
+            assert_eq!(row.logits_row, Some(run.start));
+            (run.start, run.len)
+        })
+        .collect();
+    (result.tokens, spans, logits)
+}
+
+/// Keeps the first `len` positions of a verified row (`TruncateKv`) and rewinds its Mamba state
+/// to the snapshot in ring slot `slot`, taken at `len`.
+fn accept<D: Router>(router: &D, s: &mut RouterSeq, len: usize, slot: usize) {
+    router.apply(Effect::TruncateKv { seq: s, len }).unwrap();
+    router
+        .apply(Effect::SsmSnapshotRestore { seq: s, slot })
+        .unwrap();
+}
+
+/// `Verify` on the CUDA router (one run of each row's next token and drafts, the Mamba state
+/// after each draft written to the ring on the device): every position within
+/// [`F32_TOLERANCE`] of the host router's with the same argmax; the accepted positions the same
+/// bits as decoding them one by one on the CUDA router; after `TruncateKv` and
+/// `SsmSnapshotRestore` of the accepted prefix the next decode step is plain decoding's, bit for
+/// bit (the restored SSM state is exact) and within the tolerance of the host router's; every
+/// block back. A `Verify` past the router's logits rows is refused and changes nothing.
+#[test]
+fn verify_matches_the_host_router_and_rewinds_exactly() {
+    let mut worst = 0.0f32;
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let model = fixture(name);
+        let cases = prompts(name);
+        let device = cuda(&model, DType::F32, false, 48);
+        let host = host_like(&model, &device, false);
+        let vocab = host.facts().vocab_size;
+        let initial = device.facts();
+        let pair = [&cases[0][..], &cases[1][..]];
+        // Rows 0, 1 verify; rows 2, 3 decode the accepted path one token at a time.
+        let mut on_device: Vec<RouterSeq> = (0..4).map(|i| seq(i, pair[i as usize % 2])).collect();
+        let mut on_host: Vec<RouterSeq> = (0..2).map(|i| seq(i, pair[i as usize])).collect();
+        let (_, prefilled) = prefill(
+            &device,
+            &[CONTEXT; 4],
+            &mut on_device.iter_mut().collect::<Vec<_>>(),
+        );
+        prefill(
+            &host,
+            &[CONTEXT; 2],
+            &mut on_host.iter_mut().collect::<Vec<_>>(),
+        );
+        let next = argmax_rows(&prefilled, vocab);
+        let lens: Vec<usize> = on_host.iter().map(|s| s.computed_len).collect();
+        let drafts = [
+            [5u32, 7, 11].map(|t| t % vocab as u32).to_vec(),
+            vec![13 % vocab as u32],
+        ];
+        let row0: Vec<u32> = [next[0]].iter().chain(&drafts[0]).copied().collect();
+        let row1: Vec<u32> = [next[1]].iter().chain(&drafts[1]).copied().collect();
+        let inputs: [&[u32]; 2] = [&row0, &row1];
+        let snapshots: [&[usize]; 2] = [&[0, 1, 2], &[3]];
+
+        // Refused: nine positions, over the 4 + 4 logits rows of a step; nothing changes.
+        let long: Vec<u32> = vec![next[0]; 9];
+        let before = device.facts();
+        let refused = device.launch(
+            StepPlan::Verify {
+                inputs: &[&long],
+                snapshots: &[],
+                readback: Readback::Argmax,
+            },
+            &mut [&mut on_device[0]],
+        );
+        assert!(
+            matches!(&refused, Err(device_io::DeviceError::Invalid { what: "Verify", detail })
+                if detail.contains("at most 8")),
+            "{refused:?}"
+        );
+        assert_eq!(device.facts(), before);
+        assert_eq!(on_device[0].computed_len, lens[0]);
+
+        let (d_tokens, d_spans, d_logits) = {
+            let (a, _) = on_device.split_at_mut(2);
+            verify(
+                &device,
+                &inputs,
+                &snapshots,
+                &mut a.iter_mut().collect::<Vec<_>>(),
+            )
+        };
+        let (h_tokens, h_spans, h_logits) = verify(
+            &host,
+            &inputs,
+            &snapshots,
+            &mut on_host.iter_mut().collect::<Vec<_>>(),
+        );
+        assert_eq!(d_spans, vec![(0, 4), (4, 2)]);
+        assert_eq!(d_spans, h_spans);
+        assert_eq!(d_tokens, h_tokens, "{name}: verified argmax");
+        assert_eq!(d_tokens, argmax_rows(&d_logits, vocab));
+        let mut seen = Compared::default();
+        seen.rows(vocab, &h_logits, &d_logits, None);
+
+        // Plain decoding of the accepted path on the CUDA router: row 0 keeps its next token and
+        // first draft, row 1 its next token only; then tokens 99 and 98.
+        let (follow0, follow1) = (99 % vocab as u32, 98 % vocab as u32);
+        let (_, b) = on_device.split_at_mut(2);
+        let (b0, b1) = b.split_at_mut(1);
+        let (b0, b1) = (&mut b0[0], &mut b1[0]);
+        let step1 = decode(&device, &[next[0], next[1]], &mut [&mut *b0, &mut *b1]);
+        let step2 = decode(&device, &[drafts[0][0], follow1], &mut [&mut *b0, &mut *b1]);
+        let step3 = decode(&device, &[follow0], &mut [&mut *b0]);
+        let row = |logits: &[f32], r: usize| logits[r * vocab..(r + 1) * vocab].to_vec();
+        assert_eq!(
+            row(&d_logits, 0),
+            row(&step1, 0),
+            "{name}: row 0, position 0"
+        );
+        assert_eq!(
+            row(&d_logits, 1),
+            row(&step2, 0),
+            "{name}: row 0, position 1"
+        );
+        assert_eq!(
+            row(&d_logits, 4),
+            row(&step1, 1),
+            "{name}: row 1, position 0"
+        );
+
+        // Accept: row 0 keeps two positions (snapshot after input 1), row 1 one (after input 0).
+        accept(&host, &mut on_host[0], lens[0] + 2, 1);
+        accept(&host, &mut on_host[1], lens[1] + 1, 3);
+        accept(&device, &mut on_device[0], lens[0] + 2, 1);
+        accept(&device, &mut on_device[1], lens[1] + 1, 3);
+        let (a, _) = on_device.split_at_mut(2);
+        let after = decode(
+            &device,
+            &[follow0, follow1],
+            &mut a.iter_mut().collect::<Vec<_>>(),
+        );
+        let host_after = decode(
+            &host,
+            &[follow0, follow1],
+            &mut on_host.iter_mut().collect::<Vec<_>>(),
+        );
+        assert_eq!(
+            row(&after, 0),
+            row(&step3, 0),
+            "{name}: row 0 after the rewind"
+        );
+        assert_eq!(
+            row(&after, 1),
+            row(&step2, 1),
+            "{name}: row 1 after the rewind"
+        );
+        seen.rows(vocab, &host_after, &after, None);
+        assert!(seen.max_diff <= F32_TOLERANCE, "{name}: {}", seen.max_diff);
+        worst = worst.max(seen.max_diff);
+
+        for s in &mut on_device {
+            release(&device, s, false);
+        }
+        for s in &mut on_host {
+            release(&host, s, false);
+        }
+        assert_eq!(device.facts(), initial);
+        Box::new(device).teardown().unwrap();
+    }
+    eprintln!("verify: max |device - host| {worst:e} (tolerance {F32_TOLERANCE:e})");
+}
+
+/// A `Draft` step: each row's drafts.
+fn draft<D: Router>(
+    router: &D,
+    tokens: &[u32],
+    k: usize,
+    rows: &mut [&mut RouterSeq],
+) -> Vec<Vec<u32>> {
+    let ticket = router.launch(StepPlan::Draft { tokens, k }, rows).unwrap();
+    let result = router.await_result(ticket).unwrap();
+    assert!(result.logits.is_none());
+    result
+        .rows
+        .iter()
+        .map(|row| {
+            let run = row.run.unwrap();
+            result.tokens[run.start..run.start + run.len].to_vec()
+        })
+        .collect()
+}
+
+/// One speculative round on `router` for every row: verify `next` and `drafts` (ring slots
+/// `k * i..`), accept the longest prefix of drafts equal to the target's argmax plus the
+/// target's next token, truncate and rewind, keep every kept position's hidden state for the
+/// MTP head (`SaveHiddenCatchup`); answers each row's next token.
+fn speculate<D: Router>(
+    router: &D,
+    next: &[u32],
+    drafts: &[Vec<u32>],
+    k: usize,
+    seqs: &mut [RouterSeq],
+) -> Vec<u32> {
+    let inputs: Vec<Vec<u32>> = next
+        .iter()
+        .zip(drafts)
+        .map(|(&t, d)| [t].iter().chain(d).copied().collect())
+        .collect();
+    let slots: Vec<Vec<usize>> = drafts
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (k * i..k * i + d.len()).collect())
+        .collect();
+    let input_refs: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
+    let slot_refs: Vec<&[usize]> = slots.iter().map(Vec::as_slice).collect();
+    let starts: Vec<usize> = seqs.iter().map(|s| s.computed_len).collect();
+    let (argmax, spans, _) = verify(
+        router,
+        &input_refs,
+        &slot_refs,
+        &mut seqs.iter_mut().collect::<Vec<_>>(),
+    );
+    let mut following = Vec::new();
+    for (i, seq) in seqs.iter_mut().enumerate() {
+        let (start, len) = spans[i];
+        let target = &argmax[start..start + len];
+        let accepted = (1..len)
+            .take_while(|&j| inputs[i][j] == target[j - 1])
+            .count();
+        let kept = accepted + 1;
+        if kept < len {
+            accept(router, seq, starts[i] + kept, slots[i][kept - 1]);
+        } else {
+            router
+                .apply(Effect::TruncateKv {
+                    seq,
+                    len: starts[i] + kept,
+                })
+                .unwrap();
+        }
+        for pos in starts[i]..starts[i] + kept {
+            router
+                .apply(Effect::SaveHiddenCatchup { row: i, pos })
+                .unwrap();
+        }
+        following.push(target[accepted]);
+    }
+    following
+}
+
+/// `Draft` on the CUDA router (the MTP head's catch-up over the device's rings, then greedy
+/// drafts fed on the device) gives the host router's drafts on both MTP fixtures: after the
+/// prefill (whose head part keeps the prompt's last position), and again after a verification
+/// whose kept positions the head catches up over; every block back.
+#[test]
+fn draft_matches_the_host_router_on_both_mtp_fixtures() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let dir = fixture_dir(name).join("mtp");
+        let model = Model::load(&dir.join("model")).unwrap();
+        assert!(model.has_mtp());
+        let cases = prompts_in(&dir);
+        let device = cuda(&model, DType::F32, false, 48);
+        let host = host_like(&model, &device, false);
+        let vocab = host.facts().vocab_size;
+        let initial = device.facts();
+        let pair = [&cases[2][..], &cases[4][..]];
+        let mut on_device: Vec<RouterSeq> = (0..2).map(|i| seq(i, pair[i as usize])).collect();
+        let mut on_host: Vec<RouterSeq> = (0..2).map(|i| seq(i, pair[i as usize])).collect();
+        let (_, d_logits) = prefill(
+            &device,
+            &[CONTEXT; 2],
+            &mut on_device.iter_mut().collect::<Vec<_>>(),
+        );
+        let (_, h_logits) = prefill(
+            &host,
+            &[CONTEXT; 2],
+            &mut on_host.iter_mut().collect::<Vec<_>>(),
+        );
+        let mut next = argmax_rows(&h_logits, vocab);
+        assert_eq!(argmax_rows(&d_logits, vocab), next);
+        let k = 2;
+        for round in 0..2 {
+            let d_drafts = draft(
+                &device,
+                &next,
+                k,
+                &mut on_device.iter_mut().collect::<Vec<_>>(),
+            );
+            let h_drafts = draft(&host, &next, k, &mut on_host.iter_mut().collect::<Vec<_>>());
+            assert_eq!(d_drafts, h_drafts, "{name}: round {round}");
+            assert!(
+                d_drafts.iter().all(|d| d.len() == k),
+                "{name}: {d_drafts:?}"
+            );
+            let d_next = speculate(&device, &next, &d_drafts, k, &mut on_device);
+            let h_next = speculate(&host, &next, &h_drafts, k, &mut on_host);
+            assert_eq!(d_next, h_next, "{name}: round {round}");
+            next = d_next;
+        }
+        for s in &mut on_device {
+            release(&device, s, false);
+        }
+        for s in &mut on_host {
+            release(&host, s, false);
+        }
+        assert_eq!(device.facts(), initial);
+        Box::new(device).teardown().unwrap();
+    }
 }

@@ -1,7 +1,8 @@
 //! The engine on the CUDA router (on `SimRuntime`), generic over `DeviceIo` as on the host
 //! router: greedy requests sharing a 40-token opener, with the prefix cache and Marconi
 //! checkpoints on and off, at pipeline depth 1 and 2 (fed decode steps), and in a pool that
-//! holds one of them at a time, give the host router's tokens. (Spill and restore mid-decode on
+//! holds one of them at a time, give the host router's tokens; speculative decoding (drafters in
+//! the core, and the MTP head's drafts on the device) gives plain decoding's bits. (Spill and restore mid-decode on
 //! the CUDA router: `cuda_steps.rs`.)
 //!
 //! Against the host router: tokens (the device's forward is within 1e-4 of the host's, not the
@@ -14,8 +15,8 @@ use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanErro
 use device_io::DeviceIo;
 use model::{Config, Model};
 use scheduler::{
-    Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request, ShutdownMode,
-    SpillTarget,
+    Drafter, Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request,
+    ShutdownMode, Speculation, SpillTarget,
 };
 
 const CONTEXT: usize = 96;
@@ -41,6 +42,11 @@ fn prompts() -> Vec<Vec<u32>> {
 /// A CUDA router (f32 weights, 2 slots) with `blocks` more KV blocks' worth of budget than the
 /// smallest that holds one sequence of the context.
 fn cuda(caches: bool, depth: usize, blocks: u64) -> CudaRouter {
+    cuda_for(model(), caches, depth, blocks)
+}
+
+/// [`cuda`] for `model`.
+fn cuda_for(model: &Model, caches: bool, depth: usize, blocks: u64) -> CudaRouter {
     let config = |budget| CudaRouterConfig {
         weights: DType::F32,
         max_step_tokens: 48,
@@ -51,7 +57,7 @@ fn cuda(caches: bool, depth: usize, blocks: u64) -> CudaRouter {
     };
     let mut budget = 0;
     let smallest = loop {
-        match CudaRouter::sim(model(), config(budget)) {
+        match CudaRouter::sim(model, config(budget)) {
             Ok(router) => break router,
             Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => budget = needed,
             Err(other) => panic!("budget {budget} answered {other:?}"),
@@ -59,12 +65,37 @@ fn cuda(caches: bool, depth: usize, blocks: u64) -> CudaRouter {
     };
     let kv = smallest.plan().kv_block_bytes;
     Box::new(smallest).teardown().unwrap();
-    CudaRouter::sim(model(), config(budget + blocks * kv * 4 / 3)).unwrap()
+    CudaRouter::sim(model, config(budget + blocks * kv * 4 / 3)).unwrap()
 }
 
 /// The prompts' greedy tokens (8 each, all submitted at once, then the first again), their
 /// logits digests and the engine's metrics.
 fn generate<D>(router: D) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics)
+where
+    D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
+{
+    generate_with(router, None)
+}
+
+/// [`generate`] with speculative decoding as `speculation` says.
+fn generate_with<D>(
+    router: D,
+    speculation: Option<Speculation>,
+) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics)
+where
+    D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
+{
+    let mut prompts = prompts();
+    prompts.push(prompts[0].clone());
+    generate_prompts(router, speculation, &prompts)
+}
+
+/// Each prompt's greedy tokens (8 each, all submitted at once), with `speculation`.
+fn generate_prompts<D>(
+    router: D,
+    speculation: Option<Speculation>,
+    prompts: &[Vec<u32>],
+) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics)
 where
     D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
 {
@@ -74,11 +105,10 @@ where
         max_step_tokens: 48,
         max_prefill_chunk: 32,
         preemption: Preemption::Spill(SpillTarget::Memory),
+        speculation,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(router, config).unwrap();
-    let mut prompts = prompts();
-    prompts.push(prompts[0].clone());
     let handles: Vec<_> = prompts
         .iter()
         .map(|p| {
@@ -168,4 +198,93 @@ fn the_backend_builds_the_engine_on_the_cuda_router() {
         engine.shutdown(ShutdownMode::Drain).unwrap();
     }
     assert_eq!(outputs[0], outputs[1]);
+}
+
+/// Speculative decoding on the CUDA router (`Verify` with the Mamba state after each draft
+/// written to the ring on the device, `TruncateKv` and `SsmSnapshotRestore` after acceptance),
+/// with drafters that do not depend on an MTP head: a perfect one (the plain run's
+/// continuations) with the caches off at depth 1, and an adversarial one (always wrong) with the
+/// caches on at depth 2 (prefix hits; cohorts, one verifying while the other settles), k = 3:
+/// the tokens and logits digests of plain decoding on the same router, every block and slot
+/// back (`generate` checks).
+#[test]
+fn speculation_on_the_cuda_router_gives_plain_decodings_bits() {
+    let (plain, plain_digests, _) = generate(cuda(false, 1, 32));
+    let mut prompts = prompts();
+    prompts.push(prompts[0].clone());
+    let known: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&plain)
+        .map(|(prompt, out)| prompt.iter().chain(out).copied().collect())
+        .collect();
+    let known = std::sync::Arc::new(known);
+    for (wrong, caches, depth) in [(false, false, 1), (true, true, 2)] {
+        let speculation = Speculation {
+            k: 3,
+            drafter: Drafter::Known {
+                sequences: std::sync::Arc::clone(&known),
+                wrong,
+            },
+        };
+        let label = format!("wrong {wrong}, caches {caches}, depth {depth}");
+        let (tokens, digests, m) = generate_with(cuda(caches, depth, 32), Some(speculation));
+        assert_eq!(tokens, plain, "{label}");
+        assert_eq!(digests, plain_digests, "{label}: logits digests");
+        assert!(m.verify_launches > 0 && m.drafted > 0, "{label}: {m:?}");
+        if wrong {
+            assert_eq!(m.accepted, 0, "{label}: {m:?}");
+            assert_eq!(m.spec_rollbacks, m.spec_rows, "{label}: {m:?}");
+        } else {
+            assert_eq!(m.accepted, m.drafted, "{label}: {m:?}");
+            assert_eq!(m.spec_rollbacks, 0, "{label}: {m:?}");
+        }
+        assert_eq!(m.spec_tokens, m.spec_rows + m.accepted, "{label}: {m:?}");
+        // The paths the label names were taken: prefix hits, and cohorts in flight at depth 2.
+        assert_eq!(m.prefix_hits > 0, caches, "{label}: {m:?}");
+        assert_eq!(m.spec_flights > 0, depth == 2, "{label}: {m:?}");
+    }
+}
+
+/// Speculative decoding with the MTP head on the CUDA router (`Draft` on the device: the
+/// catch-up rings kept by the prefills and `SaveHiddenCatchup`, the drafts fed on the device),
+/// on the tiny MTP fixture: k = 2 with the caches off at depth 1, k = 3 with the caches on at
+/// depth 2 (cohorts, each drafting while the other's verification settles): the tokens and
+/// logits digests of plain decoding on the same router.
+#[test]
+fn mtp_speculation_on_the_cuda_router_gives_plain_decodings_bits() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures/nemotron-h-tiny/mtp");
+    let model = Model::load(&dir.join("model")).unwrap();
+    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let prompts: Vec<Vec<u32>> = json["cases"].as_array().unwrap()[1..4]
+        .iter()
+        .map(|case| {
+            case["prompt_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let (plain, plain_digests, _) =
+        generate_prompts(cuda_for(&model, false, 1, 32), None, &prompts);
+    for (k, caches, depth) in [(2, false, 1), (3, true, 2)] {
+        let label = format!("k {k}, caches {caches}, depth {depth}");
+        let (tokens, digests, m) = generate_prompts(
+            cuda_for(&model, caches, depth, 32),
+            Some(Speculation::mtp(k)),
+            &prompts,
+        );
+        assert_eq!(tokens, plain, "{label}");
+        assert_eq!(digests, plain_digests, "{label}: logits digests");
+        assert!(m.draft_launches > 0 && m.drafted > 0, "{label}: {m:?}");
+        assert_eq!(m.draft_failures, 0, "{label}: {m:?}");
+        assert_eq!(m.spec_tokens, m.spec_rows + m.accepted, "{label}: {m:?}");
+        eprintln!(
+            "{label}: drafted {}, accepted {}, verify launches {}",
+            m.drafted, m.accepted, m.verify_launches
+        );
+    }
 }

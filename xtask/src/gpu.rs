@@ -10,7 +10,9 @@
 //!    64 and 256 with a 1k context, prefill tokens/s of a 4k prompt, the fraction of the
 //!    memory-bandwidth limit at batch 1, target 60%).
 //! 4. `gpu_check`: every part-1 kernel on the GPU against `SimRuntime`, the model's head on both,
-//!    the router's effects on both bit for bit, and the effects' copy bandwidth.
+//!    router steps on both (prefill, decode, a speculative `Verify` with its `TruncateKv` and
+//!    `SsmSnapshotRestore`), the router's effects on both bit for bit, and the effects' copy
+//!    bandwidth.
 //! 5. The device-cuda tests in release (on a GPU machine the `CudaRuntime` tests open the device).
 //! 6. `replay --device cuda --embedded mini --verify`: the main job end to end on the CUDA router.
 //!

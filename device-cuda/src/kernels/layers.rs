@@ -40,6 +40,10 @@ pub struct StepRows {
     pub rows: usize,
     /// Runs of the step.
     pub num_runs: usize,
+    /// `None`, or `rows` u32: the state slot that receives each row's Mamba state (conv history
+    /// and SSM state, layer by layer) as it is after the row's token, or `u32::MAX` for none (a
+    /// verification's rewind points). Such a step's runs all go through the token-by-token scan.
+    pub snapshots: Option<DeviceSlice>,
 }
 
 impl StepRows {
@@ -62,6 +66,10 @@ impl StepRows {
         ] {
             expect_aligned(k, what, slice, 4)?;
         }
+        if let Some(snapshots) = self.snapshots {
+            expect_bytes(k, "row snapshots", snapshots, self.rows, 4)?;
+            expect_aligned(k, "row snapshots", snapshots, 4)?;
+        }
         if self.rows == 0 || self.num_runs == 0 {
             return Err(CudaError::BadLaunch {
                 kernel: k.name(),
@@ -78,6 +86,11 @@ impl StepRows {
             KernelArg::U32(to_u32(k, "runs", self.num_runs)?),
             KernelArg::U32(to_u32(k, "rows", self.rows)?),
         ])
+    }
+
+    /// The per-row snapshot slots, as the Mamba kernels take them (null for none).
+    fn snapshot_arg(&self) -> KernelArg {
+        self.snapshots.map_or(KernelArg::Null, KernelArg::Ptr)
     }
 }
 
@@ -242,6 +255,7 @@ pub fn mamba_conv(
         KernelArg::U64(slots.slot_floats as u64),
         KernelArg::U64(slots.layer_offset as u64),
         KernelArg::U32(to_u32(k, "slots", slots.num_slots)?),
+        step.snapshot_arg(),
     ];
     let dims = LaunchDims {
         grid: [
@@ -258,8 +272,9 @@ pub fn mamba_conv(
     };
     // SAFETY: the arguments match `mamba_conv`'s parameters; out and proj hold `rows` rows, the
     // weights conv_dim * K floats, the states num_slots * slot_floats floats with the layer's
-    // history inside each slot (all checked above); the kernel skips runs whose rows or slot are
-    // out of range.
+    // history inside each slot, the snapshot slots (if any) one word per row (all checked
+    // above); the kernel skips runs whose rows or slot are out of range and snapshot slots past
+    // num_slots.
     unsafe { rt.launch(k, dims, &args, stream) }
 }
 
@@ -343,7 +358,9 @@ pub fn mamba_ssm(
         to_u32(chunked, "runs", step.num_runs)?,
         1,
     ];
-    let chunk_runs = scan == SsmScan::Chunked && run_lens.iter().any(|&len| len > 1);
+    // The chunked scan keeps no per-token states: a step with snapshots scans token by token.
+    let chunk_runs =
+        scan == SsmScan::Chunked && step.snapshots.is_none() && run_lens.iter().any(|&len| len > 1);
     if chunk_runs {
         // The largest chunk (a power of two up to 64) whose tiles fit the shared memory.
         let floats = |q: usize| 3 * q + 2 * q * n + q * p + q * q;
@@ -379,14 +396,19 @@ pub fn mamba_ssm(
     {
         let k = Kernel::MambaSsmRun;
         let mut args = common(k)?;
-        args.extend([KernelArg::F32(dt_min), KernelArg::U32(max_len)]);
+        args.extend([
+            KernelArg::F32(dt_min),
+            KernelArg::U32(max_len),
+            step.snapshot_arg(),
+        ]);
         let dims = LaunchDims {
             grid,
             block: [LAYER_THREADS, 1, 1],
             shared_bytes: 0,
         };
         // SAFETY: as above, for `mamba_ssm_run`'s parameters (the same less chunk and min_len,
-        // plus max_len); the kernel walks only runs whose rows are in range.
+        // plus max_len and the snapshot slots, one word per row when present); the kernel walks
+        // only runs whose rows are in range and skips snapshot slots past num_slots.
         unsafe { rt.launch(k, dims, &args, stream)? };
     }
     Ok(())
