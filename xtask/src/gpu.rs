@@ -15,8 +15,10 @@
 //!    bandwidth.
 //! 5. The device-cuda tests in release (on a GPU machine the `CudaRuntime` tests open the device).
 //! 6. `replay --device cuda --embedded mini --verify`: the main job end to end on the CUDA router.
+//! 7. `replay --device cuda --embedded mini --mtp 2 --verify`: speculative decoding with the MTP
+//!    head on the CUDA router (`Draft`, `Verify` and the rewind), against plain decoding.
 //!
-//! Steps 3 to 6 all run even when one fails, so one run gives every figure; the summary names each
+//! Steps 3 to 7 all run even when one fails, so one run gives every figure; the summary names each
 //! step's outcome and time, and the exit is non-zero when any failed.
 
 use std::path::PathBuf;
@@ -64,6 +66,20 @@ pub fn run() -> Result<(), Error> {
         "16",
         "--verify",
     ]);
+    // Speculative decoding on the GPU: the MTP head's drafts (`Draft`) and their verification
+    // (`Verify`, `TruncateKv`, `SsmSnapshotRestore`), against plain decoding.
+    let mut replay_mtp = Command::new(release_dir().join("replay"));
+    replay_mtp.args([
+        "--device",
+        "cuda",
+        "--embedded",
+        "mini",
+        "--max-requests",
+        "8",
+        "--mtp",
+        "2",
+        "--verify",
+    ]);
     let steps: Vec<(&str, Command)> = vec![
         (
             "forward parity and the 8B-shape figures (forward_bench)",
@@ -78,6 +94,7 @@ pub fn run() -> Result<(), Error> {
             cmd::cargo(&["test", "--release", "-p", "device-cuda"]),
         ),
         ("replay --device cuda --verify", replay),
+        ("replay --device cuda --mtp 2 --verify", replay_mtp),
     ];
     let mut outcomes = Vec::new();
     for (what, mut command) in steps {
