@@ -452,14 +452,23 @@ fn misuse_is_a_typed_error_that_changes_nothing() {
         DeviceError::UnknownTicket(Ticket(1))
     );
     let facts = router.facts();
+    // A verification's mask would depend on the drafts before it; this model has no MTP head.
+    let mask = vec![true; facts.vocab_size];
     let plan = StepPlan::Verify {
         inputs: &[&[3]],
         snapshots: &[],
-        readback: Readback::Argmax,
+        readback: Readback::ArgmaxMasked { masks: &[&mask] },
     };
     assert_eq!(
         router.launch(plan, &mut [&mut x]),
-        Err(DeviceError::Unsupported { what: "Verify" })
+        Err(DeviceError::Unsupported {
+            what: "Verify with ArgmaxMasked"
+        })
+    );
+    let plan = StepPlan::Draft { tokens: &[3], k: 1 };
+    assert_eq!(
+        router.launch(plan, &mut [&mut x]),
+        Err(DeviceError::Unsupported { what: "Draft" })
     );
     let plan = StepPlan::Decode {
         tokens: &[3, 4],

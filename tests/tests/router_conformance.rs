@@ -1,8 +1,8 @@
 //! The scripted test router refuses every misuse the host router refuses: the same misuse
 //! scenarios run on both, and each call is accepted or refused alike. The CUDA router (on
 //! `SimRuntime`, computing its steps) runs the same scenarios against the host router at its
-//! depth, 2: every step and effect is accepted or refused alike, but speculative decoding, which
-//! it answers `Unsupported`. (The scripted router may
+//! depth, 2: every step and effect is accepted or refused alike, speculative decoding's included.
+//! (The scripted router may
 //! refuse more, such as host logits it cannot compute; these scenarios are all misuse the real
 //! router refuses, and a test written against the scripted router must not pass where the real
 //! one would fail.)
@@ -605,8 +605,6 @@ fn the_cuda_router_accepts_and_refuses_as_the_host_router_does() {
     let on_cuda = run_all(cuda);
     for ((name, host), (_, cuda)) in on_host.iter().zip(&on_cuda) {
         match *name {
-            // Verify answers Unsupported on the CUDA router: every call after it differs.
-            "speculation misuse" => {}
             // The last `ReadLogits` names a step two launches old, past what the contract keeps
             // readable: the CUDA router refuses it at once, the pipelined host router until its
             // worker has overwritten the buffer (timing), so that call is not compared.
