@@ -1,9 +1,10 @@
 //! The engine on the CUDA router (on `SimRuntime`), generic over `DeviceIo` as on the host
 //! router: greedy requests sharing a 40-token opener, with the prefix cache and Marconi
-//! checkpoints on and off, at pipeline depth 1 and 2 (fed decode steps), and in a pool that
-//! holds one of them at a time, give the host router's tokens; speculative decoding (drafters in
-//! the core, and the MTP head's drafts on the device) gives plain decoding's bits. (Spill and restore mid-decode on
-//! the CUDA router: `cuda_steps.rs`.)
+//! checkpoints on and off (prefix hits restoring the checkpoint on the device), at pipeline depth
+//! 1 and 2 (fed decode steps), with slot compaction, in a pool that holds one of them at a time,
+//! and in one where the engine spills a sequence mid-decode and restores it, give the host
+//! router's tokens, each path counted exactly; speculative decoding (drafters in the core, and
+//! the MTP head's drafts on the device) gives plain decoding's bits.
 //!
 //! Against the host router: tokens (the device's forward is within 1e-4 of the host's, not the
 //! same bits; `cuda_steps.rs` bounds the logits). Among the CUDA router's own runs: tokens and
@@ -14,6 +15,7 @@ use device_cpu::{CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
 use device_io::DeviceIo;
 use model::{Config, Model};
+use router_book::CacheStats;
 use scheduler::{
     Drafter, Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request,
     ShutdownMode, Speculation, SpillTarget,
@@ -87,15 +89,27 @@ where
 {
     let mut prompts = prompts();
     prompts.push(prompts[0].clone());
-    generate_prompts(router, speculation, &prompts)
+    let (tokens, digests, metrics, ()) = generate_prompts(router, speculation, &prompts, |_| ());
+    (tokens, digests, metrics)
 }
 
-/// Each prompt's greedy tokens (8 each, all submitted at once), with `speculation`.
-fn generate_prompts<D>(
+/// [`generate`] on the CUDA router, with its prefix-cache counters at the end.
+fn generate_cuda(router: CudaRouter) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics, CacheStats) {
+    let mut prompts = prompts();
+    prompts.push(prompts[0].clone());
+    generate_prompts(router, None, &prompts, |router| {
+        router.cache_stats().unwrap()
+    })
+}
+
+/// Each prompt's greedy tokens (8 each, all submitted at once), with `speculation`; `probe`
+/// looks at the router once the engine is idle.
+fn generate_prompts<D, T>(
     router: D,
     speculation: Option<Speculation>,
     prompts: &[Vec<u32>],
-) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics)
+    probe: impl FnOnce(&D) -> T,
+) -> (Vec<Vec<u32>>, Vec<Option<u64>>, Metrics, T)
 where
     D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
 {
@@ -126,6 +140,7 @@ where
         })
         .unzip();
     let metrics = *engine.metrics();
+    let probed = probe(engine.router());
     let facts = engine.router().facts();
     assert_eq!(facts.live_slots_used, 0);
     assert_eq!(
@@ -133,7 +148,7 @@ where
         initial.kv_blocks_total
     );
     engine.shutdown(ShutdownMode::Drain).unwrap();
-    (tokens, digests, metrics)
+    (tokens, digests, metrics, probed)
 }
 
 #[test]
@@ -144,32 +159,50 @@ fn the_engine_on_the_cuda_router_gives_the_host_routers_tokens() {
     host_config.marconi = false;
     host_config.threads = 1;
     let (reference, _, _) = generate(CpuRouter::new(model().clone(), host_config).unwrap());
-    let (cold, cold_digests, metrics) = generate(cuda(false, 1, 32));
+    let (cold, cold_digests, metrics, _) = generate_cuda(cuda(false, 1, 32));
     assert_eq!(metrics.prefill_tokens_cached, 0);
     assert_eq!(cold, reference, "caches off, depth 1");
     assert!(cold_digests.iter().all(Option::is_some));
-    // Caches on and off, depth 1 and 2: the same bits (prefix hits start prefill runs mid-prompt).
-    for (caches, depth) in [(true, 2), (true, 1), (false, 2)] {
-        let (tokens, digests, metrics) = generate(cuda(caches, depth, 32));
+    // A sequence finishing in slot 0 moves the other one down (three times over the run).
+    assert_eq!(metrics.compactions, 3, "{metrics:?}");
+    // Caches on and off, depth 1 and 2: the same bits (prefix hits start prefill runs mid-prompt,
+    // restoring the Marconi checkpoint there on the device).
+    for (caches, depth) in [(true, 2), (false, 2)] {
+        let (tokens, digests, metrics, stats) = generate_cuda(cuda(caches, depth, 32));
         let label = format!("caches {caches}, depth {depth}");
+        // With the caches on, the second wave's two requests each hit the 32-token prefix
+        // (two blocks) and restore the Marconi checkpoint at its end on the device.
+        let hits = if caches { 2 } else { 0 };
+        assert_eq!(metrics.prefix_hits, hits, "{label}: {metrics:?}");
         assert_eq!(
-            metrics.prefill_tokens_cached > 0,
-            caches,
+            metrics.prefill_tokens_cached,
+            32 * hits,
             "{label}: {metrics:?}"
         );
+        assert_eq!(stats.checkpoint_hits, hits, "{label}: {stats:?}");
         assert_eq!(metrics.fed_launches > 0, depth == 2, "{label}: {metrics:?}");
         assert_eq!(tokens, reference, "{label}");
         assert_eq!(digests, cold_digests, "{label}: logits digests");
     }
     // Two sequences of up to 61 tokens (4 blocks each) do not fit in the smallest pool (the
     // blocks of one sequence of the context, 6): the engine runs them one at a time.
-    let (tight, digests, metrics) = generate(cuda(true, 2, 0));
+    let (tight, digests, metrics, _) = generate_cuda(cuda(true, 2, 0));
     assert_eq!(metrics.decode_rows, metrics.decode_launches, "{metrics:?}");
     assert_eq!(tight, reference, "a pool for one sequence");
     assert_eq!(
         digests, cold_digests,
         "a pool for one sequence: logits digests"
     );
+    // One more block: two sequences are admitted, and twice one is spilled when the pool runs
+    // dry mid-decode, then restored from its image.
+    let (spilled, digests, metrics, _) = generate_cuda(cuda(true, 2, 1));
+    assert_eq!(
+        (metrics.preemptions, metrics.spills, metrics.restores),
+        (2, 2, 2),
+        "{metrics:?}"
+    );
+    assert_eq!(spilled, reference, "spill and restore");
+    assert_eq!(digests, cold_digests, "spill and restore: logits digests");
 }
 
 /// The backend builds the same engine for `Device::CudaSim` as for the host router, and both
@@ -268,14 +301,15 @@ fn mtp_speculation_on_the_cuda_router_gives_plain_decodings_bits() {
                 .collect()
         })
         .collect();
-    let (plain, plain_digests, _) =
-        generate_prompts(cuda_for(&model, false, 1, 32), None, &prompts);
+    let (plain, plain_digests, _, ()) =
+        generate_prompts(cuda_for(&model, false, 1, 32), None, &prompts, |_| ());
     for (k, caches, depth) in [(2, false, 1), (3, true, 2)] {
         let label = format!("k {k}, caches {caches}, depth {depth}");
-        let (tokens, digests, m) = generate_prompts(
+        let (tokens, digests, m, ()) = generate_prompts(
             cuda_for(&model, caches, depth, 32),
             Some(Speculation::mtp(k)),
             &prompts,
+            |_| (),
         );
         assert_eq!(tokens, plain, "{label}");
         assert_eq!(digests, plain_digests, "{label}: logits digests");
