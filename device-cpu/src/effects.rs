@@ -15,7 +15,11 @@
 //! `TruncateKv` closes a `Verify`'s ledger entry keeping its accepted positions: the blocks it
 //! added wholly past them return to the pool (once), a checkpoint past them is dropped, the MTP
 //! catch-up ring forgets them; the sequence is then `state_ahead` (refused by every plan and by
-//! spilling and checkpointing) until `SsmSnapshotRestore` of the snapshot at its length.
+//! spilling and checkpointing) until `SsmSnapshotRestore` of the snapshot at its length. The
+//! ring forgets the run's snapshots past the kept positions; when the kept run carried the
+//! sequence past a block boundary, the next `MarconiCheckpoint` takes that boundary's checkpoint
+//! from the run's snapshot there (main layers; the MTP head's from the live state), as a decode
+//! step would have at the boundary.
 //!
 //! `SaveHiddenCatchup` keeps a hidden state of the latest settled step in the sequence's MTP
 //! catch-up ring (on a model with an MTP head; a no-op otherwise). `SyncSecondary` answers `Unit`:
@@ -85,9 +89,19 @@ pub(crate) fn apply(
         Effect::ReadLogits { logits, rows, into } => read_logits(inner, &dev, logits, rows, into),
         Effect::MarconiCheckpoint { seq } => {
             inner.sync(seq);
+            let main_layers = host.main_mamba_layers;
             with_copies(inner, &dev, |book, copy| {
-                book::marconi_checkpoint(shape, book, seq, &mut |from, to| {
-                    copy(Op::CopySlot { from, to })
+                // A boundary a `Verify` passed comes from its snapshot: main layers only.
+                book::marconi_checkpoint_layered(shape, book, seq, &mut |from, to, main_only| {
+                    if main_only {
+                        copy(Op::CopyLayers {
+                            from,
+                            to,
+                            layers: 0..main_layers,
+                        })
+                    } else {
+                        copy(Op::CopySlot { from, to })
+                    }
                 })
             })
         }

@@ -3,7 +3,8 @@
 //! accepted positions (`TruncateKv`, `SsmSnapshotRestore`) leaves the sequence exactly where plain
 //! decoding would, so the tokens and logits that follow are the same bits; `Draft` gives the NumPy
 //! reference's draft ids (after the prompt, and after five decoded tokens caught up through
-//! `SaveHiddenCatchup`); every block and slot comes back; skipping the SSM restore is refused.
+//! `SaveHiddenCatchup`); every block and slot comes back; skipping the SSM restore is refused, and
+//! so is restoring the snapshot of a rejected position.
 
 mod common;
 
@@ -297,6 +298,41 @@ fn a_skipped_ssm_restore_is_refused() {
         matches!(err, DeviceError::Invalid { what: "Verify", ref detail } if detail.contains("past its length")),
         "{err:?}"
     );
+    release(&r, &mut s, false);
+}
+
+/// `TruncateKv` forgets the ring's snapshots of the rejected positions: restoring one is refused
+/// (it is of a draft that was not kept), the snapshot at the kept length still restores.
+#[test]
+fn snapshots_of_rejected_positions_are_forgotten() {
+    let case = &cases("nemotron-h-alt")[2];
+    let r = router("nemotron-h-alt");
+    let mut s = seq(1, &case.prompt);
+    let (logits, _) = prefill(&r, &mut s, 64);
+    let token = argmax(&logits);
+    let wrong = (case.greedy[1] + 1) % 256;
+    // Slots 0, 1, 2 hold the states after the token and the first two drafts; none is accepted.
+    let (emitted, _) = speculate(&r, &mut s, token, &[wrong, 0, 0], false).unwrap();
+    assert_eq!(emitted, vec![case.greedy[1]]);
+    for slot in [1, 2] {
+        let err = r
+            .apply(Effect::SsmSnapshotRestore { seq: &mut s, slot })
+            .unwrap_err();
+        assert_eq!(
+            err,
+            DeviceError::Invalid {
+                what: "SsmSnapshotRestore",
+                detail: format!("ring slot {slot} holds no snapshot"),
+            }
+        );
+    }
+    r.apply(Effect::SsmSnapshotRestore {
+        seq: &mut s,
+        slot: 0,
+    })
+    .unwrap();
+    let logits = common::decode(&r, &mut [&mut s], &[case.greedy[1]]);
+    assert_eq!(argmax(&logits), case.greedy[2]);
     release(&r, &mut s, false);
 }
 

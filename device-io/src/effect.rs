@@ -72,7 +72,10 @@ pub enum Effect<'a, S, P> {
     },
     /// Checkpoint the sequence's live SSM state at its last block boundary into the prefix cache's
     /// checkpoint region, when the store's policy admits it (the sequence says so with
-    /// [`Sequence::checkpoint_due`](crate::Sequence::checkpoint_due)).
+    /// [`Sequence::checkpoint_due`](crate::Sequence::checkpoint_due)). After a `Verify` whose kept
+    /// positions carried the sequence past a boundary (not up to one), the state at that
+    /// boundary is the snapshot the `Verify` wrote there, and a router that keeps it checkpoints
+    /// from it, as a decode step at the boundary would have.
     MarconiCheckpoint {
         /// The sequence whose state is checkpointed.
         seq: &'a mut S,
@@ -169,7 +172,8 @@ pub enum Effect<'a, S, P> {
     /// `len`, the K/V past it is forgotten (no prefix-cache insert ever covers it), the blocks the
     /// reservation added that lie wholly past `len` return to the pool, a Marconi checkpoint past
     /// `len` is discarded (the one it replaced is the sequence's again), the MTP catch-up ring
-    /// forgets positions past `len`, and the ledger entry closes. `len` must lie in
+    /// forgets positions past `len`, so does the snapshot ring (the snapshots of rejected
+    /// positions), and the ledger entry closes. `len` must lie in
     /// `reserved position..=computed_len` ([`DeviceError::Invalid`](crate::DeviceError::Invalid)
     /// otherwise, nothing changed); `len == computed_len` only closes the entry.
     ///

@@ -18,8 +18,9 @@
 //! It models speculative verification as the host router does: [`StepPlan::Verify`] answers
 //! every position from the script (or the fallback) and opens each row's ledger entry; snapshot
 //! ring slots record the position after each draft; [`Effect::TruncateKv`] keeps the accepted
-//! positions (releasing the blocks past them) and leaves the sequence refused by every plan,
-//! spill and snapshot until [`Effect::SsmSnapshotRestore`] of the snapshot at its length.
+//! positions (releasing the blocks past them, forgetting the ring's snapshots past them) and
+//! leaves the sequence refused by every plan, spill and snapshot until
+//! [`Effect::SsmSnapshotRestore`] of the snapshot at its length.
 //! [`StepPlan::Draft`] is [`DeviceError::Unsupported`]: a script has no MTP head.
 //!
 //! At `max_depth: 2` it models the pipelined contract: [`StepPlan::DecodeFed`] takes each row's
@@ -1183,6 +1184,12 @@ impl DeviceIo for ScriptedRouter {
                 let freed = seq.blocks - keep;
                 state.blocks_used -= freed;
                 seq.blocks = keep;
+                // The snapshots of rejected positions are forgotten.
+                for entry in state.ring.iter_mut() {
+                    if entry.is_some_and(|(id, pos)| id == seq.id && pos > len) {
+                        *entry = None;
+                    }
+                }
                 Ok(EffectOutcome::Unit)
             }
             Effect::MarconiCheckpoint { seq } if seq.state_ahead => {

@@ -544,14 +544,68 @@ pub fn take_checkpoint(
     Some((checkpoint, slot, shape.checkpoint_row(checkpoint.index())))
 }
 
+/// The block boundary a `Verify` run carried the sequence past without a checkpoint: the latest
+/// boundary before its length (not at it: that one is the live state's), when the snapshot ring
+/// holds this sequence's state there, its output checkpoint is older, and no run-ahead is open
+/// (its ledger would keep the checkpoint replaced). Every snapshot of a
+/// sequence left in the ring is of a position it kept (`TruncateKv` forgets the others), so
+/// that snapshot is the sequence's state at the boundary. Answers the boundary and the ring slot.
+fn passed_boundary(
+    shape: &BookShape,
+    book: &BookMut<'_>,
+    seq: &RouterSeq,
+) -> Option<(usize, usize)> {
+    let tenure = seq.tenure?;
+    let boundary = seq.computed_len / shape.block_size * shape.block_size;
+    if boundary == 0
+        || boundary == seq.computed_len
+        || !book.cache.wants_end_checkpoints()
+        || seq.reservation.is_some()
+        || seq
+            .output_checkpoint
+            .is_some_and(|(pos, _)| pos >= boundary)
+    {
+        return None;
+    }
+    let slot = book.ring.iter().position(|entry| {
+        entry.is_some_and(|entry| entry.tenure == tenure && entry.pos == boundary)
+    })?;
+    Some((boundary, slot))
+}
+
 /// `MarconiCheckpoint`: when the sequence is due and sits at a block boundary, copies its live
 /// state into a checkpoint slot (`copy(from, to)`) as its output checkpoint; inside a run-ahead
 /// the checkpoint it replaces is kept in the ledger until the run-ahead is kept or rolled back.
+/// A boundary a `Verify` run passed is taken only from a full snapshot (see
+/// [`marconi_checkpoint_layered`] for a router that copies layers).
 pub fn marconi_checkpoint(
     shape: &BookShape,
     book: &mut BookMut<'_>,
     seq: &mut RouterSeq,
     copy: &mut dyn FnMut(usize, usize) -> Result<()>,
+) -> Result<EffectOutcome> {
+    checkpoint(shape, book, seq, false, &mut |from, to, _| copy(from, to))
+}
+
+/// [`marconi_checkpoint`] for a router that can copy the main model's Mamba layers alone
+/// (`copy(from, to, main_only)`): a block boundary that a `Verify` run carried the sequence past
+/// (see `TruncateKv`) is checkpointed from the snapshot the run wrote for it (main layers only),
+/// with the rest of the row (the MTP head's layers) from the live state.
+pub fn marconi_checkpoint_layered(
+    shape: &BookShape,
+    book: &mut BookMut<'_>,
+    seq: &mut RouterSeq,
+    copy: &mut dyn FnMut(usize, usize, bool) -> Result<()>,
+) -> Result<EffectOutcome> {
+    checkpoint(shape, book, seq, true, copy)
+}
+
+fn checkpoint(
+    shape: &BookShape,
+    book: &mut BookMut<'_>,
+    seq: &mut RouterSeq,
+    layered: bool,
+    copy: &mut dyn FnMut(usize, usize, bool) -> Result<()>,
 ) -> Result<EffectOutcome> {
     owned_slot(book, seq, "MarconiCheckpoint")?;
     refuse_rolled_back(seq, "MarconiCheckpoint")?;
@@ -560,11 +614,35 @@ pub fn marconi_checkpoint(
         return Ok(EffectOutcome::Unit);
     }
     seq.checkpoint_due = false;
+    if let Some((boundary, ring)) = passed_boundary(shape, book, seq) {
+        let main_only = book.ring[ring].is_some_and(|entry| entry.main_only);
+        if main_only && !layered {
+            return Ok(EffectOutcome::Unit);
+        }
+        let Some((taken, live, to)) = take_checkpoint(shape, book, seq) else {
+            return Ok(EffectOutcome::Unit);
+        };
+        let from = shape.ring_row(ring);
+        let copied = if main_only {
+            copy(live, to, false).and_then(|()| copy(from, to, true))
+        } else {
+            copy(from, to, false)
+        };
+        if let Err(err) = copied {
+            book.cache.free_checkpoint_slot(taken);
+            return Err(err);
+        }
+        // No run-ahead is open here (`TruncateKv` closed it): the older checkpoint goes.
+        if let Some((_, old)) = seq.output_checkpoint.replace((boundary, taken)) {
+            book.cache.free_checkpoint_slot(old);
+        }
+        return Ok(EffectOutcome::Unit);
+    }
     if seq.computed_len % shape.block_size == 0 && book.cache.wants_end_checkpoints() {
         let Some((taken, from, to)) = take_checkpoint(shape, book, seq) else {
             return Ok(EffectOutcome::Unit);
         };
-        if let Err(err) = copy(from, to) {
+        if let Err(err) = copy(from, to, false) {
             book.cache.free_checkpoint_slot(taken);
             return Err(err);
         }
@@ -637,12 +715,13 @@ pub fn snapshot_restore(
             copy(shape.ring_row(slot), live, entry.main_only)?;
             if seq.state_ahead && entry.pos == seq.computed_len {
                 seq.state_ahead = false;
-                seq.checkpoint_due = book.cache.wants_end_checkpoints()
+                seq.checkpoint_due = (book.cache.wants_end_checkpoints()
                     && seq.computed_len % shape.block_size == 0
                     && seq
                         .reservation
                         .as_ref()
-                        .is_none_or(|r| r.at < seq.computed_len);
+                        .is_none_or(|r| r.at < seq.computed_len))
+                    || passed_boundary(shape, book, seq).is_some();
             }
             Ok(EffectOutcome::Unit)
         }
@@ -787,6 +866,13 @@ pub fn truncate_kv(
         seq.state_ahead = shape.hybrid;
         seq.checkpoint_due = false;
     }
+    // The snapshots past `len` are of rejected drafts: the ring forgets them, so a snapshot of
+    // the sequence left there is always of a position it kept.
+    for entry in book.ring.iter_mut() {
+        if entry.is_some_and(|e| e.tenure == tenure && e.pos > len) {
+            *entry = None;
+        }
+    }
     // A Marconi checkpoint past `len` is a rejected draft's: the one it replaced comes back.
     if seq.output_checkpoint.is_some_and(|(pos, _)| pos > len) {
         if let Some((_, slot)) = seq.output_checkpoint.take() {
@@ -808,8 +894,11 @@ pub fn truncate_kv(
         }
     }
     if !seq.state_ahead {
+        // The boundary at `len`, from the live state, or the latest one the run passed, from
+        // its snapshot (`MarconiCheckpoint` takes either).
         seq.checkpoint_due =
-            book.cache.wants_end_checkpoints() && len > at && len % shape.block_size == 0;
+            (book.cache.wants_end_checkpoints() && len > at && len % shape.block_size == 0)
+                || passed_boundary(shape, book, seq).is_some();
     }
     Ok(len)
 }

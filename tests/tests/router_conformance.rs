@@ -505,6 +505,14 @@ where
         })
         .is_ok(),
     );
+    // Slot 2 held the snapshot after the rejected third draft (position 9): forgotten.
+    calls.push(
+        r.apply(Effect::SsmSnapshotRestore {
+            seq: &mut a,
+            slot: 2,
+        })
+        .is_ok(),
+    );
     calls.push(decode(r, &mut a, 7));
     calls.push(
         r.apply(Effect::SsmSnapshotRestore {
