@@ -666,6 +666,11 @@ impl DeviceIo for CpuRouter {
         self.shape.max_depth
     }
 
+    /// The model runs on the host's cores, the core's too.
+    fn computes_on_host(&self) -> bool {
+        true
+    }
+
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut CpuSeq]) -> Result<Ticket> {
         let mut inner = self.lock()?;
         if inner.unsettled.len() >= self.shape.max_depth {

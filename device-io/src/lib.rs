@@ -174,6 +174,14 @@ pub trait DeviceIo: Send {
     /// How many steps may be in flight at once; 1 means every step settles before the next launch.
     fn max_depth(&self) -> usize;
 
+    /// Whether the router computes on the cores the core itself runs on (the host router), so
+    /// the host's work between steps cannot overlap the device's: a core then gains nothing by
+    /// splitting a step's rows to keep work in flight, and loses the batch. The default, `false`,
+    /// is an accelerator's answer.
+    fn computes_on_host(&self) -> bool {
+        false
+    }
+
     /// Starts one step over `rows` (in row order; each sequence appears at most once).
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut Self::Seq]) -> Result<Ticket>;
 

@@ -118,6 +118,10 @@ where
         self.inner.max_depth()
     }
 
+    fn computes_on_host(&self) -> bool {
+        self.inner.computes_on_host()
+    }
+
     fn launch(
         &self,
         plan: StepPlan<'_>,

@@ -66,10 +66,16 @@ pub struct Args {
 
     /// Speculative decoding with K drafts per step from the model's MTP head (1..=8; --model
     /// needs mtp.* tensors, the embedded model gets a seeded random head); with --verify a fourth
-    /// pass without it must give the same digests. At --depth 2 the rows speculate in two
-    /// cohorts, one verifying while the other's verification is read
+    /// pass without it must give the same digests. At --depth 2 the rows may speculate in two
+    /// cohorts (see --spec-overlap)
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..=8))]
     pub mtp: Option<u64>,
+
+    /// With --mtp at --depth 2: whether the rows speculate in two cohorts (one verifying while
+    /// the other's verification is read). auto: cohorts unless the router computes on the host's
+    /// own cores, where nothing overlaps and the half batches only cost (the cpu device)
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = SpecOverlapMode::Auto)]
+    pub spec_overlap: SpecOverlapMode,
 
     /// Pipelining depth: 1 reads each step before launching the next; 2 runs the router on a
     /// worker thread and keeps one decode step in flight while the host reads the previous one
@@ -152,6 +158,17 @@ impl Embedded {
             Embedded::Mini => "mini",
         }
     }
+}
+
+/// `--spec-overlap`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpecOverlapMode {
+    /// Cohorts on a router of depth 2 that does not compute on the host's cores
+    Auto,
+    /// Every row verifies in one launch, read before the next
+    Off,
+    /// Cohorts whenever the depth is 2
+    Cohorts,
 }
 
 /// `--preempt`.

@@ -27,11 +27,13 @@ use scheduler::backend::{self, BackendOptions, Device, Model, ModelConfig};
 use scheduler::replay::{self, Replay, ReplayOptions, ReplayReport, TurnOutcome};
 use scheduler::workload::{TokenIds, Workload, WorkloadError};
 use scheduler::workload_trace::{Problem, TraceError};
-use scheduler::{EngineConfig, LoraCommand, Preemption, ShutdownMode, Speculation, SpillTarget};
+use scheduler::{
+    EngineConfig, LoraCommand, Preemption, ShutdownMode, SpecOverlap, Speculation, SpillTarget,
+};
 use serde::Serialize;
 use tracing::level_filters::LevelFilter;
 
-use crate::cli::{Args, DeviceName, Embedded, PreemptMode, WorkloadSpec};
+use crate::cli::{Args, DeviceName, Embedded, PreemptMode, SpecOverlapMode, WorkloadSpec};
 use crate::log::LineLog;
 use crate::progress::Progress;
 use crate::report::{Setup, Verdict};
@@ -320,7 +322,14 @@ fn run_pass(
     let args = &plan.args;
     let max_seqs = args.max_in_flight as usize;
     let speculation = match args.mtp {
-        Some(k) if !plain => Some(Speculation::mtp(k as usize)),
+        Some(k) if !plain => Some(Speculation {
+            overlap: match args.spec_overlap {
+                SpecOverlapMode::Auto => SpecOverlap::Auto,
+                SpecOverlapMode::Off => SpecOverlap::Off,
+                SpecOverlapMode::Cohorts => SpecOverlap::Cohorts,
+            },
+            ..Speculation::mtp(k as usize)
+        }),
         _ => None,
     };
     let options = BackendOptions {

@@ -13,7 +13,8 @@
 //!    and without speculation (the drafting overhead), k = 1..4.
 //!
 //! 3. **Depth 1 vs 2** with the perfect drafter (`-- depth` prints only this table): tokens per
-//!    second of plain decoding and of speculation on a synchronous and on a pipelined router.
+//!    second of plain decoding and of speculation on a synchronous and on a pipelined router
+//!    (with cohorts, and with the host router's default, `SpecOverlap::Auto`: none).
 //!
 //! Every speculative run's output is checked against the plain run's (tokens and logits
 //! digests) before its figures are printed. `SPECULATION_ROUNDS=N` repeats each measurement N
@@ -25,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use scheduler::backend::device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use scheduler::backend::{Model, ModelConfig};
-use scheduler::{Drafter, Engine, EngineConfig, Metrics, Request, ShutdownMode, Speculation};
+use scheduler::{
+    Drafter, Engine, EngineConfig, Metrics, Request, ShutdownMode, SpecOverlap, Speculation,
+};
 
 const PROMPT: usize = 16;
 const OUTPUT: usize = 64;
@@ -174,6 +177,7 @@ fn perfect_drafter() {
                 sequences: Arc::new(known),
                 wrong: false,
             },
+            overlap: SpecOverlap::Auto,
         };
         let fast = best(&model, &prompts, Some(spec), CHECKED);
         assert_eq!(
@@ -240,10 +244,12 @@ fn mtp_head() {
     }
 }
 
-/// Depth 1 against depth 2 with the perfect drafter (k = 3): at depth 2 the engine splits the
-/// rows into two cohorts and launches one's verification before the other's settles. No logits
-/// digests here (host logits would make every step a synchronisation point); the tokens of every
-/// run are checked against plain decoding at depth 1.
+/// Depth 1 against depth 2 with the perfect drafter (k = 3): at depth 2 with cohorts the engine
+/// splits the rows into two cohorts and launches one's verification before the other's settles;
+/// "spec d2 auto" is the default on the host router (`SpecOverlap::Auto`: no cohorts, as it
+/// computes on the host's cores) on the same pipelined router. No logits digests here (host
+/// logits would make every step a synchronisation point); the tokens of every run are checked
+/// against plain decoding at depth 1.
 fn depth_two() {
     let model = Model::random(ModelConfig::small_512(), 0).expect("model");
     let vocab = model.config().vocab_size;
@@ -253,13 +259,14 @@ fn depth_two() {
         "== depth 1 vs 2, perfect drafter k = {k}: embedded small_512, prompt {PROMPT}, {OUTPUT} greedy tokens per request, no digests"
     );
     println!(
-        "{:>5}  {:>16}  {:>16}  {:>15}  {:>15}  {:>9}  {:>14}",
+        "{:>5}  {:>16}  {:>16}  {:>15}  {:>15}  {:>9}  {:>18}  {:>14}",
         "batch",
         "plain d1 tok/s",
         "plain d2 tok/s",
         "spec d1 tok/s",
         "spec d2 tok/s",
         "d2/d1",
+        "spec d2 auto tok/s",
         "spec d2 flights"
     );
     let tokens_only = |depth| Mode {
@@ -275,27 +282,35 @@ fn depth_two() {
             .zip(&plain.outputs)
             .map(|(p, (out, _))| p.iter().chain(out).copied().collect())
             .collect();
-        let spec = Speculation {
+        let auto = Speculation {
             k,
             drafter: Drafter::Known {
                 sequences: Arc::new(known),
                 wrong: false,
             },
+            overlap: SpecOverlap::Auto,
         };
-        let spec1 = best(&model, &prompts, Some(spec.clone()), tokens_only(1));
-        let spec2 = best(&model, &prompts, Some(spec), tokens_only(2));
-        for run in [&plain2, &spec1, &spec2] {
+        let cohorts = Speculation {
+            overlap: SpecOverlap::Cohorts,
+            ..auto.clone()
+        };
+        let spec1 = best(&model, &prompts, Some(auto.clone()), tokens_only(1));
+        let spec2 = best(&model, &prompts, Some(cohorts), tokens_only(2));
+        let spec2_auto = best(&model, &prompts, Some(auto), tokens_only(2));
+        for run in [&plain2, &spec1, &spec2, &spec2_auto] {
             assert_eq!(run.outputs, plain.outputs, "a run changed the output");
         }
         assert!(spec2.metrics.spec_flights > 0);
+        assert_eq!(spec2_auto.metrics.spec_flights, 0);
         println!(
-            "{:>5}  {:>16.1}  {:>16.1}  {:>15.1}  {:>15.1}  {:>8.2}x  {:>14}",
+            "{:>5}  {:>16.1}  {:>16.1}  {:>15.1}  {:>15.1}  {:>8.2}x  {:>18.1}  {:>14}",
             batch,
             decode_rate(&plain),
             decode_rate(&plain2),
             decode_rate(&spec1),
             decode_rate(&spec2),
             decode_rate(&spec2) / decode_rate(&spec1),
+            decode_rate(&spec2_auto),
             spec2.metrics.spec_flights,
         );
     }

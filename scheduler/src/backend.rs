@@ -136,6 +136,10 @@ mod cpu {
             each!(self, r => r.max_depth())
         }
 
+        fn computes_on_host(&self) -> bool {
+            each!(self, r => r.computes_on_host())
+        }
+
         fn launch(
             &self,
             plan: device_io::StepPlan<'_>,

@@ -26,8 +26,9 @@
 //!
 //! With [`EngineConfig::speculation`], step 3 is a speculative step instead: drafts, one
 //! `Verify` launch of every decode row, acceptance, and the exact rollback of rejected positions
-//! (see the `speculate` module); on a router of depth 2 it runs ahead by cohorts: one half of
-//! the rows launches its verification while the other half's settles.
+//! (see the `speculate` module); on a router of depth 2 it may run ahead by cohorts
+//! ([`SpecOverlap`]): one half of the rows launches its verification while the other half's
+//! settles.
 //!
 //! With a router whose `max_depth()` is 2, a step with only greedy or forced decode rows keeps
 //! one decode step in flight instead: it launches step t+1 (`DecodeFed`) before it reads step t,
@@ -76,7 +77,7 @@ mod pipeline;
 mod speculate;
 
 pub use pipeline::PipelineFault;
-pub use speculate::{Drafter, SpecFault, Speculation, MAX_DRAFTS};
+pub use speculate::{Drafter, SpecFault, SpecOverlap, Speculation, MAX_DRAFTS};
 
 use crate::cache_events::{self, ChannelSink};
 use crate::event::{Event, FinishReason, ServeError, Usage};
@@ -339,6 +340,10 @@ struct Active<S> {
     drafts: Vec<u32>,
     /// The snapshot ring slot named for each draft (the SSM state after it).
     draft_slots: Vec<usize>,
+    /// The length the sequence had when the router's MTP head proposed `drafts` (`None`: they
+    /// came from a drafter in the core, or there are none); drafts of the current length that
+    /// no verification took are proposed again by no `Draft` (see `engine::speculate`).
+    drafts_at: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -1187,6 +1192,7 @@ where
                 no_cache: false,
                 drafts: Vec::new(),
                 draft_slots: Vec::new(),
+                drafts_at: None,
             });
         }
         admitted

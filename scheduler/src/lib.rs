@@ -74,7 +74,9 @@ pub mod workload;
 pub use device_io::{AdapterInfo, LoraAck, LoraCommand, LoraError};
 /// The prefix cache's events and their keys ([`cache_events`]).
 pub use device_io::{BlockKey, CacheEvent};
-pub use engine::{Drafter, Engine, EngineConfig, EngineError, Preemption, Speculation, MAX_DRAFTS};
+pub use engine::{
+    Drafter, Engine, EngineConfig, EngineError, Preemption, SpecOverlap, Speculation, MAX_DRAFTS,
+};
 #[doc(hidden)]
 pub use engine::{PipelineFault, SpecFault};
 pub use event::{Event, FinishReason, ServeError, Usage};

@@ -82,6 +82,11 @@ pub struct Metrics {
     pub draft_launches: u64,
     /// `Draft` plans the router refused (those steps verified without drafts).
     pub draft_failures: u64,
+    /// Rows a settled `Draft` proposed no drafts for, though they had a budget: the router's MTP
+    /// head had no catch-up state for them (the hidden state of the row's latest position, which
+    /// a sequence restored from a spill image has not kept yet); each costs that row's drafts for
+    /// one step.
+    pub draft_misses: u64,
     /// Verification rows that carried at least one draft.
     pub spec_rows: u64,
     /// Drafts verified.
@@ -141,6 +146,7 @@ impl Metrics {
             verify_launches: self.verify_launches - earlier.verify_launches,
             draft_launches: self.draft_launches - earlier.draft_launches,
             draft_failures: self.draft_failures - earlier.draft_failures,
+            draft_misses: self.draft_misses - earlier.draft_misses,
             spec_rows: self.spec_rows - earlier.spec_rows,
             drafted: self.drafted - earlier.drafted,
             accepted: self.accepted - earlier.accepted,

@@ -24,7 +24,7 @@ use device_io::{
 };
 use scheduler::{
     Drafter, Engine, EngineConfig, RandomSampling, Request, Sampling, ShutdownMode, SpecFault,
-    Speculation,
+    SpecOverlap, Speculation,
 };
 
 /// The logits of every token position: a vocabulary of 8 with probabilities from about 0.34
@@ -206,6 +206,7 @@ fn run(depth: usize, speculate: bool, fault: Option<SpecFault>) -> (f64, u64, u6
                 sequences: Arc::new(known),
                 wrong: false,
             },
+            overlap: SpecOverlap::Auto,
         }),
         ..EngineConfig::default()
     };
@@ -230,6 +231,8 @@ fn run(depth: usize, speculate: bool, fault: Option<SpecFault>) -> (f64, u64, u6
     let third: Vec<u32> = outputs.iter().map(|tokens| tokens[2]).collect();
     let m = *engine.metrics();
     engine.shutdown(ShutdownMode::Drain).unwrap();
+    // The scripted router does not compute on the host's cores: by default, cohorts at depth 2.
+    assert_eq!(m.spec_flights > 0, speculate && depth == 2, "{m:?}");
     let statistic = chi_square(&second, &p) + chi_square(&third, &p);
     eprintln!(
         "depth {depth}, speculation {speculate}, fault {fault:?}: chi-square {statistic:.3} \

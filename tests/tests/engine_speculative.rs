@@ -7,9 +7,12 @@
 //! adversarial drafter (and a stop token inside an accepted run); in batches mixing greedy, sampled and forced rows; when a tight pool
 //! preempts mid-speculation (by spill and by recompute) and when a request is cancelled
 //! mid-run; and on a pipelined router (depth 2), where one cohort's verification computes while
-//! the other's settles, with preemption and a cancel while a verification is in flight. Every
-//! block and slot is back at the end. Skipping the SSM restore after a rejected draft, and a
-//! ring shared between the cohorts at depth 2 (the planted bugs), are caught.
+//! the other's settles, with preemption and a cancel while a verification is in flight (and at
+//! depth 1 there, the host router's default). Every block and slot is back at the end. Draft
+//! quality: the MTP head's drafts survive a dry pool at a cohort's launch, and a block boundary
+//! inside a kept run is checkpointed as plain decoding does it. Skipping the SSM restore after a
+//! rejected draft, and a ring shared between the cohorts at depth 2 (the planted bugs), are
+//! caught.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +22,7 @@ use device_io::DeviceIo;
 use model::Model;
 use scheduler::{
     Drafter, Engine, EngineConfig, EngineError, Metrics, Preemption, RandomSampling, Request,
-    Sampling, ShutdownMode, SpecFault, Speculation, SpillTarget,
+    Sampling, ShutdownMode, SpecFault, SpecOverlap, Speculation, SpillTarget,
 };
 
 const BLOCK: usize = 16;
@@ -97,6 +100,14 @@ impl Setup {
 }
 
 type Outcome = Result<(Vec<u32>, Option<u64>), String>;
+
+/// `spec`, run ahead by cohorts on a router of depth 2 (the host router's default is depth 1).
+fn cohorts(spec: Speculation) -> Speculation {
+    Speculation {
+        overlap: SpecOverlap::Cohorts,
+        ..spec
+    }
+}
 
 fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
     // The engine reads the ring's size from the router: four rows' drafts per step.
@@ -249,6 +260,7 @@ fn perfect_and_adversarial_drafters_change_nothing_but_the_steps() {
                     sequences: Arc::clone(&known),
                     wrong,
                 },
+                overlap: SpecOverlap::Auto,
             }),
             ..Setup::plain()
         };
@@ -330,6 +342,7 @@ fn mixed_batches_keep_every_row_exact() {
                 sequences: Arc::new(known.clone()),
                 wrong: false,
             },
+            overlap: SpecOverlap::Auto,
         }),
         fault,
         ..Setup::plain()
@@ -346,6 +359,7 @@ fn mixed_batches_keep_every_row_exact() {
                 sequences: Arc::new(known.clone()),
                 wrong: true,
             },
+            overlap: SpecOverlap::Auto,
         }),
         fault: Some(SpecFault::TrustSampledDrafts),
         ..Setup::plain()
@@ -424,9 +438,10 @@ fn speculation_runs_ahead_on_a_pipelined_router() {
             sequences: Arc::clone(&known),
             wrong,
         },
+        overlap: SpecOverlap::Cohorts,
     };
     let cases = [
-        ("mtp k 3, caches", Speculation::mtp(3), true),
+        ("mtp k 3, caches", cohorts(Speculation::mtp(3)), true),
         ("perfect", known_drafter(false), false),
         ("adversarial, caches", known_drafter(true), true),
     ];
@@ -446,6 +461,16 @@ fn speculation_runs_ahead_on_a_pipelined_router() {
             assert!(m.accepted > 0, "{m:?}");
         }
     }
+    // The default on the host router, which computes on the host's cores: depth 1, exact too.
+    let setup = Setup {
+        depth: 2,
+        speculation: Some(Speculation::mtp(3)),
+        ..Setup::plain()
+    };
+    let (outcomes, m) = serve(&model, setup, &requests);
+    assert_eq!(outcomes, reference, "auto");
+    assert_eq!(m.spec_flights, 0, "{m:?}");
+    assert!(m.verify_launches > 0 && m.drafted > 0, "{m:?}");
 }
 
 /// At depth 2, a tight pool preempts (spill and recompute) between flights (a cohort's launch
@@ -492,6 +517,7 @@ fn preemption_at_depth_two_keeps_the_output() {
                     sequences: Arc::clone(&known),
                     wrong: false,
                 },
+                overlap: SpecOverlap::Cohorts,
             }),
             ..Setup::plain()
         };
@@ -502,6 +528,102 @@ fn preemption_at_depth_two_keeps_the_output() {
             "{preemption:?}: {m:?}"
         );
     }
+}
+
+/// At depth 2 with the MTP drafter, a cohort whose verification finds the pool dry keeps the
+/// drafts its head proposed for the depth-1 step that follows (the head consumed the rows'
+/// catch-up rings to propose them, so drafting again there would give nothing). With recompute
+/// preemption every sequence keeps its catch-up state, so no row that may draft goes without:
+/// `draft_misses` is 0. A sequence restored from a spill image has none for its first step
+/// (the image does not carry it): one miss per restore.
+#[test]
+fn mtp_drafts_survive_a_dry_pool_at_a_cohort_launch() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    let requests: Vec<Request> = greedy_requests(fixture)
+        .into_iter()
+        .map(|mut r| {
+            r.max_tokens = 30;
+            r
+        })
+        .collect();
+    let (reference, _) = serve(&model, Setup::plain(), &requests);
+    for preemption in [
+        Preemption::Recompute,
+        Preemption::Spill(SpillTarget::Memory),
+    ] {
+        let setup = Setup {
+            caches: true,
+            num_blocks: 9,
+            preemption: preemption.clone(),
+            depth: 2,
+            speculation: Some(cohorts(Speculation::mtp(3))),
+            ..Setup::plain()
+        };
+        let (outcomes, m) = serve(&model, setup, &requests);
+        assert_eq!(outcomes, reference, "{preemption:?}");
+        assert!(m.preemptions > 0 && m.spec_flights > 0, "{m:?}");
+        if matches!(preemption, Preemption::Recompute) {
+            assert_eq!(m.draft_misses, 0, "{m:?}");
+        } else {
+            // Each restored row misses its first step's drafts (it drafts at that step here).
+            assert!(m.restores > 0, "{m:?}");
+            assert_eq!(m.draft_misses, m.restores, "{m:?}");
+        }
+    }
+}
+
+/// A verification whose kept positions carry a sequence past a block boundary leaves the Marconi
+/// checkpoint there that plain decoding would have taken (from the verification's snapshot): a
+/// follow-up turn (the first turn's prompt and output, then more) finds the same cached prefix
+/// with speculation as without. With the perfect drafter at k = 3 each step keeps 4 positions,
+/// so the boundaries at 16 and 32 fall inside runs; before, the follow-up hit only the prompt's.
+#[test]
+fn a_boundary_inside_a_verify_run_is_checkpointed() {
+    let fixture = "nemotron-h-alt";
+    let model = model(fixture);
+    // A prompt of 7: the runs keep positions 7..11, 11..15, 15..19, ..., 31..35.
+    let prompt = (greedy_requests(fixture).into_iter())
+        .map(|r| r.prompt)
+        .find(|p| p.len() == 7)
+        .unwrap();
+    let first = Request::greedy(prompt.clone(), 30).with_logits_digest(true);
+    let (out, _) = serve(&model, Setup::plain(), std::slice::from_ref(&first));
+    let first_full: Vec<u32> = prompt
+        .iter()
+        .chain(&out[0].as_ref().unwrap().0)
+        .copied()
+        .collect();
+    let follow_prompt: Vec<u32> = first_full.iter().chain(&[3, 1, 4]).copied().collect();
+    let follow = Request::greedy(follow_prompt.clone(), 4).with_logits_digest(true);
+    let waves: &[&[Request]] = &[std::slice::from_ref(&first), std::slice::from_ref(&follow)];
+    let caches = |speculation| Setup {
+        caches: true,
+        speculation,
+        ..Setup::plain()
+    };
+    let (reference, plain) = serve_waves(&model, caches(None), waves);
+    let follow_full: Vec<u32> = (follow_prompt.iter())
+        .chain(&reference[1].as_ref().unwrap().0)
+        .copied()
+        .collect();
+    let perfect = Speculation {
+        k: 3,
+        drafter: Drafter::Known {
+            sequences: Arc::new(vec![first_full, follow_full]),
+            wrong: false,
+        },
+        overlap: SpecOverlap::Auto,
+    };
+    let (outcomes, m) = serve_waves(&model, caches(Some(perfect)), waves);
+    assert_eq!(outcomes, reference);
+    assert_eq!(m.accepted, m.drafted, "{m:?}");
+    // The first turn computed 36 positions; the follow-up hits the boundary at 32.
+    assert_eq!(plain.prefill_tokens_cached, 32, "{plain:?}");
+    assert_eq!(
+        m.prefill_tokens_cached, plain.prefill_tokens_cached,
+        "{m:?}"
+    );
 }
 
 /// The depth-2 negative control: a cohort whose verification names the ring slots of the one
@@ -535,6 +657,7 @@ fn a_ring_shared_between_cohorts_is_caught() {
                 sequences: Arc::new(known.clone()),
                 wrong: true,
             },
+            overlap: SpecOverlap::Cohorts,
         }),
         ..Setup::plain()
     };
@@ -558,7 +681,8 @@ fn cancel_while_a_verification_is_in_flight() {
     let setup = Setup {
         depth: 2,
         caches: true,
-        ..Setup::mtp(3)
+        speculation: Some(cohorts(Speculation::mtp(3))),
+        ..Setup::plain()
     };
     let mut engine = engine(&model, &setup);
     let initial = engine.router().facts();

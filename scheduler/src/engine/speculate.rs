@@ -9,7 +9,10 @@
 //!    size the engine reads from `DeviceFacts::snapshot_slots_total` at start and refuses, with
 //!    `EngineError::SnapshotRing`, when it is under `k`). The drafter proposes them once per step: [`Drafter::Mtp`] launches
 //!    [`StepPlan::Draft`] (the router's MTP head; a row whose head has no catch-up state drafts
-//!    nothing, and a refused draft step only costs this step's drafts); [`Drafter::Known`]
+//!    nothing, counted in `Metrics::draft_misses`, and a refused draft step only costs this
+//!    step's drafts; the head's drafts for a verification that could not launch, on a dry pool,
+//!    are kept for the next launch at the same length, since the head consumed the row's
+//!    catch-up ring to propose them and a second `Draft` there would find none); [`Drafter::Known`]
 //!    proposes from continuations known from an earlier run (the tests' perfect and adversarial
 //!    drafters, which do not depend on the MTP weights).
 //! 2. **Verify.** One [`StepPlan::Verify`] over every decode row: a row feeds its last token and
@@ -36,7 +39,10 @@
 //!    nothing of a rejected draft reaches the prefix cache or a checkpoint), and when it dropped a
 //!    position, [`Effect::SsmSnapshotRestore`] of the snapshot after input `e - 1` rewinds the
 //!    Mamba state. With the MTP drafter, [`Effect::SaveHiddenCatchup`] keeps every kept position's
-//!    hidden state and one [`Effect::SyncSecondary`] follows.
+//!    hidden state and one [`Effect::SyncSecondary`] follows. A row the router then says is due
+//!    a checkpoint gets its `MarconiCheckpoint` at once: when the kept run carried it past a
+//!    block boundary, the router takes it from the run's snapshot there, which a later
+//!    verification may overwrite (a plain decode step would have checkpointed that boundary).
 //!
 //! Greedy output is therefore bit-identical to plain decoding; the tests in
 //! `tests/tests/engine_speculative.rs` check tokens and logits digests on both MTP fixtures for
@@ -46,7 +52,11 @@
 //!
 //! # Depth 2: cohorts
 //!
-//! On a router with `max_depth() >= 2` the engine pipelines *across sequences*: when every live
+//! On a router with `max_depth() >= 2` the engine may pipeline *across sequences*, as
+//! [`Speculation::overlap`] says: [`SpecOverlap::Auto`] (the default) runs ahead by cohorts
+//! unless the router computes on the host's own cores ([`DeviceIo::computes_on_host`]), where
+//! nothing can overlap and the half batches only cost; [`SpecOverlap::Off`] and
+//! [`SpecOverlap::Cohorts`] choose either way. With cohorts, when every live
 //! row has its prompt computed, at least two rows are live and nothing waiting would be
 //! admitted, the first half of the rows (a *cohort*) drafts and launches its verification
 //! without awaiting it. Each later step the other cohort (the live rows not in flight) drafts
@@ -102,15 +112,48 @@ pub struct Speculation {
     pub k: usize,
     /// Who proposes the drafts.
     pub drafter: Drafter,
+    /// Whether the rows speculate in two cohorts on a router of depth 2.
+    pub overlap: SpecOverlap,
 }
 
 impl Speculation {
-    /// `k` drafts per step from the router's MTP head.
+    /// `k` drafts per step from the router's MTP head, cohorts as [`SpecOverlap::Auto`] decides.
     pub fn mtp(k: usize) -> Self {
         Speculation {
             k,
             drafter: Drafter::Mtp,
+            overlap: SpecOverlap::Auto,
         }
+    }
+}
+
+/// Whether speculation runs ahead by cohorts on a router of depth 2 (see the module docs): one
+/// half of the rows verifies while the other half's verification is read, at the cost of two
+/// launches of half the batch per round. A router of depth 1 always speculates at depth 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpecOverlap {
+    /// Cohorts when the router's depth is 2 and it does not compute on the host's own cores
+    /// ([`DeviceIo::computes_on_host`]); depth 1 otherwise. On the host router the host's work
+    /// cannot hide behind the device's (they share the cores), so the cohorts only cost: the
+    /// `speculation` example measured 0.71–0.84× the tokens per second of depth 1 there. An
+    /// accelerator's router overlaps the host's settling with the other cohort's verification.
+    #[default]
+    Auto,
+    /// Depth 1 on any router: every row verifies in one launch, read before the next.
+    Off,
+    /// Cohorts whenever the router's depth is 2.
+    Cohorts,
+}
+
+impl SpecOverlap {
+    /// Whether an engine speculating on a router of `depth` runs ahead by cohorts.
+    pub fn cohorts(self, depth: usize, computes_on_host: bool) -> bool {
+        depth >= 2
+            && match self {
+                SpecOverlap::Auto => !computes_on_host,
+                SpecOverlap::Off => false,
+                SpecOverlap::Cohorts => true,
+            }
     }
 }
 
@@ -183,8 +226,8 @@ where
     pub(super) fn speculative_decode(&mut self, spec: &Speculation) -> usize {
         let cohort = vec![true; self.running.len()];
         let ring: Vec<usize> = (0..self.ring_slots).collect();
-        let budgets = self.draft_budgets(spec.k, &cohort, ring.len());
-        self.clear_drafts(&cohort);
+        let mut budgets = self.draft_budgets(spec.k, &cohort, ring.len());
+        self.clear_drafts(&cohort, &mut budgets);
         match &spec.drafter {
             Drafter::Known { sequences, wrong } => self.propose_known(sequences, *wrong, &budgets),
             Drafter::Mtp => {
@@ -257,11 +300,11 @@ where
     /// live row has its prompt computed, at least two of them (one cohort computes while the
     /// other settles), and nothing waiting would be admitted.
     pub(super) fn can_start_spec_flight(&self) -> bool {
-        if self.depth < 2
-            || self.flight.is_some()
-            || self.spec_flight.is_some()
-            || self.config.speculation.is_none()
-        {
+        let Some(spec) = &self.config.speculation else {
+            return false;
+        };
+        let cohorts = (spec.overlap).cohorts(self.depth, self.router.inner().computes_on_host());
+        if !cohorts || self.flight.is_some() || self.spec_flight.is_some() {
             return false;
         }
         let mut rows = 0;
@@ -354,8 +397,8 @@ where
         mut settling: Option<SpecFlight>,
         report: &mut StepReport,
     ) -> bool {
-        let budgets = self.draft_budgets(spec.k, cohort, ring.len());
-        self.clear_drafts(cohort);
+        let mut budgets = self.draft_budgets(spec.k, cohort, ring.len());
+        self.clear_drafts(cohort, &mut budgets);
         match &spec.drafter {
             Drafter::Known { sequences, wrong } => self.propose_known(sequences, *wrong, &budgets),
             Drafter::Mtp => {
@@ -518,10 +561,25 @@ where
             .collect()
     }
 
-    fn clear_drafts(&mut self, cohort: &[bool]) {
-        for (active, _) in self.running.iter_mut().zip(cohort).filter(|(_, &c)| c) {
-            active.drafts.clear();
+    /// Clears the drafts of the rows of `cohort` before they are proposed, but for the MTP
+    /// drafts still unverified at the row's current length (their verification could not
+    /// launch): those are kept, within the row's budget, whose budget then drops to 0. The head
+    /// consumed the row's catch-up ring when it drafted them, so a second `Draft` at the same
+    /// length would find nothing to draft from; the drafts are as good as they were.
+    fn clear_drafts(&mut self, cohort: &[bool], budgets: &mut [usize]) {
+        let rows = (self.running.iter_mut())
+            .zip(cohort)
+            .zip(budgets.iter_mut());
+        for ((active, _), budget) in rows.filter(|((_, &member), _)| member) {
             active.draft_slots.clear();
+            let unverified = active.drafts_at == Some(active.seq.computed_len());
+            if unverified && !active.drafts.is_empty() && *budget > 0 {
+                active.drafts.truncate(*budget);
+                *budget = 0;
+            } else {
+                active.drafts.clear();
+                active.drafts_at = None;
+            }
         }
     }
 
@@ -613,12 +671,17 @@ where
                 let ids: Vec<u64> = drafting.iter().map(|&(id, _)| id).collect();
                 let rows = in_order(&mut self.running, &ids);
                 for ((active, (_, budget)), output) in rows.zip(&drafting).zip(&step.rows) {
-                    let Some(run) = output.run else { continue };
-                    let Some(drafts) = step.tokens.get(run.start..run.start + run.len) else {
+                    let drafts = (output.run)
+                        .and_then(|run| step.tokens.get(run.start..run.start + run.len))
+                        .unwrap_or_default();
+                    if drafts.is_empty() {
+                        // The head had no catch-up state for the row (see the module docs).
+                        self.metrics.draft_misses += 1;
                         continue;
-                    };
+                    }
                     let take = drafts.len().min(*budget);
                     active.drafts.extend_from_slice(&drafts[..take]);
+                    active.drafts_at = Some(active.seq.computed_len());
                 }
             }
             Some(Err(err)) => {
@@ -711,6 +774,7 @@ where
             let req = &mut active.req;
             let drafts = std::mem::take(&mut active.drafts);
             let slots = std::mem::take(&mut active.draft_slots);
+            active.drafts_at = None;
             let d = drafts.len();
             let Some((row, output)) = outputs.next() else {
                 req.end.get_or_insert(End::Fail(super::protocol(
@@ -813,6 +877,20 @@ where
                     if let Err(err) = router.apply(Effect::SaveHiddenCatchup { row, pos }) {
                         // Only the head's next drafts lose: it catches up from what it has.
                         tracing::debug!(id = req.id, %err, "SaveHiddenCatchup refused");
+                    }
+                }
+            }
+            // A block boundary the kept run passed is checkpointed from the run's snapshot, now:
+            // at depth 2 the next verification may name the ring slot it is in.
+            if active.seq.checkpoint_due() && !matches!(req.end, Some(End::Fail(_))) {
+                match router.apply(Effect::MarconiCheckpoint {
+                    seq: &mut active.seq,
+                }) {
+                    Ok(_) => metrics.marconi_checkpoints += 1,
+                    Err(err) => {
+                        // The router changed nothing; only caching loses, the request goes on.
+                        tracing::warn!(id = req.id, %err, "MarconiCheckpoint failed");
+                        metrics.marconi_checkpoint_failures += 1;
                     }
                 }
             }
