@@ -18,7 +18,7 @@ use model::{Config, Model};
 use router_book::CacheStats;
 use scheduler::{
     Drafter, Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request,
-    ShutdownMode, Speculation, SpillTarget,
+    ShutdownMode, SpecOverlap, Speculation, SpillTarget,
 };
 
 const CONTEXT: usize = 96;
@@ -258,6 +258,8 @@ fn speculation_on_the_cuda_router_gives_plain_decodings_bits() {
                 sequences: std::sync::Arc::clone(&known),
                 wrong,
             },
+            // The CUDA router does not compute on the host's cores: cohorts at depth 2.
+            overlap: SpecOverlap::Auto,
         };
         let label = format!("wrong {wrong}, caches {caches}, depth {depth}");
         let (tokens, digests, m) = generate_with(cuda(caches, depth, 32), Some(speculation));
