@@ -26,11 +26,18 @@
 //!   live store as it stands ([`SnapshotStore::detached_copy`]) switched to the leader's
 //!   setting, which serves every later request beside the live store. The trial measures the
 //!   switch itself, transition included, against the live store on the same requests; the live
-//!   store takes the setting only when the copy leads it by [`TRIAL_Z`] standard errors at one
-//!   of the trial's looks (every [`TRIAL_LOOK`] requests). Up to [`TRIALS`] settings are
-//!   trialled at once; one that trails by as much, or reaches [`TRIAL_LENGTH`] requests, is
-//!   dropped and not trialled again for `cooldown` requests. A trial costs one store's work
-//!   per request while it runs, and nothing on the live store.
+//!   store takes the setting only after the copy led it by [`TRIAL_Z`] standard errors at one
+//!   of the trial's looks (every [`TRIAL_LOOK`] requests) **and** a confirmation held up: the
+//!   copy started from the live store as it was when the trial began, and a switch from the
+//!   live store as it is at the look can fare otherwise (what the old setting kept meanwhile
+//!   may not suit the new one: at small capacities a switch can evict the one prefix every
+//!   request reuses). So the trial then restarts as a confirmation, a new copy of the live
+//!   store as it stands under the same setting, and the live store switches when that copy
+//!   has not fallen behind it after [`CONFIRM_LOOK`] requests; a confirmation that has is
+//!   dropped. Up to [`TRIALS`] settings are trialled at once; one that trails by as much as it
+//!   must lead, or reaches [`TRIAL_LENGTH`] requests, is dropped and not trialled again for
+//!   `cooldown` requests. A trial costs one store's work per request while it runs, and
+//!   nothing on the live store.
 //!
 //! Invariants: in `Periodic` and `Bootstrap` modes, `snapshot` is the store as it was before the
 //! first request of `window` was served; once a bootstrap tuning ran, `done` is set and nothing
@@ -39,7 +46,8 @@
 //! is set, after every observed request, exactly when the live store's setting does not evict
 //! like [`LRU`]. Every trial in `trials` started from the live store's contents under the
 //! setting the live store still has (its `control`) and has served every request observed since
-//! (`since`); no two trials evict alike, and none evicts like the live store.
+//! (`since`, when it or its confirmation began); no two trials evict alike, and none evicts
+//! like the live store.
 
 use crate::error::SnapshotError;
 use crate::sim::{serve_request, SyntheticBlocks};
@@ -177,6 +185,12 @@ pub const TRIAL_LENGTH: usize = 300;
 /// the policy grid: 1 fell below LRU on two cells (by up to 0.0092), 2 on none.
 pub const TRIAL_Z: f64 = 2.0;
 
+/// Requests a confirmation runs (see [`TuningMode::Shadow`]): a copy of the live store taken
+/// when a trial first led significantly, under the trial's setting. It is adopted when it has
+/// not fallen behind the live store by then, so a switch is made only after a switch from the
+/// live store's recent contents held up too.
+pub const CONFIRM_LOOK: usize = 10;
+
 /// How the score is chosen.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TuningMode {
@@ -291,10 +305,11 @@ struct Trial {
     control: Setting,
     store: SnapshotStore,
     blocks: SyntheticBlocks,
-    /// The request count when it began.
+    /// The request count when it (or its confirmation) began.
     since: usize,
-    /// Input tokens observed since it began.
-    input_tokens: u64,
+    /// Whether it is a confirmation: a copy of the live store taken when the trial first led
+    /// significantly, adopted unless it falls behind in [`CONFIRM_LOOK`] requests.
+    confirms: bool,
     /// Sums, over the requests since it began, of the copy's hit tokens minus the live store's,
     /// and of its square.
     lead: f64,
@@ -555,7 +570,6 @@ impl AlphaTuner {
             let lead = outcome.hit_tokens as f64 - live_now as f64;
             trial.lead += lead;
             trial.lead_squares += lead * lead;
-            trial.input_tokens += request.input.len() as u64;
         }
         let baseline_hits = self.shadows[self.baseline].hit_tokens;
         let here = Excursion {
@@ -603,25 +617,41 @@ impl AlphaTuner {
                 return self.switch(store, LRU).map(Some);
             }
         }
-        // Running trials (all dropped when the live setting changed under them): at a look,
-        // adopt the setting of the one whose copy leads the live store the most significantly;
-        // drop one that trails significantly or ran its length.
+        // Running trials (all dropped when the live setting changed under them). A trial whose
+        // copy leads the live store significantly at a look (the most significant one, when
+        // several do) is not adopted yet: its copy started from the live store as it was, and
+        // a switch from the live store as it is now can fare otherwise (the old setting's
+        // contents may not suit the new one). It gives way to a confirmation: a new copy of the
+        // live store as it stands, under the same setting. A confirmation that has not fallen
+        // behind the live store after `CONFIRM_LOOK` requests is adopted (the live store
+        // switches); one that has is dropped, as is a trial that trails significantly or ran
+        // its length.
         if !self.trials.is_empty() {
             let seen = self.seen;
             self.trials.retain(|t| t.control.evicts_like(&current));
-            let mut adopt: Option<(f64, Setting)> = None;
-            for trial in &self.trials {
+            let mut adopt: Option<(f64, usize)> = None;
+            let mut confirm: Option<(f64, usize)> = None;
+            for (i, trial) in self.trials.iter().enumerate() {
                 let sd = trial.lead_squares.sqrt();
                 let ran = seen - trial.since;
-                if ran >= TRIAL_LOOK && ran % TRIAL_LOOK == 0 && trial.lead > TRIAL_Z * sd {
+                if trial.confirms {
+                    if ran == CONFIRM_LOOK && trial.lead >= 0.0 {
+                        let z = trial.lead / sd.max(1.0);
+                        if adopt.is_none_or(|(best, _)| z > best) {
+                            adopt = Some((z, i));
+                        }
+                    }
+                } else if ran >= TRIAL_LOOK && ran % TRIAL_LOOK == 0 && trial.lead > TRIAL_Z * sd {
                     let z = trial.lead / sd;
-                    if adopt.is_none_or(|(best, _)| z > best) {
-                        adopt = Some((z, trial.setting));
+                    if confirm.is_none_or(|(best, _)| z > best) {
+                        confirm = Some((z, i));
                     }
                 }
             }
-            if let Some((_, target)) = adopt {
+            if let Some((_, i)) = adopt {
+                let target = self.trials[i].setting;
                 self.trials.clear();
+                tracing::debug!(requests = self.seen, "trial confirmed");
                 if target.evicts_like(&LRU) {
                     self.excursion = None;
                 } else if self.excursion.is_none() {
@@ -629,11 +659,26 @@ impl AlphaTuner {
                 }
                 return self.switch(store, target).map(Some);
             }
+            if let Some((_, i)) = confirm {
+                let mut copy = store.detached_copy();
+                apply(&mut copy, self.trials[i].setting)?;
+                let trial = &mut self.trials[i];
+                trial.store = copy;
+                trial.blocks = SyntheticBlocks::new(u32::MAX / 2);
+                trial.since = seen;
+                trial.lead = 0.0;
+                trial.lead_squares = 0.0;
+                trial.confirms = true;
+            }
             let mut rejected = Vec::new();
             self.trials.retain(|t| {
                 let ran = seen - t.since;
-                let trails = ran >= TRIAL_LOOK && t.lead < -TRIAL_Z * t.lead_squares.sqrt();
-                let keep = ran < TRIAL_LENGTH && !trails;
+                let keep = if t.confirms {
+                    ran < CONFIRM_LOOK
+                } else {
+                    let trails = ran >= TRIAL_LOOK && t.lead < -TRIAL_Z * t.lead_squares.sqrt();
+                    ran < TRIAL_LENGTH && !trails
+                };
                 if !keep {
                     rejected.push((t.setting, seen));
                 }
@@ -678,11 +723,17 @@ impl AlphaTuner {
         {
             if self.trials.len() >= TRIALS {
                 // Make room: drop the trial whose lead is the least significant.
+                // A confirmation stays: its trial already led.
                 let z = |t: &Trial| t.lead / t.lead_squares.sqrt().max(1.0);
                 let weakest = (0..self.trials.len())
-                    .min_by(|&a, &b| z(&self.trials[a]).total_cmp(&z(&self.trials[b])))
-                    .unwrap_or(0);
-                self.trials.swap_remove(weakest);
+                    .filter(|&i| !self.trials[i].confirms)
+                    .min_by(|&a, &b| z(&self.trials[a]).total_cmp(&z(&self.trials[b])));
+                match weakest {
+                    Some(i) => {
+                        self.trials.swap_remove(i);
+                    }
+                    None => return Ok(None),
+                }
             }
             let mut copy = store.detached_copy();
             apply(&mut copy, target)?;
@@ -692,7 +743,7 @@ impl AlphaTuner {
                 store: copy,
                 blocks: SyntheticBlocks::new(u32::MAX / 2),
                 since: self.seen,
-                input_tokens: 0,
+                confirms: false,
                 lead: 0.0,
                 lead_squares: 0.0,
             });

@@ -7,7 +7,10 @@
 //! everything (0.002 against 0.269); and two cells where the tuner that switched the live store
 //! as soon as a shadow led lost to LRU through the switch itself (the live store kept what the
 //! old setting had built): agentic (12 sessions, seed 1) at 2 GB, 0.6851 against 0.7148, and
-//! sharegpt (40 sessions, seed 2) at 1 GB, 0.1953 against 0.2012.
+//! sharegpt (40 sessions, seed 2) at 1 GB, 0.1953 against 0.2012. And one where the tuner
+//! that switched as soon as a trial's copy (started 100 requests earlier) led lost through the
+//! switch from the live store's later contents (α = 5 evicted the prefix every request reused):
+//! agentic (12 sessions, seed 2) at 1 GB, 0.4406 against 0.4582.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_store, LRU_TOLERANCE};
@@ -43,6 +46,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::Agentic, 12, 2, 500_000_000),
         (TraceKind::Agentic, 12, 1, 2_000_000_000),
         (TraceKind::ShareGpt, 40, 2, 1_000_000_000),
+        (TraceKind::Agentic, 12, 2, 1_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {

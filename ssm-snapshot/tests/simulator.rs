@@ -271,10 +271,11 @@ fn tuning_finds_the_alpha_a_workload_needs() {
         assert!(report.alpha > 0.0, "{tuning:?}: {history:?}");
         // Shadow tuning trials a switch only on a significant lead, from about the document's
         // 14th read, and makes it once the trial's copy led the live store at its first look
-        // (100 requests later): the document is kept from about its 29th read on (12 of 40
-        // reads hit); the replays keep it from their first window (30).
+        // (100 requests later) and a confirmation from the live store's contents then held up
+        // for 10 requests: the document is kept from about its 31st read on (10 of 40 reads
+        // hit); the replays keep it from their first window (30).
         let reads = if matches!(tuning, TuningMode::Shadow { .. }) {
-            12
+            10
         } else {
             30
         };
