@@ -181,26 +181,8 @@ fn with_copies<T>(
     dev: &Dev<'_>,
     effect: impl FnOnce(&mut router_book::BookMut<'_>, &mut dyn FnMut(Op) -> Result<()>) -> Result<T>,
 ) -> Result<T> {
-    let Inner {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-        executor,
-        ..
-    } = inner;
-    let mut book = router_book::BookMut {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-    };
+    let mut book = router_book::book_mut!(inner);
+    let executor = &mut inner.executor;
     let mut copy = |op: Op| executor.submit(dev.model, dev.device, device::Work::Copies(vec![op]));
     effect(&mut book, &mut copy)
 }

@@ -18,7 +18,6 @@ use device_io::{Readback, Result};
 
 use crate::device::{DecodeJobRow, MtpChunk, Op, StepJob};
 use crate::{CpuSeq, Inner, Shape};
-use router_book::book::BookMut;
 use router_book::plans::{self as shared, FeedSources, PrefillOp};
 
 pub(crate) use router_book::plans::Inputs;
@@ -59,27 +58,8 @@ pub(crate) fn prefill<'a>(
     readback: Readback<'a>,
     rows: &mut [&mut CpuSeq],
 ) -> Result<Planned<'a>> {
-    let Inner {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-        lora,
-        mtp,
-        ..
-    } = &mut *inner;
-    let mut book = BookMut {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-    };
+    let mut book = router_book::book_mut!(inner);
+    let (lora, mtp) = (&mut inner.lora, &mut inner.mtp);
     let plan = shared::prefill(
         &shape.book(),
         &mut book,
@@ -117,12 +97,12 @@ pub(crate) fn prefill<'a>(
                 let mtp = shape.mtp.then(|| {
                     // The head consumes the positions whose next token is in the prompt.
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
-                    let known = stop.min(seq.prompt_len - 1);
+                    let track = mtp.entry(tenure).or_default();
+                    let known = router_book::spec::prefill_head(track, seq, start, stop);
                     let next = job.tokens.len()..job.tokens.len() + known.saturating_sub(start);
                     if known > start {
                         job.tokens.extend_from_slice(&seq.tokens[start + 1..=known]);
                     }
-                    mtp.entry(tenure).or_default().consumed = known.max(start);
                     MtpChunk {
                         next,
                         keep: (stop == seq.prompt_len).then_some(tenure),
@@ -154,33 +134,8 @@ pub(crate) fn decode<'a>(
     readback: Readback<'a>,
     rows: &mut [&mut CpuSeq],
 ) -> Result<Planned<'a>> {
-    let Inner {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-        last_rows,
-        last_argmax,
-        ..
-    } = &mut *inner;
-    let mut book = BookMut {
-        cache,
-        slots,
-        tenures,
-        ring,
-        pending,
-        resolved,
-        failed,
-    };
-    let sources = FeedSources {
-        last_rows,
-        last_argmax: last_argmax
-            .as_ref()
-            .map(|(step, argmax)| (*step, &argmax[..])),
-    };
+    let mut book = router_book::book_mut!(inner);
+    let sources = FeedSources::new(&inner.last_rows, &inner.last_argmax);
     let plan = shared::decode(
         &shape.book(),
         &mut book,

@@ -162,16 +162,7 @@ impl Inner {
 
     /// The shared bookkeeping's tables and the MTP catch-up rings, borrowed together.
     pub fn book_and_tracks(&mut self) -> (BookMut<'_>, &mut BTreeMap<u64, MtpTrack<u32>>) {
-        let book = BookMut {
-            cache: &mut self.cache,
-            slots: &mut self.slots,
-            tenures: &mut self.tenures,
-            ring: &mut self.ring,
-            pending: &mut self.pending,
-            resolved: &mut self.resolved,
-            failed: &mut self.failed,
-        };
-        (book, &mut self.mtp)
+        (router_book::book_mut!(self), &mut self.mtp)
     }
 }
 

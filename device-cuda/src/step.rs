@@ -242,12 +242,12 @@ fn prefill_work(
                 let seq = &*rows[row];
                 let tokens = &seq.tokens;
                 // The head consumes positions `start..known`; the prompt's last is kept.
-                let known = stop.min(seq.prompt_len.saturating_sub(1));
+                let mut known = stop;
                 let mut keep_cell = None;
                 if let Some(book) = mtp.as_mut() {
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = book.tracks.entry(tenure).or_default();
-                    track.consumed = known.max(start);
+                    known = router_book::spec::prefill_head(track, seq, start, stop);
                     if stop == seq.prompt_len {
                         if let Some(cell) = book.free_cells.pop() {
                             let forgotten = track.keep(stop - 1, cell);
@@ -640,33 +640,8 @@ impl CudaRouter {
         rows: &mut [&mut RouterSeq],
     ) -> Result<DecodePlan> {
         let shape = *self.book_shape();
-        let Inner {
-            cache,
-            slots,
-            tenures,
-            ring,
-            pending,
-            resolved,
-            failed,
-            last_rows,
-            last_argmax,
-            ..
-        } = inner;
-        let mut book = router_book::BookMut {
-            cache,
-            slots,
-            tenures,
-            ring,
-            pending,
-            resolved,
-            failed,
-        };
-        let sources = FeedSources {
-            last_rows,
-            last_argmax: last_argmax
-                .as_ref()
-                .map(|(step, argmax)| (*step, &argmax[..])),
-        };
+        let mut book = router_book::book_mut!(inner);
+        let sources = FeedSources::new(&inner.last_rows, &inner.last_argmax);
         plans::decode(&shape, &mut book, ticket, inputs, readback, sources, rows)
     }
 

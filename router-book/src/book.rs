@@ -123,6 +123,24 @@ pub struct BookMut<'a> {
     pub failed: &'a mut BTreeSet<u64>,
 }
 
+/// A [`BookMut`] over the tables of a router's state `$state` (a place whose fields are named as
+/// `BookMut`'s), borrowed field by field, so the caller may borrow the state's other fields (a
+/// router's own: feed cells, catch-up rings, executors) at the same time.
+#[macro_export]
+macro_rules! book_mut {
+    ($state:expr) => {
+        $crate::BookMut {
+            cache: &mut $state.cache,
+            slots: &mut $state.slots,
+            tenures: &mut $state.tenures,
+            ring: &mut $state.ring,
+            pending: &mut $state.pending,
+            resolved: &mut $state.resolved,
+            failed: &mut $state.failed,
+        }
+    };
+}
+
 /// What a spill image of a sequence holds, gathered before its device data is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SavePlan {

@@ -493,6 +493,22 @@ pub struct FeedSources<'a> {
     pub last_argmax: Option<(u64, &'a [Option<u32>])>,
 }
 
+impl<'a> FeedSources<'a> {
+    /// The sources as a router keeps them: the latest launched step's rows, and the latest
+    /// finished step's ticket and per-row argmax.
+    pub fn new(
+        last_rows: &'a [(u64, bool)],
+        last_argmax: &'a Option<(u64, Vec<Option<u32>>)>,
+    ) -> Self {
+        FeedSources {
+            last_rows,
+            last_argmax: last_argmax
+                .as_ref()
+                .map(|(step, argmax)| (*step, &argmax[..])),
+        }
+    }
+}
+
 /// `Decode` and `DecodeFed` (step `ticket`): validates every row and input, reserves the block
 /// each row's new position needs, then commits the rows (one more position each; a fed
 /// position's token is the placeholder until its source step is seen finished, unless it

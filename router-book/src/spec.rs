@@ -260,6 +260,21 @@ impl<H> MtpTrack<H> {
     }
 }
 
+/// The MTP head's part of a prefill run of positions `start..stop` of `seq`: it consumes the
+/// positions `start..known` whose next token the prompt holds, so its track has consumed
+/// `known.max(start)`; answers `known`. (The run's last position, when it ends the prompt, is the
+/// one the ring keeps: its next token is not known yet.)
+pub fn prefill_head<H>(
+    track: &mut MtpTrack<H>,
+    seq: &RouterSeq,
+    start: usize,
+    stop: usize,
+) -> usize {
+    let known = stop.min(seq.prompt_len.saturating_sub(1));
+    track.consumed = known.max(start);
+    known
+}
+
 /// A drafting row's catch-up: the head consumes positions `start..start + hidden.len()`, the
 /// last of them the sequence's latest, fed the token after each (`tokens`, the last the row's
 /// next token).
