@@ -9,11 +9,14 @@
 //!                      seed 0, the replay's default)
 //!   --save DIR         write the model as a checkpoint (config.json + model.safetensors) and exit
 //!   --threads N        threads of the forward pass (default 1)
-//!   --work LIST        comma-separated `prefill:N`, `decode:B` and `chunk:S` items
+//!   --work LIST        comma-separated `prefill:N`, `decode:B`, `chunk:S` and `step:B` items
 //!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32);
 //!                      `chunk:S` prefills one 128-token chunk at positions S..S+128 over a
 //!                      zeroed KV cache and Mamba state (the cost of a long prompt's chunk at
-//!                      context S, without prefilling the S tokens first: for profilers)
+//!                      context S, without prefilling the S tokens first: for profilers);
+//!                      `step:B` is `decode:B` over a zeroed KV cache and Mamba state instead of
+//!                      128 prefilled tokens per sequence (the same positions and work per step,
+//!                      without the 128 x B prefill tokens first: for profilers)
 //!   --steps S          decode steps per measurement (default 32)
 //!   --repeat R         measurements per item; the best is reported (default 3)
 //!   --logits FILE      also write the last prefill's final-position logits (f32 little-endian),
@@ -37,6 +40,7 @@ enum Item {
     Prefill(usize),
     Decode(usize),
     Chunk(usize),
+    Step(usize),
 }
 
 #[derive(Debug)]
@@ -54,7 +58,7 @@ fn parse_work(text: &str) -> Result<Vec<Item>, String> {
     text.split(',')
         .map(|item| {
             let (kind, n) = item.split_once(':').ok_or(format!(
-                "--work item {item:?}: expected prefill:N or decode:B"
+                "--work item {item:?}: expected prefill:N, decode:B, chunk:S or step:B"
             ))?;
             let n: usize = n
                 .parse()
@@ -66,8 +70,9 @@ fn parse_work(text: &str) -> Result<Vec<Item>, String> {
                 "prefill" => Ok(Item::Prefill(n)),
                 "decode" => Ok(Item::Decode(n)),
                 "chunk" => Ok(Item::Chunk(n)),
+                "step" => Ok(Item::Step(n)),
                 _ => Err(format!(
-                    "--work item {item:?}: expected prefill:N, decode:B or chunk:S"
+                    "--work item {item:?}: expected prefill:N, decode:B, chunk:S or step:B"
                 )),
             }
         })
@@ -157,7 +162,16 @@ fn chunk_rate(model: &Model, scratch: &mut Scratch, start: usize, logits: &mut V
     CHUNK as f64 / started.elapsed().as_secs_f64()
 }
 
-fn decode_rate(model: &Model, scratch: &mut Scratch, batch: usize, steps: usize) -> f64 {
+/// Tokens per second of `steps` greedy decode steps of `batch` sequences at positions 128 on; each
+/// sequence's 128 prompt tokens are prefilled first when `warm`, else the steps run over a zeroed
+/// KV cache and Mamba state from the prompt's last token.
+fn decode_rate(
+    model: &Model,
+    scratch: &mut Scratch,
+    batch: usize,
+    steps: usize,
+    warm: bool,
+) -> f64 {
     let config = model.config();
     let per_seq = (DECODE_CONTEXT + steps).div_ceil(BLOCK_SIZE);
     let mut kv = KvPool::new(config, batch * per_seq, BLOCK_SIZE).expect("pool");
@@ -169,6 +183,10 @@ fn decode_rate(model: &Model, scratch: &mut Scratch, batch: usize, steps: usize)
     let mut next = Vec::with_capacity(batch);
     for (slot, table) in tables.iter().enumerate() {
         let tokens = prompt(DECODE_CONTEXT, slot + 1, config.vocab_size);
+        if !warm {
+            next.push(tokens[DECODE_CONTEXT - 1]);
+            continue;
+        }
         let row = PrefillRow {
             tokens: &tokens,
             start_pos: 0,
@@ -221,7 +239,8 @@ fn run() -> Result<(), String> {
         let best = (0..args.repeat)
             .map(|_| match *item {
                 Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
-                Item::Decode(b) => decode_rate(&model, &mut scratch, b, args.steps),
+                Item::Decode(b) => decode_rate(&model, &mut scratch, b, args.steps, true),
+                Item::Step(b) => decode_rate(&model, &mut scratch, b, args.steps, false),
                 Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
             })
             .fold(0.0f64, f64::max);
@@ -229,6 +248,7 @@ fn run() -> Result<(), String> {
             Item::Prefill(n) => println!("prefill {n} tok/s {best:.1}"),
             Item::Decode(b) => println!("decode {b} tok/s {best:.1}"),
             Item::Chunk(s) => println!("chunk {s} tok/s {best:.1}"),
+            Item::Step(b) => println!("step {b} tok/s {best:.1}"),
         }
     }
     if let Some(path) = &args.logits {
