@@ -21,6 +21,9 @@
 //!   --repeat R         measurements per item; the best is reported (default 3)
 //!   --logits FILE      also write the last prefill's final-position logits (f32 little-endian),
 //!                      for a parity check against another implementation
+//!   --decode-logits FILE  also write every row's logits of the last decode step of the last
+//!                      `decode:B`/`step:B` item (f32 little-endian, row after row), to check that
+//!                      a change of the forward pass leaves their bits alone
 //! ```
 //!
 //! Output: one line per item, `prefill 2048 tok/s 1234.5` or `decode 32 tok/s 567.8`.
@@ -52,6 +55,7 @@ struct Args {
     steps: usize,
     repeat: usize,
     logits: Option<PathBuf>,
+    decode_logits: Option<PathBuf>,
 }
 
 fn parse_work(text: &str) -> Result<Vec<Item>, String> {
@@ -88,6 +92,7 @@ fn parse_args() -> Result<Args, String> {
         steps: 32,
         repeat: 3,
         logits: None,
+        decode_logits: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -107,6 +112,7 @@ fn parse_args() -> Result<Args, String> {
             "--steps" => args.steps = count(value()?)?,
             "--repeat" => args.repeat = count(value()?)?,
             "--logits" => args.logits = Some(PathBuf::from(value()?)),
+            "--decode-logits" => args.decode_logits = Some(PathBuf::from(value()?)),
             other => return Err(format!("unknown option {other:?}")),
         }
     }
@@ -164,13 +170,13 @@ fn chunk_rate(model: &Model, scratch: &mut Scratch, start: usize, logits: &mut V
 
 /// Tokens per second of `steps` greedy decode steps of `batch` sequences at positions 128 on; each
 /// sequence's 128 prompt tokens are prefilled first when `warm`, else the steps run over a zeroed
-/// KV cache and Mamba state from the prompt's last token.
+/// KV cache and Mamba state from the prompt's last token. `last` receives the last step's logits.
 fn decode_rate(
     model: &Model,
     scratch: &mut Scratch,
-    batch: usize,
-    steps: usize,
+    (batch, steps): (usize, usize),
     warm: bool,
+    last: &mut Vec<f32>,
 ) -> f64 {
     let config = model.config();
     let per_seq = (DECODE_CONTEXT + steps).div_ceil(BLOCK_SIZE);
@@ -218,7 +224,9 @@ fn decode_rate(
             *token = model::parity::argmax(&logits[slot * vocab..(slot + 1) * vocab]);
         }
     }
-    (batch * steps) as f64 / started.elapsed().as_secs_f64()
+    let rate = (batch * steps) as f64 / started.elapsed().as_secs_f64();
+    *last = logits;
+    rate
 }
 
 fn run() -> Result<(), String> {
@@ -235,12 +243,17 @@ fn run() -> Result<(), String> {
     let mut scratch =
         Scratch::with_threads(model.config(), args.threads).map_err(|e| e.to_string())?;
     let mut logits = Vec::new();
+    let mut decode_logits = Vec::new();
     for item in &args.work {
         let best = (0..args.repeat)
             .map(|_| match *item {
                 Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
-                Item::Decode(b) => decode_rate(&model, &mut scratch, b, args.steps, true),
-                Item::Step(b) => decode_rate(&model, &mut scratch, b, args.steps, false),
+                Item::Decode(b) => {
+                    decode_rate(&model, &mut scratch, (b, args.steps), true, &mut decode_logits)
+                }
+                Item::Step(b) => {
+                    decode_rate(&model, &mut scratch, (b, args.steps), false, &mut decode_logits)
+                }
                 Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
             })
             .fold(0.0f64, f64::max);
@@ -251,9 +264,11 @@ fn run() -> Result<(), String> {
             Item::Step(b) => println!("step {b} tok/s {best:.1}"),
         }
     }
-    if let Some(path) = &args.logits {
-        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+    for (path, values) in [(&args.logits, &logits), (&args.decode_logits, &decode_logits)] {
+        if let Some(path) = path {
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
     }
     Ok(())
 }
