@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use crate::config::DtClamp;
 use crate::experts::{ExpertBatch, ExpertPool};
+use crate::gemm::Kernels;
 use crate::lora::{LoraAdapter, Target};
 use crate::math::{
     exp_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
@@ -61,6 +62,12 @@ pub struct Scratch {
     choices: Vec<(usize, f32)>,
     kept_groups: Vec<bool>,
     expert_rows: Vec<(usize, f32)>,
+    // Local experts: each expert's range of `expert_rows`, each token's (output row, weight)
+    // (`k` places per token, `token_counts` used), one single-threaded product per expert.
+    expert_spans: Vec<(usize, usize)>,
+    token_slots: Vec<(usize, f32)>,
+    token_counts: Vec<usize>,
+    expert_mms: Vec<Matmul>,
     expert_in: Vec<f32>,
     expert_act: Vec<f32>,
     expert_out: Vec<f32>,
@@ -604,15 +611,18 @@ fn stack(
     let d = config.hidden_size;
     let eps = config.layer_norm_epsilon as f32;
     let (mut attention_index, mut mamba_index, first_layer) = base;
-    for (i, layer) in layers.iter().enumerate() {
-        lora.layer = i;
+    let kernels = scratch.mm.kernels;
+    // Row-wise work runs on the threads too (one row per chunk: the same bits): the first
+    // layer's norm here, every later one with the residual add of the layer before it.
+    if let Some(first) = layers.first() {
         let normed = take(&mut scratch.normed, m * d);
         let hidden = &scratch.hidden[..m * d];
-        let kernels = scratch.mm.kernels;
-        // Row-wise work runs on the threads too (one row per chunk: the same bits).
         kernels.for_each_chunk(normed, d, |i, n| {
-            rms_norm(&hidden[i * d..(i + 1) * d], &layer.norm, eps, n);
+            rms_norm(&hidden[i * d..(i + 1) * d], &first.norm, eps, n);
         });
+    }
+    for (i, layer) in layers.iter().enumerate() {
+        lora.layer = i;
         match &layer.mixer {
             Mixer::Mamba(w) => {
                 mamba(config, w, scratch, states, rows, mamba_index, lora);
@@ -637,11 +647,22 @@ fn stack(
             Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i, lora)?,
         }
         let out = &scratch.out[..m * d];
-        kernels.for_each_chunk(&mut scratch.hidden[..m * d], d, |i, h| {
+        let add = |i: usize, h: &mut [f32]| {
             for (h, o) in h.iter_mut().zip(&out[i * d..(i + 1) * d]) {
                 *h += o;
             }
-        });
+        };
+        match layers.get(i + 1) {
+            Some(next) => {
+                let normed = take(&mut scratch.normed, m * d);
+                let hidden = &mut scratch.hidden[..m * d];
+                kernels.for_each_chunk_pair(hidden, d, normed, d, |i, h, n| {
+                    add(i, h);
+                    rms_norm(h, &next.norm, eps, n);
+                });
+            }
+            None => kernels.for_each_chunk(&mut scratch.hidden[..m * d], d, add),
+        }
     }
     Ok(())
 }
@@ -804,45 +825,52 @@ fn mamba(
         );
     }
     let proj = &scratch.proj[..m * proj_dim];
-    let conv_out = take(&mut scratch.conv_out, m * conv_dim);
-    for (i, out) in conv_out.chunks_exact_mut(conv_dim).enumerate() {
-        let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
-        let (conv_hist, _) = states.layer_mut(rows.slot(i), layer);
-        // Causal depthwise conv over the K-1 previous inputs and this one.
-        for (c, o) in out.iter_mut().enumerate() {
-            let taps = &w.conv_weight[c * k..(c + 1) * k];
-            let mut acc = 0.0f32;
-            for (j, tap) in taps[..k - 1].iter().enumerate() {
-                acc += tap * conv_hist[j * conv_dim + c];
-            }
-            acc += taps[k - 1] * xbc[c];
-            if let Some(bias) = &w.conv_bias {
-                acc += bias[c];
-            }
-            // The activation is applied below, on the threads.
-            *o = acc;
-        }
-        if k > 1 {
-            conv_hist.copy_within(conv_dim.., 0);
-            conv_hist[(k - 2) * conv_dim..].copy_from_slice(xbc);
-        }
-        if let Some(snapshot) = rows.snapshot(i) {
-            states.copy_conv(rows.slot(i), snapshot, layer);
-        }
-    }
-    scratch
-        .mm
-        .kernels
-        .for_each_chunk(&mut scratch.conv_out[..m * conv_dim], conv_dim, |_, row| {
-            for v in row.iter_mut() {
-                *v = silu(*v);
-            }
-        });
-    let conv_out = &scratch.conv_out[..m * conv_dim];
-
     // Runs of rows that share a state slot, as (first row, length): a prefill chunk is one run,
     // decode rows are one each, a batch of runs has one per sequence.
     let runs = rows.runs();
+    let kernels = scratch.mm.kernels;
+    // The causal depthwise conv of every row at once, on the threads: a row's window is its
+    // K-1 predecessors in the run, taken from the history before the run where the run has
+    // none, so no row waits for the history updates of the rows before it (done below).
+    let conv_out = take(&mut scratch.conv_out, m * conv_dim);
+    let history = &*states;
+    kernels.for_each_chunk(conv_out, conv_dim, |i, out| {
+        let (first, _) = runs[runs.partition_point(|&(first, _)| first <= i) - 1];
+        let hist = history.conv(rows.slot(i), layer);
+        conv_row(w, proj, hist, (i, i - first), (inner, conv_dim, proj_dim, k), out);
+    });
+    // The histories after the rows: a run's last K-1 inputs (fewer rows: the newest part of
+    // the history before, then the rows). A run with snapshot rows shifts row by row, so each
+    // snapshot slot receives the history as it is after its row.
+    for &(first, len) in &runs {
+        let slot = rows.slot(first);
+        let snapshots = (first..first + len).any(|i| rows.snapshot(i).is_some());
+        if snapshots {
+            for i in first..first + len {
+                let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
+                let (conv_hist, _) = states.layer_mut(slot, layer);
+                if k > 1 {
+                    conv_hist.copy_within(conv_dim.., 0);
+                    conv_hist[(k - 2) * conv_dim..].copy_from_slice(xbc);
+                }
+                if let Some(snapshot) = rows.snapshot(i) {
+                    states.copy_conv(slot, snapshot, layer);
+                }
+            }
+        } else if k > 1 {
+            let (conv_hist, _) = states.layer_mut(slot, layer);
+            let kept = (k - 1).saturating_sub(len);
+            conv_hist.copy_within(len.min(k - 1) * conv_dim.., 0);
+            for at in kept..k - 1 {
+                let row = first + len + at - (k - 1);
+                conv_hist[at * conv_dim..(at + 1) * conv_dim].copy_from_slice(
+                    &proj[row * proj_dim + inner..row * proj_dim + inner + conv_dim],
+                );
+            }
+        }
+    }
+    let conv_out = &scratch.conv_out[..m * conv_dim];
+
     let heads_per_group = h / g;
     let scan = take(&mut scratch.scan, m * inner);
     // The runs' head states, then the snapshot slots' (row order), slot-major.
@@ -880,7 +908,6 @@ fn mamba(
             tasks[run * h + head].snapshots.push((t, state));
         }
     }
-    let kernels = scratch.mm.kernels;
     let ctx = ScanContext {
         w,
         proj,
@@ -934,6 +961,44 @@ fn mamba(
             offset: 0,
         };
         lora.apply(&mut scratch.mm, &scratch.mixed, inner, site, out);
+    }
+}
+
+/// Row `i` (token `t` of its run) of the causal depthwise conv, activated: channel `c` is
+/// `silu(Σ_j tap_j · x_j + tap_{K-1} · xbc + bias)` over its K-1 predecessors `x_j`, oldest first,
+/// in that order (`hist` holds the K-1 inputs before the run, oldest first). The channels run in
+/// the inner loop; each channel's sum is the same chain as one channel at a time.
+fn conv_row(
+    w: &MambaWeights,
+    proj: &[f32],
+    hist: &[f32],
+    (i, t): (usize, usize),
+    (inner, conv_dim, proj_dim, k): (usize, usize, usize, usize),
+    out: &mut [f32],
+) {
+    let input = |row: usize| &proj[row * proj_dim + inner..row * proj_dim + inner + conv_dim];
+    out.fill(0.0);
+    for j in 0..k - 1 {
+        // Input `j` of the window is `K-1-j` tokens before this one.
+        let x = if t + j + 1 >= k {
+            input(i + j + 1 - k)
+        } else {
+            &hist[(t + j) * conv_dim..(t + j + 1) * conv_dim]
+        };
+        for (c, (o, &x)) in out.iter_mut().zip(x).enumerate() {
+            *o += w.conv_weight[c * k + j] * x;
+        }
+    }
+    for (c, (o, &x)) in out.iter_mut().zip(input(i)).enumerate() {
+        *o += w.conv_weight[c * k + k - 1] * x;
+    }
+    if let Some(bias) = &w.conv_bias {
+        for (o, &b) in out.iter_mut().zip(bias) {
+            *o += b;
+        }
+    }
+    for o in out.iter_mut() {
+        *o = silu(*o);
     }
 }
 
@@ -1186,8 +1251,14 @@ fn attention(
         head_dim: hd,
         scale: (hd as f64).powf(-0.5) as f32,
     };
+    // The tasks with the most (query, key) pairs first (see `for_each_uneven_task`): a causal
+    // chunk's last tiles see the most keys.
+    tasks.sort_by_key(|task| {
+        let last = rows.pos(task.first_row + task.rows - 1);
+        std::cmp::Reverse(task.rows * (last + 1))
+    });
     let kernels = scratch.mm.kernels;
-    kernels.for_each_task(&mut tasks, |task| {
+    kernels.for_each_uneven_task(&mut tasks, |task| {
         kernels.arch.dispatch(AttendTile { ctx: &ctx, task });
     });
     drop(tasks);
@@ -1625,7 +1696,7 @@ fn moe(
         None => normed,
     };
     let routed = take(&mut scratch.routed, m * expert_dim);
-    routed.fill(0.0);
+    let kernels = scratch.mm.kernels;
     // Rows routed to `expert`: (token, weight) in token order.
     let rows_of = |expert: usize, choices: &[(usize, f32)], out: &mut Vec<(usize, f32)>| {
         out.clear();
@@ -1636,6 +1707,7 @@ fn moe(
         }
     };
     if let Some(pool) = scratch.experts.clone() {
+        routed.fill(0.0);
         let mut batches = Vec::new();
         for expert in 0..e {
             rows_of(expert, &scratch.choices, &mut scratch.expert_rows);
@@ -1657,49 +1729,96 @@ fn moe(
             combine(&scratch.expert_rows, &batch.data, expert_dim, routed);
         }
     } else {
-        for (expert, ew) in w.experts.iter().enumerate() {
-            rows_of(expert, &scratch.choices, &mut scratch.expert_rows);
-            let count = scratch.expert_rows.len();
+        // One task per expert with rows: the expert's whole MLP on one thread, over its own
+        // parts of the buffers (one fork and join per layer, not two per expert). A product's
+        // bits do not depend on the threads (see `gemm`), so neither do the experts' outputs.
+        group_by_expert(
+            &scratch.choices,
+            k,
+            e,
+            &mut scratch.expert_rows,
+            &mut scratch.expert_spans,
+        );
+        let total = scratch.expert_rows.len();
+        let widest = w.experts.iter().map(|x| x.up.out_dim).max().unwrap_or(0);
+        if scratch.expert_mms.len() < e {
+            let single = Kernels {
+                threads: 1,
+                ..kernels
+            };
+            scratch
+                .expert_mms
+                .resize_with(e, || Matmul::new(single));
+        }
+        let mut inputs = take(&mut scratch.expert_in, total * expert_dim);
+        let mut acts = take(&mut scratch.expert_act, total * widest);
+        let mut outs = take(&mut scratch.expert_out, total * expert_dim);
+        let mut tasks: Vec<ExpertTask<'_>> = Vec::with_capacity(e);
+        for ((weights, mm), &(start, end)) in w
+            .experts
+            .iter()
+            .zip(scratch.expert_mms.iter_mut())
+            .zip(&scratch.expert_spans)
+        {
+            let count = end - start;
             if count == 0 {
                 continue;
             }
-            let input = take(&mut scratch.expert_in, count * expert_dim);
-            for (r, &(t, _)) in scratch.expert_rows.iter().enumerate() {
-                input[r * expert_dim..(r + 1) * expert_dim]
-                    .copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
-            }
-            mlp(
-                &mut scratch.mm,
-                ew,
-                &scratch.expert_in[..count * expert_dim],
-                count,
-                &mut scratch.expert_act,
-                &mut scratch.expert_out,
-                None,
-            );
-            combine(
-                &scratch.expert_rows,
-                &scratch.expert_out[..count * expert_dim],
-                expert_dim,
-                routed,
-            );
+            let (input, rest) = std::mem::take(&mut inputs).split_at_mut(count * expert_dim);
+            inputs = rest;
+            let (act, rest) = std::mem::take(&mut acts).split_at_mut(count * weights.up.out_dim);
+            acts = rest;
+            let (out, rest) = std::mem::take(&mut outs).split_at_mut(count * expert_dim);
+            outs = rest;
+            tasks.push(ExpertTask {
+                weights,
+                rows: &scratch.expert_rows[start..end],
+                input,
+                act,
+                out,
+                mm,
+            });
         }
+        // The experts with the most rows first (see `for_each_uneven_task`).
+        tasks.sort_by_key(|task| std::cmp::Reverse(task.rows.len()));
+        kernels.for_each_uneven_task(&mut tasks, |task| {
+            let count = task.rows.len();
+            for (input, &(t, _)) in task.input.chunks_exact_mut(expert_dim).zip(task.rows) {
+                input.copy_from_slice(&expert_input[t * expert_dim..(t + 1) * expert_dim]);
+            }
+            matmul(task.mm, task.input, count, &task.weights.up, task.act);
+            relu2(task.act);
+            matmul(task.mm, task.act, count, &task.weights.down, task.out);
+        });
+        drop(tasks);
+        // Each token's (output row, weight) of its experts, in ascending expert order.
+        let (slots, counts) = (&mut scratch.token_slots, &mut scratch.token_counts);
+        slots.clear();
+        slots.resize(m * k, (0, 0.0));
+        counts.clear();
+        counts.resize(m, 0);
+        for &(start, end) in &scratch.expert_spans {
+            for (row, &(t, weight)) in (start..end).zip(&scratch.expert_rows[start..end]) {
+                slots[t * k + counts[t]] = (row, weight);
+                counts[t] += 1;
+            }
+        }
+        // `routed[t] = Σ weight · output` over the token's experts in ascending order, the
+        // chain `combine` adds up, one token per chunk on the threads.
+        let (slots, counts) = (&scratch.token_slots, &scratch.token_counts);
+        let outputs = &scratch.expert_out[..total * expert_dim];
+        kernels.for_each_chunk(routed, expert_dim, |t, acc| {
+            acc.fill(0.0);
+            for &(row, weight) in &slots[t * k..t * k + counts[t]] {
+                let output = &outputs[row * expert_dim..(row + 1) * expert_dim];
+                for (a, &v) in acc.iter_mut().zip(output) {
+                    *a += v * weight;
+                }
+            }
+        });
     }
-    // `out` receives the routed sum (projected back from the latent space if any), then the
-    // shared expert is added; `mixed` is free for the shared expert's activation.
-    if let Some((_, fc2)) = &w.latent {
-        let out = take(&mut scratch.out, m * d);
-        matmul(
-            &mut scratch.mm,
-            &scratch.routed[..m * expert_dim],
-            m,
-            fc2,
-            out,
-        );
-    } else {
-        let out = take(&mut scratch.out, m * d);
-        out.copy_from_slice(&scratch.routed[..m * d]);
-    }
+    // The shared expert's output goes to `mixed` (its activation to `shared_act`); `out`
+    // receives the routed sum (projected back from the latent space if any) plus it.
     mlp(
         &mut scratch.mm,
         &w.shared,
@@ -1709,11 +1828,83 @@ fn moe(
         &mut scratch.mixed,
         Some(lora),
     );
+    let out = take(&mut scratch.out, m * d);
     let shared = &scratch.mixed[..m * d];
-    for (o, &s) in scratch.out[..m * d].iter_mut().zip(shared) {
-        *o += s;
+    if let Some((_, fc2)) = &w.latent {
+        matmul(
+            &mut scratch.mm,
+            &scratch.routed[..m * expert_dim],
+            m,
+            fc2,
+            out,
+        );
+        kernels.for_each_chunk(out, d, |i, out| {
+            for (o, &s) in out.iter_mut().zip(&shared[i * d..(i + 1) * d]) {
+                *o += s;
+            }
+        });
+    } else {
+        let routed = &scratch.routed[..m * d];
+        kernels.for_each_chunk(out, d, |i, out| {
+            let (routed, shared) = (&routed[i * d..(i + 1) * d], &shared[i * d..(i + 1) * d]);
+            for ((o, &r), &s) in out.iter_mut().zip(routed).zip(shared) {
+                *o = r + s;
+            }
+        });
     }
     Ok(())
+}
+
+/// One routed expert's rows of a MoE layer (see [`moe`]): its weights, its (token, weight) rows,
+/// and its parts of the gathered inputs, the activations and the outputs.
+struct ExpertTask<'a> {
+    weights: &'a MlpWeights,
+    rows: &'a [(usize, f32)],
+    input: &'a mut [f32],
+    act: &'a mut [f32],
+    out: &'a mut [f32],
+    mm: &'a mut Matmul,
+}
+
+/// Sorts the routed rows by expert: `rows` gets each expert's (token, weight) rows in token
+/// order, expert after expert, and `spans[e]` the range of expert `e`. A token naming an expert
+/// twice (only NaN scores can make `route` do so) counts once, with its first weight, as in
+/// `moe`'s per-expert search.
+fn group_by_expert(
+    choices: &[(usize, f32)],
+    k: usize,
+    experts: usize,
+    rows: &mut Vec<(usize, f32)>,
+    spans: &mut Vec<(usize, usize)>,
+) {
+    let first_naming = |choices: &[(usize, f32)], j: usize| {
+        !choices[..j].iter().any(|c| c.0 == choices[j].0)
+    };
+    spans.clear();
+    spans.resize(experts, (0, 0));
+    for token in choices.chunks_exact(k) {
+        for (j, &(expert, _)) in token.iter().enumerate() {
+            if first_naming(token, j) {
+                spans[expert].1 += 1;
+            }
+        }
+    }
+    let mut start = 0;
+    for span in spans.iter_mut() {
+        let count = span.1;
+        *span = (start, start);
+        start += count;
+    }
+    rows.clear();
+    rows.resize(start, (0, 0.0));
+    for (t, token) in choices.chunks_exact(k).enumerate() {
+        for (j, &(expert, weight)) in token.iter().enumerate() {
+            if first_naming(token, j) {
+                rows[spans[expert].1] = (t, weight);
+                spans[expert].1 += 1;
+            }
+        }
+    }
 }
 
 /// `routed[t] += weight * output` for each (token, weight) row of one expert's outputs.

@@ -114,6 +114,32 @@ impl Kernels {
         }
     }
 
+    /// Calls `f(index, a_chunk, b_chunk)` for the chunks of `a` (`a_len` floats) and `b`
+    /// (`b_len` floats) with the same index, like [`Kernels::for_each_chunk`] (`a` and `b` have
+    /// as many chunks).
+    pub(crate) fn for_each_chunk_pair<F>(
+        &self,
+        a: &mut [f32],
+        a_len: usize,
+        b: &mut [f32],
+        b_len: usize,
+        f: F,
+    ) where
+        F: Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
+    {
+        let (a_len, b_len) = (a_len.max(1), b_len.max(1));
+        if self.threads <= 1 || a.len() <= a_len {
+            for (index, (a, b)) in a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).enumerate() {
+                f(index, a, b);
+            }
+        } else {
+            a.par_chunks_mut(a_len)
+                .zip(b.par_chunks_mut(b_len))
+                .enumerate()
+                .for_each(|(index, (a, b))| f(index, a, b));
+        }
+    }
+
     /// Calls `f(task)` for each task, spread over the threads like [`Kernels::for_each_chunk`].
     /// `f` must compute each task from the task alone; which thread runs it never matters.
     pub(crate) fn for_each_task<T, F>(&self, tasks: &mut [T], f: F)
@@ -125,6 +151,22 @@ impl Kernels {
             tasks.iter_mut().for_each(f);
         } else {
             tasks.par_iter_mut().for_each(f);
+        }
+    }
+
+    /// Like [`Kernels::for_each_task`], for a few tasks of uneven cost: every task is a job of
+    /// its own (rayon's adaptive split would run runs of neighbouring tasks on one thread, so a
+    /// thread left idle at the end could find nothing to take), and the threads take them about
+    /// in list order, so listing the costliest first balances the threads best.
+    pub(crate) fn for_each_uneven_task<T, F>(&self, tasks: &mut [T], f: F)
+    where
+        T: Send,
+        F: Fn(&mut T) + Sync + Send,
+    {
+        if self.threads <= 1 || tasks.len() <= 1 {
+            tasks.iter_mut().for_each(f);
+        } else {
+            tasks.par_iter_mut().with_max_len(1).for_each(f);
         }
     }
 }
@@ -153,28 +195,51 @@ pub(crate) fn matmul(
     }
     let tmp = &mut tmp[..len];
     // Panels per task: an even split between the threads (each task re-reads all of `x`, which is
-    // small next to the weights it streams).
+    // small next to the weights it streams). A task also copies its columns of every row into
+    // `out` (and adds their bias), so no part of the product runs on one thread alone.
     let per_task = w.panels.div_ceil(kernels.threads.max(1));
-    kernels.for_each_chunk(tmp, per_task * panel_floats, |task, out| {
+    let mut tasks: Vec<PanelTask<'_>> = tmp
+        .chunks_mut(per_task * panel_floats)
+        .enumerate()
+        .map(|(task, panels)| PanelTask {
+            first: task * per_task,
+            panels,
+            columns: Vec::with_capacity(rows),
+        })
+        .collect();
+    for row in out.chunks_exact_mut(n) {
+        for (task, columns) in tasks.iter_mut().zip(row.chunks_mut(per_task * NR)) {
+            task.columns.push(columns);
+        }
+    }
+    kernels.for_each_task(&mut tasks, |task| {
         kernels.arch.dispatch(ProductPanels {
             x,
             rows,
             w,
-            first: task * per_task,
-            out,
+            first: task.first,
+            out: &mut *task.panels,
         });
-    });
-    for (i, row) in out.chunks_exact_mut(n).enumerate() {
-        for (p, cols) in row.chunks_mut(NR).enumerate() {
-            let start = p * panel_floats + i * NR;
-            cols.copy_from_slice(&tmp[start..start + cols.len()]);
-        }
-        if let Some(bias) = bias {
-            for (o, b) in row.iter_mut().zip(bias) {
-                *o += b;
+        for (i, row) in task.columns.iter_mut().enumerate() {
+            for (p, cols) in row.chunks_mut(NR).enumerate() {
+                let start = p * panel_floats + i * NR;
+                cols.copy_from_slice(&task.panels[start..start + cols.len()]);
+            }
+            if let Some(bias) = bias {
+                for (o, b) in row.iter_mut().zip(&bias[task.first * NR..]) {
+                    *o += b;
+                }
             }
         }
-    }
+    });
+}
+
+/// One task of [`matmul`]: panels `first..` of the product into `panels` (panel-major), then
+/// their columns of every output row.
+struct PanelTask<'a> {
+    first: usize,
+    panels: &'a mut [f32],
+    columns: Vec<&'a mut [f32]>,
 }
 
 /// [`product_panels`] as a [`pulp::WithSimd`] operation: a named type (not a closure) is what

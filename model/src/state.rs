@@ -469,6 +469,12 @@ impl MambaStates {
             .copy_within(from..from + self.layout.conv_floats, dst * n + layer * per);
     }
 
+    /// Conv history of Mamba layer `layer` in `slot` (slot already validated).
+    pub(crate) fn conv(&self, slot: usize, layer: usize) -> &[f32] {
+        let start = slot * self.floats_per_slot() + layer * self.layout.layer_floats();
+        &self.data[start..start + self.layout.conv_floats]
+    }
+
     /// Conv history and SSM state of Mamba layer `layer` in `slot` (slot already validated).
     pub(crate) fn layer_mut(&mut self, slot: usize, layer: usize) -> (&mut [f32], &mut [f32]) {
         let start = slot * self.floats_per_slot() + layer * self.layout.layer_floats();
