@@ -248,12 +248,20 @@ fn run() -> Result<(), String> {
         let best = (0..args.repeat)
             .map(|_| match *item {
                 Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
-                Item::Decode(b) => {
-                    decode_rate(&model, &mut scratch, (b, args.steps), true, &mut decode_logits)
-                }
-                Item::Step(b) => {
-                    decode_rate(&model, &mut scratch, (b, args.steps), false, &mut decode_logits)
-                }
+                Item::Decode(b) => decode_rate(
+                    &model,
+                    &mut scratch,
+                    (b, args.steps),
+                    true,
+                    &mut decode_logits,
+                ),
+                Item::Step(b) => decode_rate(
+                    &model,
+                    &mut scratch,
+                    (b, args.steps),
+                    false,
+                    &mut decode_logits,
+                ),
                 Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
             })
             .fold(0.0f64, f64::max);
@@ -264,7 +272,10 @@ fn run() -> Result<(), String> {
             Item::Step(b) => println!("step {b} tok/s {best:.1}"),
         }
     }
-    for (path, values) in [(&args.logits, &logits), (&args.decode_logits, &decode_logits)] {
+    for (path, values) in [
+        (&args.logits, &logits),
+        (&args.decode_logits, &decode_logits),
+    ] {
         if let Some(path) = path {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))?;

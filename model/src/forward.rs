@@ -837,7 +837,14 @@ fn mamba(
     kernels.for_each_chunk(conv_out, conv_dim, |i, out| {
         let (first, _) = runs[runs.partition_point(|&(first, _)| first <= i) - 1];
         let hist = history.conv(rows.slot(i), layer);
-        conv_row(w, proj, hist, (i, i - first), (inner, conv_dim, proj_dim, k), out);
+        conv_row(
+            w,
+            proj,
+            hist,
+            (i, i - first),
+            (inner, conv_dim, proj_dim, k),
+            out,
+        );
     });
     // The histories after the rows: a run's last K-1 inputs (fewer rows: the newest part of
     // the history before, then the rows). A run with snapshot rows shifts row by row, so each
@@ -1746,9 +1753,7 @@ fn moe(
                 threads: 1,
                 ..kernels
             };
-            scratch
-                .expert_mms
-                .resize_with(e, || Matmul::new(single));
+            scratch.expert_mms.resize_with(e, || Matmul::new(single));
         }
         let mut inputs = take(&mut scratch.expert_in, total * expert_dim);
         let mut acts = take(&mut scratch.expert_act, total * widest);
@@ -1877,9 +1882,8 @@ fn group_by_expert(
     rows: &mut Vec<(usize, f32)>,
     spans: &mut Vec<(usize, usize)>,
 ) {
-    let first_naming = |choices: &[(usize, f32)], j: usize| {
-        !choices[..j].iter().any(|c| c.0 == choices[j].0)
-    };
+    let first_naming =
+        |choices: &[(usize, f32)], j: usize| !choices[..j].iter().any(|c| c.0 == choices[j].0);
     spans.clear();
     spans.resize(experts, (0, 0));
     for token in choices.chunks_exact(k) {
