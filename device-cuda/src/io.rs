@@ -285,6 +285,17 @@ impl CudaRouter {
         run().map_err(effect_err)
     }
 
+    /// [`Self::copy_main_layers`] when `main_only` (what a `Verify` snapshot holds), otherwise
+    /// [`Self::copy_row`]: the copy `book::snapshot_restore` and
+    /// `book::marconi_checkpoint_layered` ask for.
+    fn copy_layers(&self, from: usize, to: usize, main_only: bool) -> Result<()> {
+        if main_only {
+            self.copy_main_layers(from, to)
+        } else {
+            self.copy_row(from, to)
+        }
+    }
+
     /// Queues the copy of the main model's Mamba layers (the first ones of a row; an MTP head's
     /// follow) of state row `from` to row `to`, on the compute stream after the steps launched
     /// before: what a `Verify` snapshot holds.
@@ -736,7 +747,10 @@ impl DeviceIo for CudaRouter {
             }
             Effect::MarconiCheckpoint { seq } => {
                 book::sync(&mut inner.book(), seq);
-                book::marconi_checkpoint(&shape, &mut inner.book(), seq, &mut copy)
+                // A boundary a `Verify` run passed comes from the snapshot the run wrote for it:
+                // the main model's Mamba layers, the MTP head's from the live row.
+                let mut copy_layers = |from, to, main_only| self.copy_layers(from, to, main_only);
+                book::marconi_checkpoint_layered(&shape, &mut inner.book(), seq, &mut copy_layers)
             }
             Effect::SsmSnapshotSave { seq, slot } => {
                 book::snapshot_save(&shape, &mut inner.book(), seq, slot, &mut copy)
@@ -744,13 +758,7 @@ impl DeviceIo for CudaRouter {
             Effect::SsmSnapshotRestore { seq, slot } => {
                 book::sync(&mut inner.book(), seq);
                 // A snapshot a `Verify` wrote holds the main model's Mamba layers only.
-                let mut copy_ring = |from: usize, to: usize, main_only: bool| {
-                    if main_only {
-                        self.copy_main_layers(from, to)
-                    } else {
-                        self.copy_row(from, to)
-                    }
-                };
+                let mut copy_ring = |from, to, main_only| self.copy_layers(from, to, main_only);
                 book::snapshot_restore(&shape, &mut inner.book(), seq, slot, &mut copy_ring)
             }
             Effect::ReserveKv { seq } => {

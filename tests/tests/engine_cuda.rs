@@ -324,3 +324,65 @@ fn mtp_speculation_on_the_cuda_router_gives_plain_decodings_bits() {
         );
     }
 }
+
+/// Turns of `(prompt, max_tokens)` on one engine, each submitted once the one before has
+/// finished: each turn's greedy tokens and logits digest, and the engine's metrics.
+fn turns(
+    router: CudaRouter,
+    turns: &[(&[u32], usize)],
+    speculation: Option<Speculation>,
+) -> (Vec<(Vec<u32>, Option<u64>)>, Metrics) {
+    let config = EngineConfig {
+        max_running: 2,
+        max_step_tokens: 48,
+        max_prefill_chunk: 32,
+        speculation,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(router, config).unwrap();
+    let outputs = turns
+        .iter()
+        .map(|&(prompt, max_tokens)| {
+            let mut request = Request::greedy(prompt.to_vec(), max_tokens);
+            request.logits_digest = true;
+            let handle = engine.submit(request).unwrap();
+            engine.run_until_idle();
+            let done = handle.wait().unwrap();
+            (done.tokens, done.logits_digest)
+        })
+        .collect();
+    let metrics = *engine.metrics();
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+    (outputs, metrics)
+}
+
+/// A block boundary that a `Verify` run carried the sequence past is checkpointed from the
+/// snapshot the run wrote for it (`MarconiCheckpoint` takes the main layers from the ring): a
+/// follow-up turn gets as many prompt tokens from the caches as after plain decoding. Before the
+/// CUDA router took such boundaries, speculation left them out and the follow-up got fewer.
+#[test]
+fn a_boundary_inside_a_verify_run_is_checkpointed_on_the_cuda_router() {
+    let first = prompts()[0].clone();
+    let (plain_first, _) = turns(cuda(true, 1, 32), &[(&first, 30)], None);
+    let first_full: Vec<u32> = first.iter().chain(&plain_first[0].0).copied().collect();
+    let follow: Vec<u32> = first_full.iter().chain(&[3, 1, 4]).copied().collect();
+    let both: &[(&[u32], usize)] = &[(&first, 30), (&follow, 4)];
+    let (plain, plain_m) = turns(cuda(true, 1, 32), both, None);
+    let follow_full: Vec<u32> = follow.iter().chain(&plain[1].0).copied().collect();
+    let perfect = Speculation {
+        k: 3,
+        drafter: Drafter::Known {
+            sequences: std::sync::Arc::new(vec![first_full, follow_full]),
+            wrong: false,
+        },
+        overlap: SpecOverlap::Auto,
+    };
+    let (spec, m) = turns(cuda(true, 1, 32), both, Some(perfect));
+    assert_eq!(spec, plain);
+    assert_eq!(m.accepted, m.drafted, "{m:?}");
+    assert!(m.verify_launches > 0, "{m:?}");
+    // The follow-up hits a checkpoint past the first prompt's prefill (decode checkpoints).
+    assert!(plain_m.prefill_tokens_cached > first.len() as u64, "{plain_m:?}");
+    assert_eq!(m.prefill_tokens_cached, plain_m.prefill_tokens_cached, "{m:?}");
+    assert_eq!(m.marconi_checkpoints, plain_m.marconi_checkpoints, "{m:?}");
+}
