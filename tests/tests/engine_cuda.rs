@@ -382,7 +382,13 @@ fn a_boundary_inside_a_verify_run_is_checkpointed_on_the_cuda_router() {
     assert_eq!(m.accepted, m.drafted, "{m:?}");
     assert!(m.verify_launches > 0, "{m:?}");
     // The follow-up hits a checkpoint past the first prompt's prefill (decode checkpoints).
-    assert!(plain_m.prefill_tokens_cached > first.len() as u64, "{plain_m:?}");
-    assert_eq!(m.prefill_tokens_cached, plain_m.prefill_tokens_cached, "{m:?}");
+    assert!(
+        plain_m.prefill_tokens_cached > first.len() as u64,
+        "{plain_m:?}"
+    );
+    assert_eq!(
+        m.prefill_tokens_cached, plain_m.prefill_tokens_cached,
+        "{m:?}"
+    );
     assert_eq!(m.marconi_checkpoints, plain_m.marconi_checkpoints, "{m:?}");
 }
