@@ -325,13 +325,16 @@ fn mtp_speculation_on_the_cuda_router_gives_plain_decodings_bits() {
     }
 }
 
+/// A finished turn: its greedy tokens and logits digest.
+type Turn = (Vec<u32>, Option<u64>);
+
 /// Turns of `(prompt, max_tokens)` on one engine, each submitted once the one before has
 /// finished: each turn's greedy tokens and logits digest, and the engine's metrics.
 fn turns(
     router: CudaRouter,
     turns: &[(&[u32], usize)],
     speculation: Option<Speculation>,
-) -> (Vec<(Vec<u32>, Option<u64>)>, Metrics) {
+) -> (Vec<Turn>, Metrics) {
     let config = EngineConfig {
         max_running: 2,
         max_step_tokens: 48,
