@@ -1226,17 +1226,21 @@ impl CudaRouter {
         // 2. The first drafts.
         let cur = self.io_half(half, io.out, 4 * n)?;
         let drafts = |depth: usize| self.mtp_region(mtp.drafts as usize + depth * n * 4, n * 4);
-        kernels::argmax(
-            rt,
-            s,
-            logits.range(0, n * vocab * 4)?,
-            None,
-            n,
-            vocab,
-            cur,
-            None,
-        )?;
-        rt.copy(drafts(0)?, cur, s)?;
+        // Each depth's drafts: the argmax of the head's logits, kept in the drafts region.
+        let take_drafts = |depth: usize| -> std::result::Result<(), CudaError> {
+            kernels::argmax(
+                rt,
+                s,
+                logits.range(0, n * vocab * 4)?,
+                None,
+                n,
+                vocab,
+                cur,
+                None,
+            )?;
+            rt.copy(drafts(depth)?, cur, s)
+        };
+        take_drafts(0)?;
         // 3. The other drafts, on scratch copies of the live state (the head's own K/V at the
         //    draft positions is overwritten by the next catch-up).
         let row_bytes = plan.state_slot_bytes as usize;
@@ -1282,17 +1286,7 @@ impl CudaRouter {
                 },
                 self.mtp_region(pong, n * row)?,
             )?;
-            kernels::argmax(
-                rt,
-                s,
-                logits.range(0, n * vocab * 4)?,
-                None,
-                n,
-                vocab,
-                cur,
-                None,
-            )?;
-            rt.copy(drafts(depth)?, cur, s)?;
+            take_drafts(depth)?;
             std::mem::swap(&mut ping, &mut pong);
         }
         rt.copy_to_pinned(
