@@ -605,60 +605,125 @@ pub fn attention(
             detail: format!("{splits} splits of {split_keys} keys"),
         });
     }
-    let (h, hd) = (shape.heads, shape.head_dim);
-    let partial_floats = step
-        .rows
-        .saturating_mul(h)
-        .saturating_mul(splits)
-        .saturating_mul(hd + 2);
-    let [p0, p1, p2, p3] = pool_args(k, pool)?;
-    let scale = (hd as f64).powf(-0.5) as f32;
-    let args = [
-        f32_slice(k, "partial", partial, partial_floats)?,
-        f32_slice(k, "qkv", qkv, step.rows.saturating_mul(shape.qkv_dim()))?,
-        KernelArg::Ptr(pool.kv),
-        KernelArg::Ptr(step.row_pos),
-        KernelArg::Ptr(step.row_run),
-        KernelArg::Ptr(step.runs),
-        KernelArg::Ptr(step.tables),
-        KernelArg::U32(to_u32(k, "tables", step.tables.bytes() / 4)?),
-        KernelArg::U32(to_u32(k, "rows", step.rows)?),
-        KernelArg::U32(to_u32(k, "runs", step.num_runs)?),
-        KernelArg::U32(to_u32(k, "heads", h)?),
-        KernelArg::U32(to_u32(k, "kv heads", shape.kv_heads)?),
-        KernelArg::U32(to_u32(k, "head dim", hd)?),
-        KernelArg::U32(to_u32(k, "qkv dim", shape.qkv_dim())?),
-        p0,
-        p1,
-        p2,
-        p3,
-        KernelArg::U32(to_u32(k, "splits", splits)?),
-        KernelArg::U32(to_u32(k, "split keys", split_keys)?),
-        KernelArg::F32(scale),
-        KernelArg::Null,
-        KernelArg::U32(0),
-    ];
-    let warps = (LAYER_THREADS / 32) as usize;
-    let dims = LaunchDims {
-        grid: [
-            to_u32(k, "splits", splits)?,
-            to_u32(k, "heads", h)?,
-            to_u32(k, "rows", step.rows)?,
-        ],
-        block: [LAYER_THREADS, 1, 1],
-        shared_bytes: to_u32(k, "shared bytes", warps * hd * 4)?,
+    let launch = AttentionLaunch {
+        step,
+        pool,
+        shape,
+        qkv,
+        partial,
+        splits,
+        split_keys,
     };
-    if dims.grid[2] > 65535 {
-        return Err(CudaError::BadLaunch {
-            kernel: k.name(),
-            detail: format!("{} rows (at most 65535 a launch)", step.rows),
-        });
-    }
-    // SAFETY: the arguments match `attention_split`'s parameters; partial and qkv hold the sizes
-    // checked above, the pool num_blocks blocks with the layer inside each; the kernel checks
-    // runs, table offsets and block ids; the shared memory holds warps x head_dim floats.
-    unsafe { rt.launch(k, dims, &args, stream)? };
+    launch.split(rt, stream, SplitRows::All)?;
     attention_combine(rt, stream, step, shape, partial, out, splits)
+}
+
+/// What one attention call gives both of its kernels, `attention_split` and `attention_tile`
+/// (their shared parameters, in the same order).
+struct AttentionLaunch<'a> {
+    step: &'a StepRows,
+    pool: &'a KvPool,
+    shape: &'a AttentionShape,
+    qkv: DeviceSlice,
+    partial: DeviceSlice,
+    splits: usize,
+    split_keys: usize,
+}
+
+/// The rows one launch of `attention_split` computes.
+enum SplitRows {
+    /// Every row of the step.
+    All,
+    /// The `count` rows listed in `rows` (u32 row indices).
+    Listed { rows: DeviceSlice, count: usize },
+}
+
+impl AttentionLaunch<'_> {
+    /// The arguments both kernels take, in their order: the buffers and the step's arrays, then
+    /// the shapes, the pool and the split (the tile kernel takes its tile list between the two,
+    /// the split kernel its row list after them). Checks `partial` and `qkv` against the step;
+    /// `k` names the kernel in errors.
+    fn args(&self, k: Kernel) -> Result<([KernelArg; 8], [KernelArg; 13])> {
+        let (step, shape) = (self.step, self.shape);
+        let (h, hd) = (shape.heads, shape.head_dim);
+        let partial_floats = step
+            .rows
+            .saturating_mul(h)
+            .saturating_mul(self.splits)
+            .saturating_mul(hd + 2);
+        let buffers = [
+            f32_slice(k, "partial", self.partial, partial_floats)?,
+            f32_slice(
+                k,
+                "qkv",
+                self.qkv,
+                step.rows.saturating_mul(shape.qkv_dim()),
+            )?,
+            KernelArg::Ptr(self.pool.kv),
+            KernelArg::Ptr(step.row_pos),
+            KernelArg::Ptr(step.row_run),
+            KernelArg::Ptr(step.runs),
+            KernelArg::Ptr(step.tables),
+            KernelArg::U32(to_u32(k, "tables", step.tables.bytes() / 4)?),
+        ];
+        let [p0, p1, p2, p3] = pool_args(k, self.pool)?;
+        let shapes = [
+            KernelArg::U32(to_u32(k, "rows", step.rows)?),
+            KernelArg::U32(to_u32(k, "runs", step.num_runs)?),
+            KernelArg::U32(to_u32(k, "heads", h)?),
+            KernelArg::U32(to_u32(k, "kv heads", shape.kv_heads)?),
+            KernelArg::U32(to_u32(k, "head dim", hd)?),
+            KernelArg::U32(to_u32(k, "qkv dim", shape.qkv_dim())?),
+            p0,
+            p1,
+            p2,
+            p3,
+            KernelArg::U32(to_u32(k, "splits", self.splits)?),
+            KernelArg::U32(to_u32(k, "split keys", self.split_keys)?),
+            KernelArg::F32((hd as f64).powf(-0.5) as f32),
+        ];
+        Ok((buffers, shapes))
+    }
+
+    /// Launches `attention_split` (one block per split, head and row) over `rows`.
+    fn split(&self, rt: &dyn Runtime, stream: Stream, rows: SplitRows) -> Result<()> {
+        let k = Kernel::AttentionSplit;
+        // The kernel takes a null list with a count of 0 for every row of the step.
+        let (list, listed, count, what) = match rows {
+            SplitRows::All => (KernelArg::Null, 0, self.step.rows, "rows"),
+            SplitRows::Listed { rows, count } => {
+                (KernelArg::Ptr(rows), count, count, "single rows")
+            }
+        };
+        if count > 65535 {
+            return Err(CudaError::BadLaunch {
+                kernel: k.name(),
+                detail: format!("{count} rows (at most 65535 a launch)"),
+            });
+        }
+        let (buffers, shapes) = self.args(k)?;
+        let args: Vec<KernelArg> = buffers
+            .into_iter()
+            .chain(shapes)
+            .chain([list, KernelArg::U32(to_u32(k, what, listed)?)])
+            .collect();
+        let warps = (LAYER_THREADS / 32) as usize;
+        let dims = LaunchDims {
+            grid: [
+                to_u32(k, "splits", self.splits)?,
+                to_u32(k, "heads", self.shape.heads)?,
+                to_u32(k, what, count)?,
+            ],
+            block: [LAYER_THREADS, 1, 1],
+            shared_bytes: to_u32(k, "shared bytes", warps * self.shape.head_dim * 4)?,
+        };
+        // SAFETY: the arguments match `attention_split`'s parameters; partial and qkv hold the
+        // sizes `args` checked, the pool num_blocks blocks with the layer inside each, a row list
+        // its count of words (checked by the caller); the kernel checks runs, table offsets,
+        // block ids and each listed row against their lengths; the shared memory holds warps x
+        // head_dim floats.
+        unsafe { rt.launch(k, dims, &args, stream) }
+    }
 }
 
 /// Merges the splits' partials into `out [rows, heads * head_dim]`.
@@ -814,44 +879,17 @@ pub fn attention_tiled(
     expect_bytes(k, "single rows", work.singles, work.num_singles, 4)?;
     expect_aligned(k, "tiles", work.tiles, 4)?;
     expect_aligned(k, "single rows", work.singles, 4)?;
-    let partial_floats = step
-        .rows
-        .saturating_mul(h)
-        .saturating_mul(splits)
-        .saturating_mul(hd + 2);
-    let partial_arg = f32_slice(k, "partial", partial, partial_floats)?;
-    let qkv_arg = f32_slice(k, "qkv", qkv, step.rows.saturating_mul(shape.qkv_dim()))?;
-    let [p0, p1, p2, p3] = pool_args(k, pool)?;
-    let scale = (hd as f64).powf(-0.5) as f32;
-    let common = |k: Kernel| -> Result<Vec<KernelArg>> {
-        Ok(vec![
-            partial_arg,
-            qkv_arg,
-            KernelArg::Ptr(pool.kv),
-            KernelArg::Ptr(step.row_pos),
-            KernelArg::Ptr(step.row_run),
-            KernelArg::Ptr(step.runs),
-            KernelArg::Ptr(step.tables),
-            KernelArg::U32(to_u32(k, "tables", step.tables.bytes() / 4)?),
-        ])
+    let launch = AttentionLaunch {
+        step,
+        pool,
+        shape,
+        qkv,
+        partial,
+        splits,
+        split_keys,
     };
-    let shape_args = |k: Kernel| -> Result<Vec<KernelArg>> {
-        Ok(vec![
-            KernelArg::U32(to_u32(k, "rows", step.rows)?),
-            KernelArg::U32(to_u32(k, "runs", step.num_runs)?),
-            KernelArg::U32(to_u32(k, "heads", h)?),
-            KernelArg::U32(to_u32(k, "kv heads", shape.kv_heads)?),
-            KernelArg::U32(to_u32(k, "head dim", hd)?),
-            KernelArg::U32(to_u32(k, "qkv dim", shape.qkv_dim())?),
-            p0,
-            p1,
-            p2,
-            p3,
-            KernelArg::U32(to_u32(k, "splits", splits)?),
-            KernelArg::U32(to_u32(k, "split keys", split_keys)?),
-            KernelArg::F32(scale),
-        ])
-    };
+    // Checks partial and qkv (naming the tile kernel) whichever of the two kernels run.
+    let (buffers, shapes) = launch.args(k)?;
     if work.num_tiles > 0 {
         if work.num_tiles > 65535 {
             return Err(bad(format!(
@@ -859,13 +897,17 @@ pub fn attention_tiled(
                 work.num_tiles
             )));
         }
-        let mut args = common(k)?;
-        args.extend([
+        let tiles = [
             KernelArg::Ptr(work.tiles),
             KernelArg::U32(to_u32(k, "tiles", work.num_tiles)?),
-        ]);
-        args.extend(shape_args(k)?);
-        args.push(KernelArg::U32(to_u32(k, "tile rows", work.tile_rows)?));
+        ];
+        let tile_rows = KernelArg::U32(to_u32(k, "tile rows", work.tile_rows)?);
+        let args: Vec<KernelArg> = buffers
+            .into_iter()
+            .chain(tiles)
+            .chain(shapes)
+            .chain([tile_rows])
+            .collect();
         let dims = LaunchDims {
             grid: [
                 to_u32(k, "splits", splits)?,
@@ -883,32 +925,14 @@ pub fn attention_tiled(
         unsafe { rt.launch(k, dims, &args, stream)? };
     }
     if work.num_singles > 0 {
-        let k = Kernel::AttentionSplit;
-        if work.num_singles > 65535 {
-            return Err(CudaError::BadLaunch {
-                kernel: k.name(),
-                detail: format!("{} rows (at most 65535 a launch)", work.num_singles),
-            });
-        }
-        let mut args = common(k)?;
-        args.extend(shape_args(k)?);
-        args.extend([
-            KernelArg::Ptr(work.singles),
-            KernelArg::U32(to_u32(k, "single rows", work.num_singles)?),
-        ]);
-        let warps = (LAYER_THREADS / 32) as usize;
-        let dims = LaunchDims {
-            grid: [
-                to_u32(k, "splits", splits)?,
-                to_u32(k, "heads", h)?,
-                to_u32(k, "single rows", work.num_singles)?,
-            ],
-            block: [LAYER_THREADS, 1, 1],
-            shared_bytes: to_u32(k, "shared bytes", warps * hd * 4)?,
-        };
-        // SAFETY: as in `attention`, with the row list of num_singles words checked above (the
-        // kernel checks each listed row against `rows`).
-        unsafe { rt.launch(k, dims, &args, stream)? };
+        launch.split(
+            rt,
+            stream,
+            SplitRows::Listed {
+                rows: work.singles,
+                count: work.num_singles,
+            },
+        )?;
     }
     attention_combine(rt, stream, step, shape, partial, out, splits)
 }
