@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use device_cuda::{
     CudaRuntime, DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime,
-    StepOutput, StepRun, Stream, WeightImage, Workspace,
+    StepArgs, StepOutput, StepRun, Stream, WeightImage, Workspace,
 };
 use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
@@ -146,14 +146,16 @@ impl Device {
         self.model
             .forward(
                 rt,
-                self.buffers[2].all(),
-                &self.ws,
-                &self.state,
-                runs,
-                token_buf.all(),
-                &StepOutput {
-                    logit_rows,
-                    logits: out,
+                &StepArgs {
+                    workspace: self.buffers[2].all(),
+                    workspace_layout: &self.ws,
+                    state: &self.state,
+                    runs,
+                    tokens: token_buf.all(),
+                    out: StepOutput {
+                        logit_rows,
+                        logits: out,
+                    },
                 },
             )
             .expect("forward");
@@ -345,12 +347,14 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
             .model
             .forward_hidden(
                 rt,
-                device.buffers[2].all(),
-                &device.ws,
-                &device.state,
-                &runs,
-                tokens.all(),
-                &out,
+                &StepArgs {
+                    workspace: device.buffers[2].all(),
+                    workspace_layout: &device.ws,
+                    state: &device.state,
+                    runs: &runs,
+                    tokens: tokens.all(),
+                    out,
+                },
                 main_hidden.all(),
             )
             .expect("device main");
@@ -360,13 +364,15 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
             .model
             .mtp(
                 rt,
-                device.buffers[2].all(),
-                &device.ws,
-                &device.state,
-                &runs,
-                tokens.all(),
+                &StepArgs {
+                    workspace: device.buffers[2].all(),
+                    workspace_layout: &device.ws,
+                    state: &device.state,
+                    runs: &runs,
+                    tokens: tokens.all(),
+                    out,
+                },
                 main_hidden.all(),
-                &out,
                 mtp_hidden.all(),
             )
             .expect("device MTP");
@@ -462,14 +468,16 @@ fn bench(rt: &dyn Runtime, config: &Config, big: bool) -> bool {
                 .model
                 .forward(
                     rt,
-                    device.buffers[2].all(),
-                    &device.ws,
-                    &device.state,
-                    &runs,
-                    token_buf.all(),
-                    &StepOutput {
-                        logit_rows: &rows,
-                        logits: logits.all(),
+                    &StepArgs {
+                        workspace: device.buffers[2].all(),
+                        workspace_layout: &device.ws,
+                        state: &device.state,
+                        runs: &runs,
+                        tokens: token_buf.all(),
+                        out: StepOutput {
+                            logit_rows: &rows,
+                            logits: logits.all(),
+                        },
                     },
                 )
                 .expect("forward");

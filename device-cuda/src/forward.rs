@@ -970,6 +970,25 @@ pub struct DeviceModel {
     staging: Mutex<Option<Staging>>,
 }
 
+/// What every entry point of [`DeviceModel`] reads and writes but its hidden streams: one step's
+/// buffers, state, runs and outputs.
+#[derive(Debug, Clone, Copy)]
+pub struct StepArgs<'a> {
+    /// The forward's scratch memory, at least `workspace_layout.bytes()` bytes; no hidden stream
+    /// of the step may overlap it.
+    pub workspace: DeviceSlice,
+    /// Where each buffer of the step lies in `workspace` ([`Workspace::new`]).
+    pub workspace_layout: &'a Workspace,
+    /// The KV pool and the state slots the step reads and advances.
+    pub state: &'a DeviceState,
+    /// The step's runs, in row order.
+    pub runs: &'a [StepRun<'a>],
+    /// One u32 token a row of the step.
+    pub tokens: DeviceSlice,
+    /// The rows that want logits and where they go.
+    pub out: StepOutput<'a>,
+}
+
 /// What [`DeviceModel::forward`] writes.
 #[derive(Debug, Clone, Copy)]
 pub struct StepOutput<'a> {
@@ -1412,31 +1431,16 @@ impl DeviceModel {
     }
 
     /// Runs one step (see the module docs) on the compute stream: reads the rows' tokens from
-    /// `tokens` (`rows` u32 on the device), reads and advances the KV pool and the state slots
-    /// of `state`, and writes the logits of `out.logit_rows`. Everything is validated before
-    /// the first launch: a refused step has touched nothing. It returns once the step is queued:
-    /// its descriptor goes up through pinned, double-buffered staging on the copy stream (two
-    /// halves alternating step by step, an event guarding each half's reuse), so the host can
-    /// prepare the next step while this one runs (it waits only when two uploads ahead).
-    #[allow(clippy::too_many_arguments)] // The runtime, the workspace, the state, the step and its output.
-    pub fn forward(
-        &self,
-        rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
-        out: &StepOutput<'_>,
-    ) -> Result<()> {
+    /// `step.tokens` (`rows` u32 on the device), reads and advances the KV pool and the state
+    /// slots of `step.state`, and writes the logits of `step.out.logit_rows`. Everything is
+    /// validated before the first launch: a refused step has touched nothing. It returns once the
+    /// step is queued: its descriptor goes up through pinned, double-buffered staging on the copy
+    /// stream (two halves alternating step by step, an event guarding each half's reuse), so the
+    /// host can prepare the next step while this one runs (it waits only when two uploads ahead).
+    pub fn forward(&self, rt: &dyn Runtime, step: &StepArgs<'_>) -> Result<()> {
         self.run(
             rt,
-            workspace,
-            ws,
-            state,
-            runs,
-            tokens,
-            out,
+            step,
             Entry::Main {
                 hidden_out: None,
                 all_rows: false,
@@ -1445,28 +1449,17 @@ impl DeviceModel {
     }
 
     /// [`DeviceModel::forward`], also writing the final-normed hidden state of each of
-    /// `out.logit_rows` to `hidden_out` (`logit_rows.len() * hidden_size` f32): the MTP head's
-    /// input ([`DeviceModel::mtp`]), as `model::Model::forward_runs` gives it.
-    #[allow(clippy::too_many_arguments)] // forward's arguments and the hidden output.
+    /// `step.out.logit_rows` to `hidden_out` (`logit_rows.len() * hidden_size` f32): the MTP
+    /// head's input ([`DeviceModel::mtp`]), as `model::Model::forward_runs` gives it.
     pub fn forward_hidden(
         &self,
         rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
-        out: &StepOutput<'_>,
+        step: &StepArgs<'_>,
         hidden_out: DeviceSlice,
     ) -> Result<()> {
         self.run(
             rt,
-            workspace,
-            ws,
-            state,
-            runs,
-            tokens,
-            out,
+            step,
             Entry::Main {
                 hidden_out: Some(hidden_out),
                 all_rows: false,
@@ -1478,26 +1471,15 @@ impl DeviceModel {
     /// step to `hidden_out` (`rows * hidden_size` f32): the MTP head's input over a prefill
     /// chunk. (The norm is the residual-norm kernel's over all rows: equal to the logit rows'
     /// selected norm only to rounding.)
-    #[allow(clippy::too_many_arguments)] // forward's arguments and the hidden output.
     pub fn forward_all_hidden(
         &self,
         rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
-        out: &StepOutput<'_>,
+        step: &StepArgs<'_>,
         hidden_out: DeviceSlice,
     ) -> Result<()> {
         self.run(
             rt,
-            workspace,
-            ws,
-            state,
-            runs,
-            tokens,
-            out,
+            step,
             Entry::Main {
                 hidden_out: Some(hidden_out),
                 all_rows: true,
@@ -1511,36 +1493,25 @@ impl DeviceModel {
     }
 
     /// The MTP head over one step's runs, as `model::Model::mtp` computes it: row `j` of a run at
-    /// position `q` takes `tokens[j]`, the token *after* `q`, and row `j` of `hidden_in` (`rows *
-    /// hidden_size` f32), the hidden state it follows (the main model's at `q` after its final
-    /// norm, from [`DeviceModel::forward_hidden`], or, drafting, the head's own output at
+    /// position `q` takes `step.tokens[j]`, the token *after* `q`, and row `j` of `hidden_in`
+    /// (`rows * hidden_size` f32), the hidden state it follows (the main model's at `q` after its
+    /// final norm, from [`DeviceModel::forward_hidden`], or, drafting, the head's own output at
     /// `q - 1`). Runs `eh_proj [enorm(E[token]), hnorm(hidden)]`, the MTP layers (their K/V at
     /// the rows' positions in the runs' blocks, their Mamba state in the runs' slots, after the
     /// main stack's), the final norm and the shared `lm_head`; writes the logits of
-    /// `out.logit_rows` and those rows' normed outputs to `hidden_out` (`logit_rows.len() *
+    /// `step.out.logit_rows` and those rows' normed outputs to `hidden_out` (`logit_rows.len() *
     /// hidden_size` f32: the next draft position's hidden input). Validated before the first
     /// launch like [`DeviceModel::forward`]; a model without a head is refused.
-    #[allow(clippy::too_many_arguments)] // forward's arguments and the two hidden streams.
     pub fn mtp(
         &self,
         rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
+        step: &StepArgs<'_>,
         hidden_in: DeviceSlice,
-        out: &StepOutput<'_>,
         hidden_out: DeviceSlice,
     ) -> Result<()> {
         self.run(
             rt,
-            workspace,
-            ws,
-            state,
-            runs,
-            tokens,
-            out,
+            step,
             Entry::Mtp {
                 hidden_in,
                 hidden_out,
@@ -1549,18 +1520,15 @@ impl DeviceModel {
     }
 
     /// The entry points' common path: checks, the descriptor's upload, the step.
-    #[allow(clippy::too_many_arguments)] // forward's arguments and the entry.
-    fn run(
-        &self,
-        rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
-        out: &StepOutput<'_>,
-        entry: Entry,
-    ) -> Result<()> {
+    fn run(&self, rt: &dyn Runtime, args: &StepArgs<'_>, entry: Entry) -> Result<()> {
+        let StepArgs {
+            workspace,
+            workspace_layout: ws,
+            state,
+            runs,
+            tokens,
+            out,
+        } = *args;
         let vocab = self.config.vocab_size;
         let d = self.config.hidden_size;
         if workspace.bytes() < ws.total {
@@ -1570,7 +1538,7 @@ impl DeviceModel {
                 ws.total
             )));
         }
-        let described = self.describe(ws, state, runs, out)?;
+        let described = self.describe(ws, state, runs, &out)?;
         let (words, m) = (&described.words, described.rows);
         let logit_count = out.logit_rows.len();
         if out.logits.bytes() != logit_count * vocab * 4 {
@@ -1634,9 +1602,7 @@ impl DeviceModel {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let (desc, half) = Staging::upload(&mut staging, rt, ws.desc_bytes, words)?;
-        let result = self.step(
-            rt, workspace, ws, state, runs, tokens, out, &described, desc, entry,
-        );
+        let result = self.step(rt, args, &described, desc, entry);
         // The step's reads of the descriptor end here, in compute-stream order; the upload two
         // steps on waits for this record before it overwrites the same half.
         if let Some(staging) = staging.as_ref() {
@@ -1646,20 +1612,22 @@ impl DeviceModel {
     }
 
     /// [`DeviceModel::forward`] after its checks and the descriptor's upload to `desc`.
-    #[allow(clippy::too_many_arguments)] // forward's arguments, the checked step and its descriptor.
     fn step(
         &self,
         rt: &dyn Runtime,
-        workspace: DeviceSlice,
-        ws: &Workspace,
-        state: &DeviceState,
-        runs: &[StepRun<'_>],
-        tokens: DeviceSlice,
-        out: &StepOutput<'_>,
+        args: &StepArgs<'_>,
         described: &Described,
         desc: DeviceSlice,
         entry: Entry,
     ) -> Result<()> {
+        let StepArgs {
+            workspace,
+            workspace_layout: ws,
+            state,
+            runs,
+            tokens,
+            out,
+        } = *args;
         let c = &self.config;
         let (d, vocab) = (c.hidden_size, c.vocab_size);
         let (lens, m, table_len) = (&described.lens, described.rows, described.table_len);

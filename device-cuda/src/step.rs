@@ -61,7 +61,7 @@ use router_book::spec::{DraftPlan, MtpTrack, VerifyPlan};
 use router_book::{LogitsHandle, RouterSeq};
 
 use crate::error::CudaError;
-use crate::forward::{DeviceState, StepOutput, StepRun};
+use crate::forward::{DeviceState, StepArgs, StepOutput, StepRun};
 use crate::io::{device_error, Inner, LogitsHeld, StepHidden};
 use crate::kernels;
 use crate::router::CudaRouter;
@@ -751,41 +751,28 @@ impl CudaRouter {
                         logit_rows: call_rows,
                         logits: out_logits,
                     };
-                    let ws = (buffers.workspace.all(), self.workspace());
+                    let args = StepArgs {
+                        workspace: buffers.workspace.all(),
+                        workspace_layout: self.workspace(),
+                        state: &state,
+                        runs: &step_runs,
+                        tokens: token_slice,
+                        out,
+                    };
                     let mtp = self.mtp_layout();
                     let row = mtp.row as usize;
                     match hidden {
-                        Hidden::None => {
-                            model.forward(rt, ws.0, ws.1, &state, &step_runs, token_slice, &out)?
-                        }
+                        Hidden::None => model.forward(rt, &args)?,
                         Hidden::Keep => {
                             let at = mtp.step_hidden as usize
                                 + half * mtp.half as usize
                                 + first_token_row * row;
                             let kept = self.mtp_region(at, call_rows.len() * row)?;
-                            model.forward_hidden(
-                                rt,
-                                ws.0,
-                                ws.1,
-                                &state,
-                                &step_runs,
-                                token_slice,
-                                &out,
-                                kept,
-                            )?;
+                            model.forward_hidden(rt, &args, kept)?;
                         }
                         Hidden::Prefill(pieces) => {
                             let staging = self.mtp_region(mtp.staging as usize, m * row)?;
-                            model.forward_all_hidden(
-                                rt,
-                                ws.0,
-                                ws.1,
-                                &state,
-                                &step_runs,
-                                token_slice,
-                                &out,
-                                staging,
-                            )?;
+                            model.forward_all_hidden(rt, &args, staging)?;
                             self.prefill_head(half, &state, &step_runs, pieces, staging)?;
                         }
                     }
@@ -1034,16 +1021,18 @@ impl CudaRouter {
                 rt.upload(tokens, &u32_bytes(&piece.next), s)?;
                 model.mtp(
                     rt,
-                    buffers.workspace.all(),
-                    self.workspace(),
-                    state,
-                    &[StepRun { len: n, ..*run }],
-                    tokens,
-                    staging.range(first * row, n * row)?,
-                    &StepOutput {
-                        logit_rows: &[],
-                        logits: nothing,
+                    &StepArgs {
+                        workspace: buffers.workspace.all(),
+                        workspace_layout: self.workspace(),
+                        state,
+                        runs: &[StepRun { len: n, ..*run }],
+                        tokens,
+                        out: StepOutput {
+                            logit_rows: &[],
+                            logits: nothing,
+                        },
                     },
+                    staging.range(first * row, n * row)?,
                     nothing,
                 )?;
             }
@@ -1140,7 +1129,7 @@ impl CudaRouter {
         }
         let state = self.device_state()?;
         let logits = self.logits_half(half)?;
-        let ws = (buffers.workspace.all(), self.workspace());
+        let (workspace, workspace_layout) = (buffers.workspace.all(), self.workspace());
         let (mut ping, mut pong) = (mtp.ping as usize, mtp.pong as usize);
         let nothing = self.mtp_region(mtp.drafts as usize, 0)?;
         // 1. The catch-up, in calls of at most `limit` rows: a row's positions may be cut into
@@ -1192,16 +1181,18 @@ impl CudaRouter {
             };
             model.mtp(
                 rt,
-                ws.0,
-                ws.1,
-                &state,
-                &runs,
-                token_slice,
-                self.mtp_region(mtp.staging as usize, m * row)?,
-                &StepOutput {
-                    logit_rows: &logit_rows,
-                    logits: out_logits,
+                &StepArgs {
+                    workspace,
+                    workspace_layout,
+                    state: &state,
+                    runs: &runs,
+                    tokens: token_slice,
+                    out: StepOutput {
+                        logit_rows: &logit_rows,
+                        logits: out_logits,
+                    },
                 },
+                self.mtp_region(mtp.staging as usize, m * row)?,
                 hidden_out,
             )?;
             call.clear();
@@ -1274,16 +1265,18 @@ impl CudaRouter {
                 .collect();
             model.mtp(
                 rt,
-                ws.0,
-                ws.1,
-                &state,
-                &runs,
-                cur,
-                self.mtp_region(ping, n * row)?,
-                &StepOutput {
-                    logit_rows: &all_rows,
-                    logits: logits.range(0, n * vocab * 4)?,
+                &StepArgs {
+                    workspace,
+                    workspace_layout,
+                    state: &state,
+                    runs: &runs,
+                    tokens: cur,
+                    out: StepOutput {
+                        logit_rows: &all_rows,
+                        logits: logits.range(0, n * vocab * 4)?,
+                    },
                 },
+                self.mtp_region(ping, n * row)?,
                 self.mtp_region(pong, n * row)?,
             )?;
             take_drafts(depth)?;

@@ -8,8 +8,8 @@
 use std::path::{Path, PathBuf};
 
 use device_cuda::{
-    DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepOutput,
-    StepRun, Stream, WeightImage, Workspace,
+    DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepArgs,
+    StepOutput, StepRun, Stream, WeightImage, Workspace,
 };
 use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
 
@@ -254,14 +254,16 @@ impl Pair {
         self.device
             .forward(
                 &self.rt,
-                self.ws_buf.all(),
-                &self.ws,
-                &self.state,
-                &step_runs,
-                tokens.all(),
-                &StepOutput {
-                    logit_rows: &logit_rows,
-                    logits: logits.all(),
+                &StepArgs {
+                    workspace: self.ws_buf.all(),
+                    workspace_layout: &self.ws,
+                    state: &self.state,
+                    runs: &step_runs,
+                    tokens: tokens.all(),
+                    out: StepOutput {
+                        logit_rows: &logit_rows,
+                        logits: logits.all(),
+                    },
                 },
             )
             .unwrap();
@@ -647,20 +649,22 @@ fn back_to_back(
             device
                 .forward(
                     &rt,
-                    ws_buf.all(),
-                    &ws,
-                    &state,
-                    &[StepRun {
-                        start_pos: *start,
-                        len: rows,
-                        slot: *slot,
-                        blocks: table,
-                        snapshots: &[],
-                    }],
-                    token_buf.all(),
-                    &StepOutput {
-                        logit_rows: &logit_rows,
-                        logits: logits.all(),
+                    &StepArgs {
+                        workspace: ws_buf.all(),
+                        workspace_layout: &ws,
+                        state: &state,
+                        runs: &[StepRun {
+                            start_pos: *start,
+                            len: rows,
+                            slot: *slot,
+                            blocks: table,
+                            snapshots: &[],
+                        }],
+                        tokens: token_buf.all(),
+                        out: StepOutput {
+                            logit_rows: &logit_rows,
+                            logits: logits.all(),
+                        },
                     },
                 )
                 .unwrap();
@@ -823,12 +827,14 @@ impl MtpDevice {
                 .device
                 .forward_hidden(
                     rt,
-                    ws_buf,
-                    &self.ws,
-                    &self.state,
-                    &runs,
-                    token_buf.all(),
-                    &out,
+                    &StepArgs {
+                        workspace: ws_buf,
+                        workspace_layout: &self.ws,
+                        state: &self.state,
+                        runs: &runs,
+                        tokens: token_buf.all(),
+                        out,
+                    },
                     hidden_out.all(),
                 )
                 .unwrap(),
@@ -839,13 +845,15 @@ impl MtpDevice {
                 self.device
                     .mtp(
                         rt,
-                        ws_buf,
-                        &self.ws,
-                        &self.state,
-                        &runs,
-                        token_buf.all(),
+                        &StepArgs {
+                            workspace: ws_buf,
+                            workspace_layout: &self.ws,
+                            state: &self.state,
+                            runs: &runs,
+                            tokens: token_buf.all(),
+                            out,
+                        },
                         hidden_buf.all(),
-                        &out,
                         hidden_out.all(),
                     )
                     .unwrap();
@@ -1019,22 +1027,24 @@ fn mtp_refusals_are_typed_errors() {
             .device
             .mtp(
                 rt,
-                dev.buffers[2].all(),
-                &dev.ws,
-                &dev.state,
-                &[StepRun {
-                    start_pos: 0,
-                    len: 2,
-                    slot: 0,
-                    blocks: &dev.blocks,
-                    snapshots: &[],
-                }],
-                tokens.all(),
-                hidden_in.all(),
-                &StepOutput {
-                    logit_rows: &[0, 1],
-                    logits: logits.all(),
+                &StepArgs {
+                    workspace: dev.buffers[2].all(),
+                    workspace_layout: &dev.ws,
+                    state: &dev.state,
+                    runs: &[StepRun {
+                        start_pos: 0,
+                        len: 2,
+                        slot: 0,
+                        blocks: &dev.blocks,
+                        snapshots: &[],
+                    }],
+                    tokens: tokens.all(),
+                    out: StepOutput {
+                        logit_rows: &[0, 1],
+                        logits: logits.all(),
+                    },
                 },
+                hidden_in.all(),
                 hidden_out.all(),
             )
             .unwrap_err();

@@ -7,8 +7,8 @@
 //! (a prefix hit starts a prefill mid-prompt).
 
 use device_cuda::{
-    DType, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepOutput, StepRun,
-    Stream, WeightImage, Workspace,
+    DType, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepArgs, StepOutput,
+    StepRun, Stream, WeightImage, Workspace,
 };
 use model::{Config, KvPool, MambaStates, Model};
 
@@ -89,14 +89,16 @@ fn run(model: &Model, split_keys: usize, cut: &Cut) -> Vec<u32> {
         device
             .forward(
                 &rt,
-                ws_buf.all(),
-                &ws,
-                &state,
-                &runs,
-                token_buf.all(),
-                &StepOutput {
-                    logit_rows: &logit_rows,
-                    logits: logits.all(),
+                &StepArgs {
+                    workspace: ws_buf.all(),
+                    workspace_layout: &ws,
+                    state: &state,
+                    runs: &runs,
+                    tokens: token_buf.all(),
+                    out: StepOutput {
+                        logit_rows: &logit_rows,
+                        logits: logits.all(),
+                    },
                 },
             )
             .unwrap();
