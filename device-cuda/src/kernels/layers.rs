@@ -596,16 +596,8 @@ pub fn attention(
     splits: usize,
     split_keys: usize,
 ) -> Result<()> {
-    let k = Kernel::AttentionSplit;
-    step.check(k)?;
-    shape.check(k, pool)?;
-    if splits == 0 || split_keys == 0 {
-        return Err(CudaError::BadLaunch {
-            kernel: k.name(),
-            detail: format!("{splits} splits of {split_keys} keys"),
-        });
-    }
-    let launch = AttentionLaunch {
+    let launch = AttentionLaunch::new(
+        Kernel::AttentionSplit,
         step,
         pool,
         shape,
@@ -613,7 +605,7 @@ pub fn attention(
         partial,
         splits,
         split_keys,
-    };
+    )?;
     launch.split(rt, stream, SplitRows::All)?;
     attention_combine(rt, stream, step, shape, partial, out, splits)
 }
@@ -638,7 +630,39 @@ enum SplitRows {
     Listed { rows: DeviceSlice, count: usize },
 }
 
-impl AttentionLaunch<'_> {
+impl<'a> AttentionLaunch<'a> {
+    /// Checks the step, the shape against the pool, and the split; `k` names the kernel in
+    /// errors.
+    #[allow(clippy::too_many_arguments)] // The kernel, the step, the pool, the shape, two buffers and the split.
+    fn new(
+        k: Kernel,
+        step: &'a StepRows,
+        pool: &'a KvPool,
+        shape: &'a AttentionShape,
+        qkv: DeviceSlice,
+        partial: DeviceSlice,
+        splits: usize,
+        split_keys: usize,
+    ) -> Result<Self> {
+        step.check(k)?;
+        shape.check(k, pool)?;
+        if splits == 0 || split_keys == 0 {
+            return Err(CudaError::BadLaunch {
+                kernel: k.name(),
+                detail: format!("{splits} splits of {split_keys} keys"),
+            });
+        }
+        Ok(AttentionLaunch {
+            step,
+            pool,
+            shape,
+            qkv,
+            partial,
+            splits,
+            split_keys,
+        })
+    }
+
     /// The arguments both kernels take, in their order: the buffers and the step's arrays, then
     /// the shapes, the pool and the split (the tile kernel takes its tile list between the two,
     /// the split kernel its row list after them). Checks `partial` and `qkv` against the step;
@@ -858,15 +882,11 @@ pub fn attention_tiled(
     split_keys: usize,
 ) -> Result<()> {
     let k = Kernel::AttentionTile;
-    step.check(k)?;
-    shape.check(k, pool)?;
+    let launch = AttentionLaunch::new(k, step, pool, shape, qkv, partial, splits, split_keys)?;
     let bad = |detail: String| CudaError::BadLaunch {
         kernel: k.name(),
         detail,
     };
-    if splits == 0 || split_keys == 0 {
-        return Err(bad(format!("{splits} splits of {split_keys} keys")));
-    }
     let (h, hd) = (shape.heads, shape.head_dim);
     let tile_cap = attention_tile_rows(hd);
     if work.tile_rows == 0 || work.tile_rows > tile_cap {
@@ -879,15 +899,6 @@ pub fn attention_tiled(
     expect_bytes(k, "single rows", work.singles, work.num_singles, 4)?;
     expect_aligned(k, "tiles", work.tiles, 4)?;
     expect_aligned(k, "single rows", work.singles, 4)?;
-    let launch = AttentionLaunch {
-        step,
-        pool,
-        shape,
-        qkv,
-        partial,
-        splits,
-        split_keys,
-    };
     // Checks partial and qkv (naming the tile kernel) whichever of the two kernels run.
     let (buffers, shapes) = launch.args(k)?;
     if work.num_tiles > 0 {
