@@ -777,6 +777,11 @@ pub(crate) fn mlp(
 /// of `scan` (run-major: the run starting at row `f` holds `[head][token][P]` from `f * inner`),
 /// which the gate and group norm read back per row. A row with a snapshot slot has its conv
 /// history copied there after the conv, and each head's state after that head's step of the row.
+///
+/// A decode batch (every row a run of its own, no snapshot) with at least two rows per thread
+/// takes a shorter way: one task per row runs that row's conv, history shift, every head's scan
+/// step and the gate and norm (one fork and join per layer between the projections instead of
+/// three). It is the same arithmetic on the same values, so the bits do not depend on the way.
 fn mamba(
     config: &Config,
     w: &MambaWeights,
@@ -829,6 +834,118 @@ fn mamba(
     // decode rows are one each, a batch of runs has one per sequence.
     let runs = rows.runs();
     let kernels = scratch.mm.kernels;
+    let heads_per_group = h / g;
+    let group_size = inner / g;
+    let dims = (p, n, g, inner, conv_dim, proj_dim);
+    // Rows that are each a run of their own (decode rows) with no snapshot, enough of them to
+    // share between the threads: one task per row does its conv, its history shift, every
+    // head's scan step and the gate and norm, one fork and join instead of three. The same
+    // operations on the same values as the general path below, so the same bits.
+    if runs.len() == m && m >= 2 * kernels.threads && (0..m).all(|i| rows.snapshot(i).is_none()) {
+        let conv_out = take(&mut scratch.conv_out, m * conv_dim);
+        let mixed = take(&mut scratch.mixed, m * inner);
+        let mut tasks: Vec<RowTask<'_>> = states
+            .layers_mut(layer, (0..m).map(|i| rows.slot(i)))
+            .into_iter()
+            .zip(conv_out.chunks_exact_mut(conv_dim))
+            .zip(mixed.chunks_exact_mut(inner))
+            .enumerate()
+            .map(|(row, (((history, state), conv), y))| RowTask {
+                row,
+                history,
+                state,
+                conv,
+                y,
+            })
+            .collect();
+        kernels.for_each_task(&mut tasks, |task| {
+            let i = task.row;
+            conv_row(
+                w,
+                proj,
+                task.history,
+                (i, 0),
+                (inner, conv_dim, proj_dim, k),
+                task.conv,
+            );
+            if k > 1 {
+                let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
+                task.history.copy_within(conv_dim.., 0);
+                task.history[(k - 2) * conv_dim..].copy_from_slice(xbc);
+            }
+            let ctx = ScanContext {
+                w,
+                proj,
+                conv_out: task.conv,
+                conv_first: i,
+                clamp,
+                dims,
+                heads_per_group,
+            };
+            kernels.arch.dispatch(ScanHeads {
+                ctx: &ctx,
+                row: i,
+                state: task.state,
+                y: task.y,
+            });
+            gate_norm(
+                w,
+                &proj[i * proj_dim..i * proj_dim + inner],
+                task.y,
+                group_size,
+                eps,
+            );
+        });
+    } else {
+        mamba_rows(config, w, scratch, states, rows, layer, &runs);
+    }
+    let out = take(&mut scratch.out, m * config.hidden_size);
+    matmul(
+        &mut scratch.mm,
+        &scratch.mixed[..m * inner],
+        m,
+        &w.out_proj,
+        out,
+    );
+    if lora.active() {
+        let site = LoraSite {
+            target: Target::OutProj,
+            stride: config.hidden_size,
+            offset: 0,
+        };
+        lora.apply(&mut scratch.mm, &scratch.mixed, inner, site, out);
+    }
+}
+
+/// The conv, the scan and the gate and norm of [`mamba`] for any rows: `scratch.proj` holds
+/// the rows' input projections, `scratch.mixed` receives the gated, normed scan outputs.
+fn mamba_rows(
+    config: &Config,
+    w: &MambaWeights,
+    scratch: &mut Scratch,
+    states: &mut MambaStates,
+    rows: &Rows<'_, '_>,
+    layer: usize,
+    runs: &[(usize, usize)],
+) {
+    let m = rows.len();
+    let (h, p, n, g, k) = (
+        config.mamba_num_heads,
+        config.mamba_head_dim,
+        config.ssm_state_size,
+        config.n_groups,
+        config.conv_kernel,
+    );
+    let inner = config.mamba_inner();
+    let conv_dim = config.mamba_conv_dim();
+    let proj_dim = config.mamba_in_proj_dim();
+    let eps = config.layer_norm_epsilon as f32;
+    let clamp = match config.dt_clamp {
+        DtClamp::TimeStepMin => Some(config.time_step_min as f32),
+        DtClamp::Off => None,
+    };
+    let proj = &scratch.proj[..m * proj_dim];
+    let kernels = scratch.mm.kernels;
     // The causal depthwise conv of every row at once, on the threads: a row's window is its
     // K-1 predecessors in the run, taken from the history before the run where the run has
     // none, so no row waits for the history updates of the rows before it (done below).
@@ -849,7 +966,7 @@ fn mamba(
     // The histories after the rows: a run's last K-1 inputs (fewer rows: the newest part of
     // the history before, then the rows). A run with snapshot rows shifts row by row, so each
     // snapshot slot receives the history as it is after its row.
-    for &(first, len) in &runs {
+    for &(first, len) in runs {
         let slot = rows.slot(first);
         let snapshots = (first..first + len).any(|i| rows.snapshot(i).is_some());
         if snapshots {
@@ -893,7 +1010,7 @@ fn mamba(
     // slots' parts for that head with the token after which each receives the state.
     let mut tasks: Vec<ScanTask<'_>> = Vec::with_capacity(runs.len() * h);
     let mut rest: &mut [f32] = scan;
-    for &(first, len) in &runs {
+    for &(first, len) in runs {
         for head in 0..h {
             let (out, tail) = std::mem::take(&mut rest).split_at_mut(len * p);
             rest = tail;
@@ -919,6 +1036,7 @@ fn mamba(
         w,
         proj,
         conv_out,
+        conv_first: 0,
         clamp,
         dims: (p, n, g, inner, conv_dim, proj_dim),
         heads_per_group,
@@ -939,36 +1057,41 @@ fn mamba(
             let start = first * inner + (head * len + t) * p;
             yh.copy_from_slice(&scan[start..start + p]);
         }
-        let z = &proj[i * proj_dim..i * proj_dim + inner];
-        for (yv, &zv) in y.iter_mut().zip(z) {
-            *yv *= silu(zv);
-        }
-        for (seg, weight) in y
-            .chunks_exact_mut(group_size)
-            .zip(w.norm.chunks_exact(group_size))
-        {
-            let inv = 1.0 / (sum_squares(seg) / group_size as f32 + eps).sqrt();
-            for (v, &wv) in seg.iter_mut().zip(weight) {
-                *v = wv * (*v * inv);
-            }
-        }
+        gate_norm(
+            w,
+            &proj[i * proj_dim..i * proj_dim + inner],
+            y,
+            group_size,
+            eps,
+        );
     });
-    let out = take(&mut scratch.out, m * config.hidden_size);
-    matmul(
-        &mut scratch.mm,
-        &scratch.mixed[..m * inner],
-        m,
-        &w.out_proj,
-        out,
-    );
-    if lora.active() {
-        let site = LoraSite {
-            target: Target::OutProj,
-            stride: config.hidden_size,
-            offset: 0,
-        };
-        lora.apply(&mut scratch.mm, &scratch.mixed, inner, site, out);
+}
+
+/// One row's gate and group norm (`norm_before_gate = False`): `y *= silu(z)`, then RMSNorm
+/// over each group of `group_size` channels.
+fn gate_norm(w: &MambaWeights, z: &[f32], y: &mut [f32], group_size: usize, eps: f32) {
+    for (yv, &zv) in y.iter_mut().zip(z) {
+        *yv *= silu(zv);
     }
+    for (seg, weight) in y
+        .chunks_exact_mut(group_size)
+        .zip(w.norm.chunks_exact(group_size))
+    {
+        let inv = 1.0 / (sum_squares(seg) / group_size as f32 + eps).sqrt();
+        for (v, &wv) in seg.iter_mut().zip(weight) {
+            *v = wv * (*v * inv);
+        }
+    }
+}
+
+/// One decode row of [`mamba`]'s fused path: its conv history and SSM state (this layer's, in
+/// its slot), its conv output and its gated scan output.
+struct RowTask<'a> {
+    row: usize,
+    history: &'a mut [f32],
+    state: &'a mut [f32],
+    conv: &'a mut [f32],
+    y: &'a mut [f32],
 }
 
 /// Row `i` (token `t` of its run) of the causal depthwise conv, activated: channel `c` is
@@ -984,6 +1107,7 @@ fn conv_row(
     out: &mut [f32],
 ) {
     let input = |row: usize| &proj[row * proj_dim + inner..row * proj_dim + inner + conv_dim];
+    let tap = |j: usize| &w.conv_taps[j * conv_dim..(j + 1) * conv_dim];
     out.fill(0.0);
     for j in 0..k - 1 {
         // Input `j` of the window is `K-1-j` tokens before this one.
@@ -992,12 +1116,12 @@ fn conv_row(
         } else {
             &hist[(t + j) * conv_dim..(t + j + 1) * conv_dim]
         };
-        for (c, (o, &x)) in out.iter_mut().zip(x).enumerate() {
-            *o += w.conv_weight[c * k + j] * x;
+        for ((o, &x), &tap) in out.iter_mut().zip(x).zip(tap(j)) {
+            *o += tap * x;
         }
     }
-    for (c, (o, &x)) in out.iter_mut().zip(input(i)).enumerate() {
-        *o += w.conv_weight[c * k + k - 1] * x;
+    for ((o, &x), &tap) in out.iter_mut().zip(input(i)).zip(tap(k - 1)) {
+        *o += tap * x;
     }
     if let Some(bias) = &w.conv_bias {
         for (o, &b) in out.iter_mut().zip(bias) {
@@ -1026,7 +1150,9 @@ struct ScanTask<'s> {
 struct ScanContext<'a> {
     w: &'a MambaWeights,
     proj: &'a [f32],
+    /// Conv outputs of rows `conv_first..` (row `i`'s at `(i - conv_first) * conv_dim`).
     conv_out: &'a [f32],
+    conv_first: usize,
     clamp: Option<f32>,
     /// (head_dim P, state size N, groups, inner, conv_dim, in_proj dim).
     dims: (usize, usize, usize, usize, usize, usize),
@@ -1046,14 +1172,6 @@ impl pulp::WithSimd for ScanRun<'_, '_, '_> {
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, simd: S) {
-        let ScanContext {
-            w,
-            proj,
-            conv_out,
-            clamp,
-            dims: (p, n, g, inner, conv_dim, proj_dim),
-            heads_per_group,
-        } = *self.ctx;
         let ScanTask {
             first,
             head,
@@ -1061,32 +1179,100 @@ impl pulp::WithSimd for ScanRun<'_, '_, '_> {
             out,
             snapshots,
         } = self.task;
-        let (first, head) = (*first, *head);
-        let group = head / heads_per_group;
-        let mut snapshots = snapshots.iter_mut().peekable();
-        // `dt * B` of the current token, shared by the head's P channels.
+        let mut dtb = vec![0.0f32; self.ctx.dims.1];
+        scan_head(
+            simd,
+            self.ctx,
+            (*first, *head),
+            state,
+            out,
+            snapshots,
+            &mut dtb,
+        );
+    }
+}
+
+/// Every head's scan step of one decode row (row `row`, a run of its own with no snapshot):
+/// `state` is the row's `H x P x N` state, `y` its `H x P` outputs. See [`ScanRun`].
+struct ScanHeads<'c, 's> {
+    ctx: &'c ScanContext<'c>,
+    row: usize,
+    state: &'s mut [f32],
+    y: &'s mut [f32],
+}
+
+impl pulp::WithSimd for ScanHeads<'_, '_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let (p, n) = (self.ctx.dims.0, self.ctx.dims.1);
         let mut dtb = vec![0.0f32; n];
-        for (t, y) in out.chunks_exact_mut(p).enumerate() {
-            let i = first + t;
-            let raw = proj[i * proj_dim + inner + conv_dim + head];
-            let mut dt = softplus(raw + w.dt_bias[head]);
-            if let Some(min) = clamp {
-                dt = dt.max(min);
-            }
-            let decay = (dt * w.a[head]).exp();
-            let row = &conv_out[i * conv_dim..(i + 1) * conv_dim];
-            let x = &row[head * p..(head + 1) * p];
-            let b = &row[inner + group * n..inner + (group + 1) * n];
-            let c = &row[inner + (g + group) * n..inner + (g + group + 1) * n];
-            for (d, &bv) in dtb.iter_mut().zip(b) {
-                *d = dt * bv;
-            }
-            for ((yv, &xv), s) in y.iter_mut().zip(x).zip(state.chunks_exact_mut(n)) {
-                *yv = ssm_step(simd, s, decay, &dtb, xv, c) + w.d[head] * xv;
-            }
-            if let Some((_, snapshot)) = snapshots.next_if(|(at, _)| *at == t) {
-                snapshot.copy_from_slice(state);
-            }
+        for (head, (state, out)) in self
+            .state
+            .chunks_exact_mut(p * n)
+            .zip(self.y.chunks_exact_mut(p))
+            .enumerate()
+        {
+            scan_head(
+                simd,
+                self.ctx,
+                (self.row, head),
+                state,
+                out,
+                &mut [],
+                &mut dtb,
+            );
+        }
+    }
+}
+
+/// Steps head `head`'s `P x N` state through the tokens of a run starting at row `first`, one
+/// token per `P` floats of `out`, copying the state into each snapshot slot after its token.
+/// `dtb` is scratch of `N` floats.
+#[inline(always)]
+fn scan_head<S: pulp::Simd>(
+    simd: S,
+    ctx: &ScanContext<'_>,
+    (first, head): (usize, usize),
+    state: &mut [f32],
+    out: &mut [f32],
+    snapshots: &mut [(usize, &mut [f32])],
+    dtb: &mut [f32],
+) {
+    let ScanContext {
+        w,
+        proj,
+        conv_out,
+        conv_first,
+        clamp,
+        dims: (p, n, g, inner, conv_dim, proj_dim),
+        heads_per_group,
+    } = *ctx;
+    let group = head / heads_per_group;
+    let mut snapshots = snapshots.iter_mut().peekable();
+    // `dt * B` of the current token, shared by the head's P channels.
+    let dtb = &mut dtb[..n];
+    for (t, y) in out.chunks_exact_mut(p).enumerate() {
+        let i = first + t;
+        let raw = proj[i * proj_dim + inner + conv_dim + head];
+        let mut dt = softplus(raw + w.dt_bias[head]);
+        if let Some(min) = clamp {
+            dt = dt.max(min);
+        }
+        let decay = (dt * w.a[head]).exp();
+        let row = &conv_out[(i - conv_first) * conv_dim..(i - conv_first + 1) * conv_dim];
+        let x = &row[head * p..(head + 1) * p];
+        let b = &row[inner + group * n..inner + (group + 1) * n];
+        let c = &row[inner + (g + group) * n..inner + (g + group + 1) * n];
+        for (d, &bv) in dtb.iter_mut().zip(b) {
+            *d = dt * bv;
+        }
+        for ((yv, &xv), s) in y.iter_mut().zip(x).zip(state.chunks_exact_mut(n)) {
+            *yv = ssm_step(simd, s, decay, dtb, xv, c) + w.d[head] * xv;
+        }
+        if let Some((_, snapshot)) = snapshots.next_if(|(at, _)| *at == t) {
+            snapshot.copy_from_slice(state);
         }
     }
 }
@@ -1808,19 +1994,15 @@ fn moe(
                 counts[t] += 1;
             }
         }
-        // `routed[t] = Σ weight · output` over the token's experts in ascending order, the
-        // chain `combine` adds up, one token per chunk on the threads.
-        let (slots, counts) = (&scratch.token_slots, &scratch.token_counts);
-        let outputs = &scratch.expert_out[..total * expert_dim];
-        kernels.for_each_chunk(routed, expert_dim, |t, acc| {
-            acc.fill(0.0);
-            for &(row, weight) in &slots[t * k..t * k + counts[t]] {
-                let output = &outputs[row * expert_dim..(row + 1) * expert_dim];
-                for (a, &v) in acc.iter_mut().zip(output) {
-                    *a += v * weight;
-                }
-            }
-        });
+        // With a latent projection the routed sum is needed before `fc2`; without, it is
+        // added up below together with the shared expert's output (one fork and join less).
+        if w.latent.is_some() {
+            let (slots, counts) = (&scratch.token_slots, &scratch.token_counts);
+            let outputs = &scratch.expert_out[..total * expert_dim];
+            kernels.for_each_chunk(routed, expert_dim, |t, acc| {
+                routed_sum(t, (slots, counts, k), outputs, acc);
+            });
+        }
     }
     // The shared expert's output goes to `mixed` (its activation to `shared_act`); `out`
     // receives the routed sum (projected back from the latent space if any) plus it.
@@ -1848,6 +2030,16 @@ fn moe(
                 *o += s;
             }
         });
+    } else if scratch.experts.is_none() {
+        // `routed_sum` into `out`, then `+ shared`: the bits of `routed + shared` below.
+        let (slots, counts) = (&scratch.token_slots, &scratch.token_counts);
+        let outputs = &scratch.expert_out[..scratch.expert_rows.len() * d];
+        kernels.for_each_chunk(out, d, |i, out| {
+            routed_sum(i, (slots, counts, k), outputs, out);
+            for (o, &s) in out.iter_mut().zip(&shared[i * d..(i + 1) * d]) {
+                *o += s;
+            }
+        });
     } else {
         let routed = &scratch.routed[..m * d];
         kernels.for_each_chunk(out, d, |i, out| {
@@ -1858,6 +2050,24 @@ fn moe(
         });
     }
     Ok(())
+}
+
+/// Token `t`'s routed sum into `acc`: `Σ weight · output` over its experts' output rows in
+/// ascending expert order (`slots[t * k..]`, `counts[t]` of them), the chain [`combine`] adds up.
+fn routed_sum(
+    t: usize,
+    (slots, counts, k): (&[(usize, f32)], &[usize], usize),
+    outputs: &[f32],
+    acc: &mut [f32],
+) {
+    let dim = acc.len();
+    acc.fill(0.0);
+    for &(row, weight) in &slots[t * k..t * k + counts[t]] {
+        let output = &outputs[row * dim..(row + 1) * dim];
+        for (a, &v) in acc.iter_mut().zip(output) {
+            *a += v * weight;
+        }
+    }
 }
 
 /// One routed expert's rows of a MoE layer (see [`moe`]): its weights, its (token, weight) rows,

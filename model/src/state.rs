@@ -491,16 +491,30 @@ impl MambaStates {
         slots: impl Iterator<Item = usize>,
         heads: usize,
     ) -> Vec<&mut [f32]> {
-        let per_slot = self.floats_per_slot();
-        let start = layer * self.layout.layer_floats() + self.layout.conv_floats;
         let ssm = self.layout.ssm_floats;
+        self.layers_mut(layer, slots)
+            .into_iter()
+            .flat_map(|(_, state)| state.chunks_exact_mut((ssm / heads).max(1)))
+            .collect()
+    }
+
+    /// The conv history and the SSM state of Mamba layer `layer` for each slot of `slots`, in
+    /// that order. Slots must be valid and distinct (the caller validated them).
+    pub(crate) fn layers_mut(
+        &mut self,
+        layer: usize,
+        slots: impl Iterator<Item = usize>,
+    ) -> Vec<(&mut [f32], &mut [f32])> {
+        let per_slot = self.floats_per_slot();
+        let start = layer * self.layout.layer_floats();
+        let (conv, ssm) = (self.layout.conv_floats, self.layout.ssm_floats);
         let mut wanted: Vec<(usize, usize)> = slots.enumerate().map(|(i, s)| (s, i)).collect();
         wanted.sort_unstable();
         let mut found: Vec<(usize, &mut [f32])> = Vec::with_capacity(wanted.len());
         let mut next = wanted.iter().peekable();
         for (slot, region) in self.data.chunks_exact_mut(per_slot.max(1)).enumerate() {
             if let Some(&(_, order)) = next.next_if(|&&(s, _)| s == slot) {
-                found.push((order, &mut region[start..start + ssm]));
+                found.push((order, &mut region[start..start + conv + ssm]));
             }
         }
         assert_eq!(
@@ -511,7 +525,7 @@ impl MambaStates {
         found.sort_unstable_by_key(|&(order, _)| order);
         found
             .into_iter()
-            .flat_map(|(_, state)| state.chunks_exact_mut((ssm / heads).max(1)))
+            .map(|(_, region)| region.split_at_mut(conv))
             .collect()
     }
 }

@@ -34,8 +34,12 @@ pub(crate) struct Linear {
 #[derive(Debug, Clone)]
 pub(crate) struct MambaWeights {
     pub in_proj: Linear,
-    /// `[conv_dim, K]`: channel-major, the last tap multiplies the current token.
+    /// `[conv_dim, K]`: channel-major, the last tap multiplies the current token (the
+    /// checkpoint's layout, which the tensor visitor hands out).
     pub conv_weight: Vec<f32>,
+    /// The same taps `[K, conv_dim]`, tap-major, derived at build time: the conv reads one tap
+    /// of every channel contiguously (vector loads instead of a stride of `K`).
+    pub conv_taps: Vec<f32>,
     pub conv_bias: Option<Vec<f32>>,
     pub dt_bias: Vec<f32>,
     pub a_log: Vec<f32>,
@@ -297,6 +301,10 @@ impl Weights {
             config.use_bias,
         )?;
         let conv_weight = source.tensor(&format!("{m}.conv1d.weight"), &[conv_dim, 1, k])?;
+        let conv_taps = (0..k)
+            .flat_map(|j| (0..conv_dim).map(move |c| (c, j)))
+            .map(|(c, j)| conv_weight[c * k + j])
+            .collect();
         let conv_bias = if config.use_conv_bias {
             Some(source.tensor(&format!("{m}.conv1d.bias"), &[conv_dim])?)
         } else {
@@ -311,6 +319,7 @@ impl Weights {
         Ok(MambaWeights {
             in_proj,
             conv_weight,
+            conv_taps,
             conv_bias,
             dt_bias,
             a_log,
