@@ -44,6 +44,10 @@ pub(crate) struct Device {
     feed_step: Option<u64>,
     failed: BTreeSet<u64>,
     fault: Option<String>,
+    /// Per checkpoint slot: the main model's hidden states stored with the checkpoint it holds
+    /// for the MTP head's rerun at a prefix hit (`router_book::spec`), rows back to back; what a
+    /// mark ([`router_book::HeadMark`]) names, written by the device work before the hit's.
+    pub checkpoint_hidden: Vec<Vec<f32>>,
 }
 
 /// The logits of one step (`rows` rows of `vocab` floats).
@@ -55,8 +59,15 @@ struct LogitsBuffer {
 }
 
 impl Device {
-    pub fn new(kv: KvPool, states: MambaStates, scratch: Scratch, depth: usize) -> Self {
+    pub fn new(
+        kv: KvPool,
+        states: MambaStates,
+        scratch: Scratch,
+        depth: usize,
+        checkpoint_slots: usize,
+    ) -> Self {
         Device {
+            checkpoint_hidden: vec![Vec::new(); checkpoint_slots],
             kv,
             states,
             scratch,
@@ -98,6 +109,10 @@ pub(crate) enum Op {
         to: usize,
         layers: Range<usize>,
     },
+    /// Copy KV block `from` over block `to`.
+    CopyBlock { from: u32, to: u32 },
+    /// Store hidden rows with checkpoint slot `checkpoint` (`Device::checkpoint_hidden`).
+    StoreHidden { checkpoint: usize, rows: Vec<f32> },
     /// Compute a prompt chunk of one row; `emit` appends its last position's logits to the
     /// step's logits.
     Prefill {
@@ -113,14 +128,20 @@ pub(crate) enum Op {
     },
 }
 
-/// The MTP head over a prefill chunk: it consumes the chunk's first `next.len()` positions, whose
-/// next tokens are `tokens[next]`; `keep` (the row's tenure) keeps the chunk's last position's
-/// hidden state in the row's catch-up ring (the prompt's last position, whose next token is not
-/// known yet).
+/// The MTP head over a prefill chunk: it consumes `lead` positions before the chunk (from the
+/// hidden rows stored with a checkpoint, after a prefix hit) and the chunk's first
+/// `next.len() - lead.rows` positions, the next tokens of all of them `tokens[next]`; `keep` (the
+/// row's tenure) keeps the chunk's last position's hidden state in the row's catch-up ring (the
+/// prompt's last position, whose next token is not known yet); `stash` stores it with a
+/// checkpoint instead.
 #[derive(Debug, Clone)]
 pub(crate) struct MtpChunk {
     pub next: Range<usize>,
     pub keep: Option<u64>,
+    /// The rerun after a hit: the checkpoint slot whose hidden rows come first, and how many.
+    pub lead: Option<(usize, usize)>,
+    /// The checkpoint slot the chunk's last hidden state is stored with.
+    pub stash: Option<usize>,
 }
 
 /// One row of a verification: `tokens` at `start..`, with a snapshot state row per token.
@@ -259,6 +280,24 @@ fn forward_failed(message: String) -> DeviceError {
     }
 }
 
+/// Stores `rows` with checkpoint slot `checkpoint`.
+fn store_hidden(
+    store: &mut [Vec<f32>],
+    checkpoint: usize,
+    rows: &[f32],
+) -> std::result::Result<(), model::ModelError> {
+    let num_slots = store.len();
+    let slot = store
+        .get_mut(checkpoint)
+        .ok_or(model::ModelError::BadSlot {
+            slot: checkpoint,
+            num_slots,
+        })?;
+    slot.clear();
+    slot.extend_from_slice(rows);
+    Ok(())
+}
+
 /// Runs copies (an effect's device work); a failure is a router bug that fails later steps.
 fn run_copies(device: &mut Device, ops: &[Op]) -> std::result::Result<(), String> {
     for op in ops {
@@ -270,6 +309,11 @@ fn run_copies(device: &mut Device, ops: &[Op]) -> std::result::Result<(), String
                 to,
                 ref layers,
             } => device.states.copy_layers(from, to, layers.clone()),
+            Op::CopyBlock { from, to } => device.kv.copy_block(from, to),
+            Op::StoreHidden {
+                checkpoint,
+                ref rows,
+            } => store_hidden(&mut device.checkpoint_hidden, checkpoint, rows),
             Op::Prefill { .. } => Ok(()),
         };
         if let Err(err) = done {
@@ -487,6 +531,7 @@ fn compute(
         scratch,
         row_logits,
         feed,
+        checkpoint_hidden,
         ..
     } = device;
     for op in &job.ops {
@@ -495,6 +540,10 @@ fn compute(
             Op::CopySlot { from, to } => states.copy_slot(*from, *to)?,
             Op::CopyLayers { from, to, layers } => {
                 states.copy_layers(*from, *to, layers.clone())?
+            }
+            Op::CopyBlock { from, to } => kv.copy_block(*from, *to)?,
+            Op::StoreHidden { checkpoint, rows } => {
+                store_hidden(checkpoint_hidden, *checkpoint, rows)?
             }
             Op::Prefill {
                 tokens,
@@ -552,11 +601,28 @@ fn compute(
                 if *emit {
                     logits.extend_from_slice(&row_logits[(n - 1) * vocab..n * vocab]);
                 }
+                let (lead_rows, mut head_in) = match chunk.lead {
+                    Some((checkpoint, rows)) => {
+                        let stored = checkpoint_hidden
+                            .get(checkpoint)
+                            .map_or(&[][..], |rows| &rows[..]);
+                        if stored.len() != rows * d {
+                            return Err(model::ModelError::LengthMismatch {
+                                what: "hidden rows stored with a checkpoint",
+                                expected: rows * d,
+                                actual: stored.len(),
+                            });
+                        }
+                        (rows, stored.to_vec())
+                    }
+                    None => (0, Vec::new()),
+                };
                 let consumed = chunk.next.len();
                 if consumed > 0 {
+                    head_in.extend_from_slice(&hidden[..(consumed - lead_rows) * d]);
                     let head = RunRow {
                         tokens: &job.tokens[chunk.next.clone()],
-                        start_pos: *start_pos,
+                        start_pos: *start_pos - lead_rows,
                         blocks,
                         slot: *slot,
                         snapshots: &[],
@@ -567,15 +633,18 @@ fn compute(
                         kv,
                         states,
                         &[head],
-                        &hidden[..consumed * d],
+                        &head_in,
                         RunOutputs::Last,
                         &mut head_logits,
                         &mut head_out,
                     )?;
                 }
+                let last = &hidden[(n - 1) * d..n * d];
                 if let Some(tenure) = chunk.keep {
-                    let last = hidden[(n - 1) * d..n * d].to_vec();
-                    extra.kept.push((tenure, *start_pos + n - 1, last));
+                    extra.kept.push((tenure, *start_pos + n - 1, last.to_vec()));
+                }
+                if let Some(checkpoint) = chunk.stash {
+                    store_hidden(checkpoint_hidden, checkpoint, last)?;
                 }
             }
         }

@@ -90,7 +90,8 @@ pub(crate) fn apply(
         Effect::MarconiCheckpoint { seq } => {
             inner.sync(seq);
             let main_layers = host.main_mamba_layers;
-            with_copies(inner, &dev, |book, copy| {
+            let before = seq.output_checkpoint;
+            let outcome = with_copies(inner, &dev, |book, copy| {
                 // A boundary a `Verify` passed comes from its snapshot: main layers only.
                 book::marconi_checkpoint_layered(shape, book, seq, &mut |from, to, main_only| {
                     if main_only {
@@ -103,7 +104,14 @@ pub(crate) fn apply(
                         copy(Op::CopySlot { from, to })
                     }
                 })
-            })
+            })?;
+            match seq.output_checkpoint {
+                Some((pos, slot)) if shape.head_rerun && seq.output_checkpoint != before => {
+                    stash_head(inner, &dev, seq.tenure, slot, pos)?
+                }
+                _ => {}
+            }
+            Ok(outcome)
         }
         Effect::SsmSnapshotSave { seq, slot } => with_copies(inner, &dev, |book, copy| {
             book::snapshot_save(shape, book, seq, slot, &mut |from, to| {
@@ -176,6 +184,32 @@ fn forget_catchup(inner: &mut Inner, seq: &CpuSeq, len: usize) {
 }
 
 /// Runs a shared effect whose state-row copies are queued behind the launched steps.
+/// A checkpoint a sequence just took at `pos`: the hidden states its MTP head's rerun at a hit
+/// needs, when its catch-up ring holds them (`router_book::spec::checkpoint_head`), stored with
+/// the checkpoint behind the work queued before.
+fn stash_head(
+    inner: &mut Inner,
+    dev: &Dev<'_>,
+    tenure: Option<u64>,
+    slot: router_book::CheckpointSlot,
+    pos: usize,
+) -> Result<()> {
+    let Some(track) = tenure.and_then(|tenure| inner.mtp.get(&tenure)) else {
+        return Ok(());
+    };
+    let Some(rows) = router_book::spec::checkpoint_head(track, &mut inner.cache, slot, pos) else {
+        return Ok(());
+    };
+    let rows: Vec<f32> = rows.into_iter().flatten().copied().collect();
+    let op = Op::StoreHidden {
+        checkpoint: slot.index(),
+        rows,
+    };
+    inner
+        .executor
+        .submit(dev.model, dev.device, device::Work::Copies(vec![op]))
+}
+
 fn with_copies<T>(
     inner: &mut Inner,
     dev: &Dev<'_>,

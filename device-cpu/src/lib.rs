@@ -345,6 +345,9 @@ pub(crate) struct Shape {
     /// Mamba layers of the main stack (the first ones of a slot).
     pub main_mamba_layers: usize,
     pub hidden_size: usize,
+    /// The MTP head is rerun at a prefix hit (`router_book::spec`'s rule): a head without
+    /// Mamba layers on a model with a prefix cache of checkpoints.
+    pub head_rerun: bool,
 }
 
 impl Shape {
@@ -359,6 +362,7 @@ impl Shape {
             max_depth: self.max_depth,
             hybrid: self.hybrid,
             layout: self.layout,
+            head_rerun: self.head_rerun,
         }
     }
 
@@ -499,6 +503,9 @@ impl CpuRouter {
             mtp: model.has_mtp(),
             main_mamba_layers: mc.count(model::LayerKind::Mamba),
             hidden_size: mc.hidden_size,
+            head_rerun: model.has_mtp()
+                && checkpoint_slots > 0
+                && mc.stored_count(model::LayerKind::Mamba) == mc.count(model::LayerKind::Mamba),
         };
         let cache = Caches::new(
             &model,
@@ -528,6 +535,7 @@ impl CpuRouter {
             states,
             scratch,
             config.max_depth,
+            checkpoint_slots,
         )));
         let model = Arc::new(model);
         let executor = if config.max_depth >= 2 {

@@ -83,6 +83,7 @@ pub(crate) fn prefill<'a>(
         match op {
             PrefillOp::ZeroSlot(slot) => job.ops.push(Op::ZeroSlot(slot)),
             PrefillOp::CopyRow { from, to } => job.ops.push(Op::CopySlot { from, to }),
+            PrefillOp::CopyBlock { from, to } => job.ops.push(Op::CopyBlock { from, to }),
             PrefillOp::Run {
                 row,
                 start,
@@ -90,22 +91,29 @@ pub(crate) fn prefill<'a>(
                 slot,
                 blocks,
                 emit,
+                lead,
+                stash,
             } => {
                 let seq = &*rows[row];
                 let tokens = job.tokens.len()..job.tokens.len() + (stop - start);
                 job.tokens.extend_from_slice(&seq.tokens[start..stop]);
                 let mtp = shape.mtp.then(|| {
-                    // The head consumes the positions whose next token is in the prompt.
+                    // The head consumes the positions whose next token is in the prompt (after
+                    // a hit on a marked checkpoint, from the rerun's first).
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = mtp.entry(tenure).or_default();
-                    let known = router_book::spec::prefill_head(track, seq, start, stop);
-                    let next = job.tokens.len()..job.tokens.len() + known.saturating_sub(start);
-                    if known > start {
-                        job.tokens.extend_from_slice(&seq.tokens[start + 1..=known]);
-                    }
+                    let head = router_book::spec::prefill_head(track, seq, (start, stop), lead);
+                    let stash = stash.filter(|&slot| {
+                        router_book::spec::prefill_checkpoint_head(track, book.cache, slot, stop)
+                    });
+                    let next = job.tokens.len()..job.tokens.len() + (head.known - head.from);
+                    job.tokens
+                        .extend_from_slice(&seq.tokens[head.from + 1..head.known + 1]);
                     MtpChunk {
                         next,
                         keep: (stop == seq.prompt_len).then_some(tenure),
+                        lead: lead.map(|lead| (lead.checkpoint.index(), start - lead.from)),
+                        stash: stash.map(|slot| slot.index()),
                     }
                 });
                 job.ops.push(Op::Prefill {

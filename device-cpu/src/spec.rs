@@ -24,9 +24,14 @@
 //! it finished). A row whose ring lacks `c - 1` (after a spill and restore, or when the core kept
 //! no hidden state) drafts nothing: its run is empty.
 //!
-//! The MTP head's state is approximate after a prefix-cache hit (its K/V at the position before
-//! the hit's end and its checkpointed state were computed by the sequence that cached them); only
-//! drafts depend on it, never a verified token.
+//! After a prefix-cache hit the head is a cold run's when the hit's checkpoint carries the main
+//! model's hidden states before it (`router_book::spec`'s rerun: the router stores them with
+//! every checkpoint it takes at the end of a prefill run, and with a `MarconiCheckpoint` whose
+//! positions the catch-up ring still holds; the prefill reruns the head over them on copies of
+//! the shared blocks). Elsewhere it is the head the cache served: on a head with Mamba layers
+//! (a checkpoint holds their state past the rerun's position), on an unmarked checkpoint, and
+//! on the hash-chain cache of an attention-only model (no checkpoints). Only drafts depend on
+//! it, never a verified token.
 
 use device_io::{Readback, Result};
 

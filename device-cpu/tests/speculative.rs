@@ -415,3 +415,122 @@ fn bad_verifications_and_truncations_are_refused() {
     assert_eq!(s.computed_len(), 7);
     release(&r, &mut s, false);
 }
+
+/// A router with a prefix cache (block size 8) or without one, for the prefix-hit test.
+fn caching_router(fixture: &str, prefix_cache: bool) -> CpuRouter {
+    let model = Model::load(&mtp_dir(fixture).join("model")).unwrap();
+    let mut config = CpuRouterConfig::new(64, 4);
+    config.block_size = 8;
+    config.max_context = Some(256);
+    config.checkpoints = device_cpu::CheckpointBudget::Slots(16);
+    config.prefix_cache = prefix_cache;
+    config.snapshot_slots = 16;
+    CpuRouter::new(model, config).unwrap()
+}
+
+/// Prefills `s`, drafts `k` tokens after the greedy next token, and answers the drafts, the
+/// K/V of every attention layer (the MTP head's last) at the positions `s` has computed, from
+/// its spill image, and the tokens it had cached.
+fn draft_after_prefill(
+    fixture: &str,
+    r: &CpuRouter,
+    s: &mut CpuSeq,
+    k: usize,
+) -> (Vec<u32>, Vec<u32>, usize) {
+    let (logits, report) = prefill(r, s, 64);
+    let ticket = r
+        .launch(
+            StepPlan::Draft {
+                tokens: &[argmax(&logits)],
+                k,
+            },
+            &mut [&mut *s],
+        )
+        .unwrap();
+    let result = r.await_result(ticket).unwrap();
+    let run = result.rows[0].run.unwrap();
+    let drafts = result.tokens[run.start..run.start + run.len].to_vec();
+    let mut bytes = Vec::new();
+    r.apply(Effect::SaveSequenceState {
+        seq: s,
+        writer: &mut bytes,
+    })
+    .unwrap();
+    let model = Model::load(&mtp_dir(fixture).join("model")).unwrap();
+    let config = model.config();
+    let block_size = 8;
+    let pool = model::KvPool::new(config, 1, block_size).unwrap();
+    let layout = router_book::image::Layout {
+        fingerprint: model.fingerprint(),
+        block_size,
+        floats_per_block: pool.floats_per_block(),
+        floats_per_slot: model::MambaStates::new(config, 0)
+            .unwrap()
+            .floats_per_slot(),
+        max_context: 256,
+        vocab_size: config.vocab_size,
+    };
+    let image = router_book::image::decode(&layout, &bytes).unwrap();
+    // Block layout (`model::state`): per attention layer, K then V, each [block, kv heads, dim].
+    let width = config.num_key_value_heads * config.head_dim;
+    let mut kv = Vec::new();
+    for pos in 0..s.computed_len() {
+        let block = &image.kv[pos / block_size * layout.floats_per_block..];
+        for layer in 0..pool.attention_layers() {
+            let keys = layer * 2 * block_size * width + pos % block_size * width;
+            for at in [keys, keys + block_size * width] {
+                kv.extend(block[at..at + width].iter().map(|x| x.to_bits()));
+            }
+        }
+    }
+    (drafts, kv, report.cached)
+}
+
+/// After a prefix hit the MTP head is a cold run's: the hit's checkpoint carries the main
+/// model's hidden state before it, and the head reruns that position with this sequence's next
+/// token (the caching sequence's differs) on a copy of the shared block, so the head's K/V at
+/// every computed position and its drafts equal those of the same prompt on a router with no
+/// cache. Without the rerun the K/V at the position before the hit were the caching sequence's
+/// in all 4 cases (this test failed there), and 2 of the 16 drafts differed from the cold run's.
+#[test]
+fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
+    let mut drafts_compared = 0;
+    // The tiny fixture's head is attention + MLP; the alt fixture's has a Mamba layer, whose
+    // state a checkpoint holds past the rerun's position (no rerun there: see `router_book::spec`).
+    for fixture in ["nemotron-h-tiny"] {
+        for seed in 0..4u32 {
+            let shared = common::tokens(seed, 24);
+            let mut caching = shared.clone();
+            caching.extend([(seed * 7 + 1) % 256, 5]);
+            let mut prompt = shared.clone();
+            prompt.extend([(seed * 7 + 2) % 256, 9, 17]);
+            let hot = caching_router(fixture, true);
+            let mut first = seq(1, &caching);
+            prefill(&hot, &mut first, 64);
+            release(&hot, &mut first, true);
+            let mut s = seq(2, &prompt);
+            let (hot_drafts, hot_kv, cached) = draft_after_prefill(fixture, &hot, &mut s, 4);
+            assert_eq!(
+                cached, 24,
+                "{fixture} seed {seed}: a hit at the shared blocks"
+            );
+            release(&hot, &mut s, true);
+            let cold = caching_router(fixture, false);
+            let mut c = seq(2, &prompt);
+            let (cold_drafts, cold_kv, cached) = draft_after_prefill(fixture, &cold, &mut c, 4);
+            assert_eq!(cached, 0);
+            release(&cold, &mut c, false);
+            assert!(hot_kv == cold_kv, "{fixture} seed {seed}: the K/V differ");
+            assert_eq!(hot_drafts, cold_drafts, "{fixture} seed {seed}");
+            drafts_compared += hot_drafts.len();
+            // Every block the hit copied went back or is cached; no slot is held.
+            let facts = hot.facts();
+            assert_eq!(
+                facts.kv_blocks_free + facts.kv_blocks_cached,
+                facts.kv_blocks_total
+            );
+            assert_eq!(facts.live_slots_used, 0);
+        }
+    }
+    assert_eq!(drafts_compared, 16);
+}

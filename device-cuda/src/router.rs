@@ -108,6 +108,10 @@ impl CudaRouter {
                 max_context: router.max_context,
                 vocab_size: model.config().vocab_size,
             },
+            // The MTP head's rerun at a prefix hit (`router_book::spec`) is the host router's
+            // only so far: this router stores no hidden state with its checkpoints, so its
+            // head after a hit is the one the cache served (drafts only; never the output).
+            head_rerun: false,
         };
         let cache = Caches::new(
             model,

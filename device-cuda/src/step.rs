@@ -110,6 +110,11 @@ enum Work {
         from: usize,
         to: usize,
     },
+    /// Copy KV block `from` over block `to`.
+    CopyBlock {
+        from: u32,
+        to: u32,
+    },
     /// One forward call: its runs, their tokens, the rows whose logits it writes, and the
     /// first of them among the step's token rows.
     Forward {
@@ -231,6 +236,8 @@ fn prefill_work(
                 }
                 work.push(Work::Copy { from, to });
             }
+            PrefillOp::CopyBlock { from, to } => work.push(Work::CopyBlock { from, to }),
+            // This router leaves `BookShape::head_rerun` unset: no run names a rerun or a stash.
             PrefillOp::Run {
                 row,
                 start,
@@ -238,6 +245,8 @@ fn prefill_work(
                 slot,
                 blocks,
                 emit,
+                lead,
+                stash: _,
             } => {
                 let seq = &*rows[row];
                 let tokens = &seq.tokens;
@@ -247,7 +256,7 @@ fn prefill_work(
                 if let Some(book) = mtp.as_mut() {
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = book.tracks.entry(tenure).or_default();
-                    known = router_book::spec::prefill_head(track, seq, start, stop);
+                    known = router_book::spec::prefill_head(track, seq, (start, stop), lead).known;
                     if stop == seq.prompt_len {
                         if let Some(cell) = book.free_cells.pop() {
                             let forgotten = track.keep(stop - 1, cell);
@@ -705,6 +714,15 @@ impl CudaRouter {
                     if row_bytes > 0 {
                         rt.copy(state_row(*to)?, state_row(*from)?, s)?;
                     }
+                }
+                Work::CopyBlock { from, to } => {
+                    let block = plan.kv_block_bytes as usize;
+                    let kv = buffers.kv.all();
+                    rt.copy(
+                        kv.range(*to as usize * block, block)?,
+                        kv.range(*from as usize * block, block)?,
+                        s,
+                    )?;
                 }
                 Work::Forward {
                     runs,

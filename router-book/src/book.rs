@@ -81,6 +81,12 @@ pub struct BookShape {
     pub max_depth: usize,
     /// Whether the model has Mamba layers (a truncation then leaves the state ahead).
     pub hybrid: bool,
+    /// Whether the router reruns the MTP head at a prefix hit (`router_book::spec`'s rule):
+    /// it stores the main model's hidden state before each checkpoint it takes, and a hit on a
+    /// checkpoint so marked ([`crate::HeadMark`]) copies the hit's blocks the head rewrites and
+    /// names the rerun in its first prefill run. Only for a head without Mamba layers (a
+    /// checkpoint holds the head's state after the position the rerun computes again).
+    pub head_rerun: bool,
     /// What a spill image must match.
     pub layout: Layout,
 }

@@ -128,6 +128,22 @@ pub struct Caches {
     lookups: u64,
     hit_tokens: u64,
     events: Events,
+    /// Per checkpoint slot index: the MTP head's mark on the checkpoint it holds
+    /// ([`HeadMark`]); cleared whenever the slot is handed out again.
+    head_marks: std::collections::BTreeMap<usize, HeadMark>,
+}
+
+/// What a router stored with a checkpoint for the MTP head (`router_book::spec`'s prefix-hit
+/// rule): the main model's hidden states at positions `from..pos` (`pos` the checkpoint's
+/// position), and the promise that the head's K/V before `from` in the sequence's blocks were
+/// computed with the sequence's own next tokens. A hit at `pos` then reruns the head over
+/// `from..pos` with the new sequence's tokens instead of trusting the K/V there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadMark {
+    /// The checkpoint's position.
+    pub pos: usize,
+    /// The first position whose hidden state is stored.
+    pub from: usize,
 }
 
 impl std::fmt::Debug for Caches {
@@ -277,6 +293,7 @@ impl Caches {
             lookups: 0,
             hit_tokens: 0,
             events,
+            head_marks: std::collections::BTreeMap::new(),
         })
     }
 
@@ -473,7 +490,22 @@ impl Caches {
             None => store.reserve_checkpoint(&mut self.delta),
         };
         Self::apply_delta(&mut self.kv, &mut self.delta, &mut self.events, None, false);
+        if let Some(slot) = slot {
+            // Whatever the slot held before is gone, and so is its mark.
+            self.head_marks.remove(&slot.index());
+        }
         slot
+    }
+
+    /// Marks checkpoint `slot` (taken, holding the state at `mark.pos`) as carrying the MTP
+    /// head's hidden states `mark.from..mark.pos` (see [`HeadMark`]).
+    pub fn mark_head(&mut self, slot: SlotId, mark: HeadMark) {
+        self.head_marks.insert(slot.index(), mark);
+    }
+
+    /// The MTP head's mark on checkpoint `slot`, if the router stored one since it was taken.
+    pub fn head_mark(&self, slot: SlotId) -> Option<HeadMark> {
+        self.head_marks.get(&slot.index()).copied()
     }
 
     /// Gives back a checkpoint slot that will not be offered to the tree.

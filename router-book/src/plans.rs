@@ -129,6 +129,15 @@ pub enum PrefillOp {
         /// The target row.
         to: usize,
     },
+    /// Copy KV block `from` (a cached block of a prefix hit) to the sequence's fresh block `to`,
+    /// which replaces it in the sequence's table: the MTP head's rerun writes positions there
+    /// ([`HeadLead`]), and a block another sequence shares is never written.
+    CopyBlock {
+        /// The cached block.
+        from: u32,
+        /// The sequence's copy.
+        to: u32,
+    },
     /// Compute positions `start..stop` of plan row `row` (its tokens `tokens[start..stop]`).
     Run {
         /// The plan row.
@@ -143,7 +152,25 @@ pub enum PrefillOp {
         blocks: Range<usize>,
         /// The run ends the prompt: its last position's logits are the row's.
         emit: bool,
+        /// The MTP head's rerun before the run's own positions, after a hit on a marked
+        /// checkpoint (only when [`BookShape::head_rerun`]).
+        lead: Option<HeadLead>,
+        /// The checkpoint taken at `stop`, for the router to store the main model's hidden
+        /// state at `stop - 1` with (`crate::spec::prefill_head` decides; only when
+        /// [`BookShape::head_rerun`]).
+        stash: Option<CheckpointSlot>,
     },
+}
+
+/// A prefix hit's MTP-head rerun (see `crate::spec`'s [`HeadRun`](crate::spec::HeadRun)): the
+/// head consumes positions `from..` (the hit's length) again, from the main model's hidden
+/// states stored with checkpoint `checkpoint`, before the first run's own positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadLead {
+    /// The checkpoint the hit restored.
+    pub checkpoint: CheckpointSlot,
+    /// The rerun's first position.
+    pub from: usize,
 }
 
 /// A committed prefill.
@@ -163,6 +190,30 @@ struct NewRow {
     slot: usize,
     attach: Attach,
     lora: Option<LoraBinding>,
+    /// The MTP head's rerun, and the hit's blocks (by index) it rewrites.
+    lead: Option<(HeadLead, Range<usize>)>,
+}
+
+/// The MTP head's rerun after a hit (`attach`) on a checkpoint the router marked, with the
+/// indexes of the hit's blocks holding the rerun's positions.
+fn head_lead(
+    shape: &BookShape,
+    cache: &Caches,
+    attach: &Attach,
+) -> Option<(HeadLead, Range<usize>)> {
+    let checkpoint = attach.checkpoint.filter(|_| shape.head_rerun)?;
+    let mark = cache.head_mark(checkpoint)?;
+    if mark.pos != attach.len || mark.from >= mark.pos {
+        return None;
+    }
+    let blocks = mark.from / shape.block_size..(mark.pos - 1) / shape.block_size + 1;
+    (blocks.end <= attach.blocks.len()).then_some((
+        HeadLead {
+            checkpoint,
+            from: mark.from,
+        },
+        blocks,
+    ))
 }
 
 /// `Prefill`: validates every row, reserves slots, cached prefixes and blocks, then commits the
@@ -281,10 +332,18 @@ pub fn prefill(
             };
             let attach = book.cache.lookup(namespace, lookup);
             let slot = next_free.next().expect("counted above");
+            let lead = head_lead(shape, book.cache, &attach);
+            // The blocks the head's rerun rewrites are copied: one more block each.
+            let copies = lead.as_ref().map_or(0, |(_, blocks)| blocks.len());
             (
                 attach.len,
-                attach.blocks.len(),
-                Some(NewRow { slot, attach, lora }),
+                attach.blocks.len() - copies,
+                Some(NewRow {
+                    slot,
+                    attach,
+                    lora,
+                    lead,
+                }),
             )
         } else {
             (seq.computed_len, seq.blocks.len(), None)
@@ -316,7 +375,14 @@ pub fn prefill(
     for (i, new_row) in new_rows.into_iter().enumerate() {
         let seq = &mut *rows[i];
         let mut report = PrefillReport::default();
-        if let Some(NewRow { slot, attach, lora }) = new_row {
+        let mut lead = None;
+        if let Some(NewRow {
+            slot,
+            attach,
+            lora,
+            lead: head,
+        }) = new_row
+        {
             let tenure = crate::new_tenure();
             book.tenures.insert(
                 tenure,
@@ -341,6 +407,18 @@ pub fn prefill(
                     to: slot,
                 });
             }
+            if let Some((head, copied)) = head {
+                for index in copied {
+                    let to = fresh.pop().expect("reserved above");
+                    let from = std::mem::replace(&mut seq.blocks[index], to);
+                    plan.ops.push(PrefillOp::CopyBlock { from, to });
+                    // Device work runs in order: the copy reads it before anything later
+                    // could reuse it.
+                    book.cache.release(from);
+                    needs[i] -= 1;
+                }
+                lead = Some(head);
+            }
         }
         let from = fresh.len() - needs[i];
         seq.blocks.extend(fresh.drain(from..));
@@ -364,6 +442,7 @@ pub fn prefill(
                     stop = point;
                 }
             }
+            let run = plan.ops.len();
             plan.ops.push(PrefillOp::Run {
                 row: i,
                 start: pos,
@@ -371,16 +450,23 @@ pub fn prefill(
                 slot,
                 blocks: blocks.clone(),
                 emit: stop == seq.prompt_len,
+                lead: lead.take(),
+                stash: None,
             });
             pos = stop;
             seq.computed_len = pos;
+            let mut taken = None;
             if seq.branch_point == Some(pos) {
                 seq.branch_point = None;
-                take_branch_checkpoint(shape, book, seq, &mut plan.ops);
+                taken = take_branch_checkpoint(shape, book, seq, &mut plan.ops);
             } else if input_boundary == Some(pos) {
                 if let Some(checkpoint) = take_checkpoint(shape, book, seq, &mut plan.ops) {
                     seq.input_checkpoint = Some((pos, checkpoint));
+                    taken = Some(checkpoint);
                 }
+            }
+            if let PrefillOp::Run { stash, .. } = &mut plan.ops[run] {
+                *stash = taken.filter(|_| shape.head_rerun);
             }
         }
         report.computed = end - start;
@@ -400,22 +486,26 @@ pub fn prefill(
     Ok(plan)
 }
 
-/// Takes a checkpoint slot for the live state at the tree's branch point and registers it.
+/// Takes a checkpoint slot for the live state at the tree's branch point and registers it;
+/// answers it when registered.
 fn take_branch_checkpoint(
     shape: &BookShape,
     book: &mut BookMut<'_>,
     seq: &mut RouterSeq,
     ops: &mut Vec<PrefillOp>,
-) {
+) -> Option<CheckpointSlot> {
     let pos = seq.computed_len;
-    let Some(checkpoint) = take_checkpoint(shape, book, seq, ops) else {
-        return;
-    };
+    let checkpoint = take_checkpoint(shape, book, seq, ops)?;
     match &seq.pin {
-        Some(pin) => book
-            .cache
-            .register_branch(pin, &seq.tokens[..pos], checkpoint),
-        None => book.cache.free_checkpoint_slot(checkpoint),
+        Some(pin) => {
+            book.cache
+                .register_branch(pin, &seq.tokens[..pos], checkpoint);
+            Some(checkpoint)
+        }
+        None => {
+            book.cache.free_checkpoint_slot(checkpoint);
+            None
+        }
     }
 }
 

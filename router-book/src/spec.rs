@@ -220,6 +220,10 @@ pub const CATCHUP_RING: usize = 16;
 pub struct MtpTrack<H> {
     /// The head's K/V and state cover positions `..consumed`.
     pub consumed: usize,
+    /// The head's K/V at every position before `exact` were computed with the sequence's own
+    /// next tokens (`exact <= consumed`): no position there was skipped (a gap in the ring) or
+    /// served by a prefix hit the head did not rerun.
+    pub exact: usize,
     /// Hidden states by position.
     pub ring: std::collections::BTreeMap<usize, H>,
 }
@@ -228,6 +232,7 @@ impl<H> Default for MtpTrack<H> {
     fn default() -> Self {
         MtpTrack {
             consumed: 0,
+            exact: 0,
             ring: std::collections::BTreeMap::new(),
         }
     }
@@ -239,6 +244,7 @@ impl<H> MtpTrack<H> {
     pub fn forget_from(&mut self, len: usize) -> Vec<H> {
         let dropped = self.ring.split_off(&len).into_values().collect();
         self.consumed = self.consumed.min(len);
+        self.exact = self.exact.min(len);
         dropped
     }
 
@@ -258,21 +264,112 @@ impl<H> MtpTrack<H> {
         }
         forgotten
     }
+
+    /// The head consumed positions `from..to` with the sequence's own next tokens.
+    fn consumed_exactly(&mut self, from: usize, to: usize) {
+        if self.exact >= from {
+            self.exact = self.exact.max(to);
+        }
+        self.consumed = to.max(from);
+    }
 }
 
-/// The MTP head's part of a prefill run of positions `start..stop` of `seq`: it consumes the
-/// positions `start..known` whose next token the prompt holds, so its track has consumed
-/// `known.max(start)`; answers `known`. (The run's last position, when it ends the prompt, is the
-/// one the ring keeps: its next token is not known yet.)
+/// The MTP head after a prefix hit, and the checkpoints it marks (the rule both routers keep
+/// when their [`BookShape::head_rerun`] is set).
+///
+/// A hit at `L` serves the cached blocks of `0..L`, whose MTP-head K/V at a position `p` were
+/// computed from the main model's hidden state at `p` and the caching sequence's token at
+/// `p + 1`: right for `p < L - 1`, but at `L - 1` (the caching sequence's token at `L` need not
+/// be ours) and at any position the caching head never consumed, they are not what a cold run
+/// of this sequence computes. So a router stores, with each checkpoint it takes, the main
+/// model's hidden states from the first position its head has not consumed exactly through
+/// `L - 1` (a [`crate::HeadMark`]): at the end of a prefill run that is `L - 1` alone
+/// ([`prefill_checkpoint_head`]); at a `MarconiCheckpoint`, the catch-up ring's positions from the head's
+/// ([`checkpoint_head`]). A hit on a marked checkpoint ([`crate::plans::HeadLead`]) copies the
+/// hit's blocks that hold those positions (never writing a block another sequence shares) and
+/// reruns the head there with this sequence's tokens before its first prefill run, so its
+/// K/V at `0..L` and its drafts are a cold run's. A hit on an unmarked checkpoint leaves the
+/// head as the cache served it (drafts may differ from a cold run's; the output never does), and
+/// so does a head with Mamba layers (the checkpoint holds their state after `L - 1`, consumed
+/// with the caching sequence's token: rerunning would apply that position twice; it would need
+/// the head to lag one position behind at every checkpoint).
+///
+/// What a prefill run of positions `start..stop` of `seq` asks of the MTP head: it consumes
+/// `from..known`, `from` being the rerun's first position after a hit on a marked checkpoint
+/// (`lead`) and else `start`, and `known` one past the last position whose next token the
+/// prompt holds (the run's last position, when it ends the prompt, is the one the ring keeps:
+/// its next token is not known yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadRun {
+    /// The first position the head consumes.
+    pub from: usize,
+    /// One past the last.
+    pub known: usize,
+}
+
+/// The MTP head's part of a prefill run of positions `start..stop` of `seq` (see [`HeadRun`]).
 pub fn prefill_head<H>(
     track: &mut MtpTrack<H>,
     seq: &RouterSeq,
-    start: usize,
-    stop: usize,
-) -> usize {
+    (start, stop): (usize, usize),
+    lead: Option<crate::plans::HeadLead>,
+) -> HeadRun {
+    let from = match lead {
+        Some(lead) => {
+            // The cached K/V before `lead.from` are the caching sequence's, exact by its mark.
+            track.consumed = lead.from;
+            track.exact = lead.from;
+            lead.from
+        }
+        None => start,
+    };
     let known = stop.min(seq.prompt_len.saturating_sub(1));
-    track.consumed = known.max(start);
-    known
+    track.consumed_exactly(from, known);
+    HeadRun { from, known }
+}
+
+/// A prefill run ending at `stop` took checkpoint `slot` there: when the head is exact through
+/// `stop - 1`, marks it (the router stores the main model's hidden state at `stop - 1` with it)
+/// and answers `true`.
+pub fn prefill_checkpoint_head<H>(
+    track: &MtpTrack<H>,
+    cache: &mut crate::Caches,
+    slot: crate::CheckpointSlot,
+    stop: usize,
+) -> bool {
+    if stop == 0 || track.exact < stop - 1 {
+        return false;
+    }
+    cache.mark_head(
+        slot,
+        crate::HeadMark {
+            pos: stop,
+            from: stop - 1,
+        },
+    );
+    true
+}
+
+/// `MarconiCheckpoint` on a router that reruns the head: when `seq` just took a checkpoint at
+/// `pos` (`slot`) and its head is exact through the positions it consumed, whose next ones
+/// through `pos - 1` its ring holds (at most [`CATCHUP_RING`]), marks the checkpoint and
+/// answers those positions' hidden states for the router to store with it.
+pub fn checkpoint_head<'t, H>(
+    track: &'t MtpTrack<H>,
+    cache: &mut crate::Caches,
+    slot: crate::CheckpointSlot,
+    pos: usize,
+) -> Option<Vec<&'t H>> {
+    let from = track.consumed;
+    if from >= pos || track.exact < from {
+        return None;
+    }
+    let rows: Vec<&H> = (from..pos).map_while(|p| track.ring.get(&p)).collect();
+    if rows.len() != pos - from {
+        return None;
+    }
+    cache.mark_head(slot, crate::HeadMark { pos, from });
+    Some(rows)
 }
 
 /// A drafting row's catch-up: the head consumes positions `start..start + hidden.len()`, the
@@ -418,7 +515,8 @@ pub fn draft<H>(
             let newer = track.ring.split_off(&c);
             plan.dropped
                 .extend(std::mem::replace(&mut track.ring, newer).into_values());
-            track.consumed = c;
+            // After a gap the head's K/V there stay what they were: not exact from then on.
+            track.consumed_exactly(start, c);
             catchup = Some(Catchup {
                 start,
                 tokens: next,
