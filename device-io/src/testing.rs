@@ -45,9 +45,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::{
-    AdapterInfo, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, Label, LoraAck,
-    LoraCommand, LoraError, Phase, PrefillReport, Readback, Result, RowOutput, SeqSpec, Sequence,
-    StepPlan, StepResult, Ticket,
+    AdapterInfo, CacheEventSink, DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed,
+    Label, LoraAck, LoraCommand, LoraError, Phase, PrefillReport, Readback, Result, RowOutput,
+    SeqSpec, Sequence, StepPlan, StepResult, Ticket,
 };
 
 /// A reservation ledger entry: the position reserved and the blocks the reservation added.
@@ -1319,6 +1319,97 @@ impl DeviceIo for ScriptedRouter {
             });
         }
         Ok(())
+    }
+}
+
+/// What a test puts around a [`ScriptedRouter`]'s launches, awaits and effects (see [`Hooked`]):
+/// a gate, a counter, an injected panic, other answers. Each method forwards the call to the
+/// router unchanged unless the test overrides it.
+pub trait Hooks: std::fmt::Debug + Send + Sync {
+    /// Around [`DeviceIo::launch`].
+    fn launch(
+        &self,
+        router: &ScriptedRouter,
+        plan: StepPlan<'_>,
+        rows: &mut [&mut ScriptedSeq],
+    ) -> Result<Ticket> {
+        router.launch(plan, rows)
+    }
+
+    /// Around [`DeviceIo::await_result`].
+    fn await_result(&self, router: &ScriptedRouter, ticket: Ticket) -> Result<StepResult<u64>> {
+        router.await_result(ticket)
+    }
+
+    /// Around [`DeviceIo::apply`].
+    fn apply(
+        &self,
+        router: &ScriptedRouter,
+        effect: Effect<'_, ScriptedSeq, u64>,
+    ) -> Result<EffectOutcome> {
+        router.apply(effect)
+    }
+}
+
+/// A [`ScriptedRouter`] with a test's [`Hooks`] around its launches, awaits and effects; every
+/// other call goes to the router unchanged.
+#[derive(Debug)]
+pub struct Hooked<H> {
+    /// The router the calls reach.
+    pub router: ScriptedRouter,
+    /// What the test does around them.
+    pub hooks: H,
+}
+
+impl<H: Hooks> DeviceIo for Hooked<H> {
+    type Seq = ScriptedSeq;
+    type Ptr = u64;
+    type Model = ScriptedConfig;
+    type LoraCmd = LoraCommand;
+    type LoraAck = LoraAck;
+
+    fn model(&self) -> &ScriptedConfig {
+        self.router.model()
+    }
+
+    fn facts(&self) -> DeviceFacts {
+        self.router.facts()
+    }
+
+    fn max_depth(&self) -> usize {
+        self.router.max_depth()
+    }
+
+    fn computes_on_host(&self) -> bool {
+        self.router.computes_on_host()
+    }
+
+    fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut ScriptedSeq]) -> Result<Ticket> {
+        self.hooks.launch(&self.router, plan, rows)
+    }
+
+    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>> {
+        self.hooks.await_result(&self.router, ticket)
+    }
+
+    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome> {
+        self.hooks.apply(&self.router, effect)
+    }
+
+    fn clear_prefix_cache(&self) -> Result<()> {
+        self.router.clear_prefix_cache()
+    }
+
+    fn subscribe_cache_events(&self, sink: Box<dyn CacheEventSink>) -> Result<()> {
+        self.router.subscribe_cache_events(sink)
+    }
+
+    fn lora(&mut self, cmd: LoraCommand) -> std::result::Result<LoraAck, LoraError> {
+        self.router.lora(cmd)
+    }
+
+    fn teardown(self: Box<Self>) -> Result<()> {
+        Box::new(self.router).teardown()
     }
 }
 

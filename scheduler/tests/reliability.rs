@@ -7,10 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
-    Phase, StepPlan, StepResult, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Phase, StepPlan, Ticket,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
@@ -101,55 +100,27 @@ fn a_twice_failed_release_fails_only_its_own_request() {
     assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
-/// A router that forwards to a [`ScriptedRouter`] and, when armed, holds `EpShutdown` until the
-/// test lets it go (so a test can act while a shutdown is under way).
+/// Around a [`ScriptedRouter`]: holds `EpShutdown` until the test lets it go (so a test can act
+/// while a shutdown is under way).
 #[derive(Debug)]
-struct Gated {
-    inner: ScriptedRouter,
+struct ShutdownGate {
     /// Sends `()` when `EpShutdown` is reached.
     reached: Sender<()>,
     /// `EpShutdown` returns once this yields.
     release: Receiver<()>,
 }
 
-impl DeviceIo for Gated {
-    type Seq = ScriptedSeq;
-    type Ptr = u64;
-    type Model = ScriptedConfig;
-    type LoraCmd = LoraCommand;
-    type LoraAck = LoraAck;
-
-    fn model(&self) -> &ScriptedConfig {
-        self.inner.model()
-    }
-    fn facts(&self) -> DeviceFacts {
-        self.inner.facts()
-    }
-    fn max_depth(&self) -> usize {
-        self.inner.max_depth()
-    }
-    fn launch(
+impl Hooks for ShutdownGate {
+    fn apply(
         &self,
-        plan: StepPlan<'_>,
-        rows: &mut [&mut ScriptedSeq],
-    ) -> Result<Ticket, DeviceError> {
-        self.inner.launch(plan, rows)
-    }
-    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
-        self.inner.await_result(ticket)
-    }
-    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
+        router: &ScriptedRouter,
+        effect: Effect<'_, ScriptedSeq, u64>,
+    ) -> Result<EffectOutcome, DeviceError> {
         if let Effect::EpShutdown = effect {
             self.reached.send(()).unwrap();
             self.release.recv().unwrap();
         }
-        self.inner.apply(effect)
-    }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
-        self.inner.lora(cmd)
-    }
-    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
-        Box::new(self.inner).teardown()
+        router.apply(effect)
     }
 }
 
@@ -163,10 +134,12 @@ fn a_submit_while_shutdown_is_under_way_is_refused_or_gets_a_final_error() {
     for mode in [ShutdownMode::Drain, ShutdownMode::Abort] {
         let (reached_tx, reached) = crossbeam_channel::unbounded();
         let (release, release_rx) = crossbeam_channel::unbounded();
-        let gated = Gated {
-            inner: router(64, 8),
-            reached: reached_tx,
-            release: release_rx,
+        let gated = Hooked {
+            router: router(64, 8),
+            hooks: ShutdownGate {
+                reached: reached_tx,
+                release: release_rx,
+            },
         };
         let thread = EngineThread::spawn(Engine::new(gated, config()).unwrap()).unwrap();
         let client = thread.client();
@@ -194,21 +167,22 @@ fn a_submit_while_shutdown_is_under_way_is_refused_or_gets_a_final_error() {
     }
 }
 
-/// A router that forwards to a [`ScriptedRouter`], counts launches, and panics at launch number
-/// `panic_at` (counting from 1).
+/// Around a [`ScriptedRouter`]: counts launches, and panics at launch number `panic_at`
+/// (counting from 1).
 #[derive(Debug)]
 struct Probe {
-    inner: ScriptedRouter,
     launches: AtomicUsize,
     panic_at: Option<usize>,
 }
 
 impl Probe {
-    fn new(inner: ScriptedRouter, panic_at: Option<usize>) -> Self {
-        Probe {
-            inner,
-            launches: AtomicUsize::new(0),
-            panic_at,
+    fn around(router: ScriptedRouter, panic_at: Option<usize>) -> Hooked<Probe> {
+        Hooked {
+            router,
+            hooks: Probe {
+                launches: AtomicUsize::new(0),
+                panic_at,
+            },
         }
     }
 
@@ -217,24 +191,10 @@ impl Probe {
     }
 }
 
-impl DeviceIo for Probe {
-    type Seq = ScriptedSeq;
-    type Ptr = u64;
-    type Model = ScriptedConfig;
-    type LoraCmd = LoraCommand;
-    type LoraAck = LoraAck;
-
-    fn model(&self) -> &ScriptedConfig {
-        self.inner.model()
-    }
-    fn facts(&self) -> DeviceFacts {
-        self.inner.facts()
-    }
-    fn max_depth(&self) -> usize {
-        self.inner.max_depth()
-    }
+impl Hooks for Probe {
     fn launch(
         &self,
+        router: &ScriptedRouter,
         plan: StepPlan<'_>,
         rows: &mut [&mut ScriptedSeq],
     ) -> Result<Ticket, DeviceError> {
@@ -242,19 +202,7 @@ impl DeviceIo for Probe {
         if self.panic_at == Some(n) {
             panic!("injected router panic at launch {n}");
         }
-        self.inner.launch(plan, rows)
-    }
-    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
-        self.inner.await_result(ticket)
-    }
-    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
-        self.inner.apply(effect)
-    }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
-        self.inner.lora(cmd)
-    }
-    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
-        Box::new(self.inner).teardown()
+        router.launch(plan, rows)
     }
 }
 
@@ -271,7 +219,7 @@ fn ends_with_device_lost(events: &[Event]) -> bool {
 #[test]
 fn a_panicking_router_call_fails_every_request_with_a_typed_error_and_the_engine_stops_cleanly() {
     // Four requests running, two waiting (4 slots); the router panics at the 5th launch.
-    let probe = Probe::new(router(64, 4), Some(5));
+    let probe = Probe::around(router(64, 4), Some(5));
     let thread = EngineThread::spawn(Engine::new(probe, config()).unwrap()).unwrap();
     let client = thread.client();
     let handles: Vec<_> = (0..6)
@@ -297,7 +245,7 @@ fn a_panicking_router_call_fails_every_request_with_a_typed_error_and_the_engine
 
 #[test]
 fn a_lost_device_fails_every_live_and_waiting_request_and_nothing_more_is_launched() {
-    let mut engine = Engine::new(Probe::new(router(64, 4), None), config()).unwrap();
+    let mut engine = Engine::new(Probe::around(router(64, 4), None), config()).unwrap();
     let handles: Vec<_> = (0..6)
         .map(|i| engine.submit(Request::greedy(prompt(4, i), 20)).unwrap())
         .collect();
@@ -307,7 +255,7 @@ fn a_lost_device_fails_every_live_and_waiting_request_and_nothing_more_is_launch
     assert_eq!((engine.running_len(), engine.waiting_len()), (4, 2));
     engine
         .router()
-        .inner
+        .router
         .inject(FaultAt::Launch, DeviceError::DeviceLost("gone".into()));
     engine.step();
     for handle in &handles {
@@ -324,13 +272,13 @@ fn a_lost_device_fails_every_live_and_waiting_request_and_nothing_more_is_launch
         engine.submit(Request::greedy(prompt(4, 9), 2)).unwrap_err(),
         RequestError::EngineStopped
     );
-    let launches = engine.router().launches();
-    let effects = engine.router().inner.effects().len();
+    let launches = engine.router().hooks.launches();
+    let effects = engine.router().router.effects().len();
     for _ in 0..3 {
         engine.step();
     }
-    assert_eq!(engine.router().launches(), launches);
-    assert_eq!(engine.router().inner.effects().len(), effects);
+    assert_eq!(engine.router().hooks.launches(), launches);
+    assert_eq!(engine.router().router.effects().len(), effects);
     assert!(matches!(
         engine.shutdown(ShutdownMode::Drain),
         Err(EngineError::DeviceLost(DeviceError::DeviceLost(message))) if message == "gone"

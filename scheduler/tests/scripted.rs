@@ -3,11 +3,8 @@
 //! the threaded client. Tokens are the scripted router's deterministic function of (id, position),
 //! so every expected output is exact.
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
-use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
-    Phase, StepPlan, StepResult, Ticket,
-};
+use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase, StepPlan, Ticket};
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
 use scheduler::workload::{GenOptions, TokenIds, Workload};
@@ -538,50 +535,23 @@ fn shutdown_effects_come_last_in_order() {
     );
 }
 
-/// A router that waits for a permit before each launch, so a test can hold the engine thread
-/// between steps.
+/// Around a [`ScriptedRouter`]: waits for a permit before each launch, so a test can hold the
+/// engine thread between steps.
 #[derive(Debug)]
-struct Gated {
-    inner: ScriptedRouter,
+struct LaunchGate {
     permits: crossbeam_channel::Receiver<()>,
 }
 
-impl DeviceIo for Gated {
-    type Seq = ScriptedSeq;
-    type Ptr = u64;
-    type Model = ScriptedConfig;
-    type LoraCmd = LoraCommand;
-    type LoraAck = LoraAck;
-
-    fn model(&self) -> &ScriptedConfig {
-        self.inner.model()
-    }
-    fn facts(&self) -> DeviceFacts {
-        self.inner.facts()
-    }
-    fn max_depth(&self) -> usize {
-        1
-    }
+impl Hooks for LaunchGate {
     fn launch(
         &self,
+        router: &ScriptedRouter,
         plan: StepPlan<'_>,
         rows: &mut [&mut ScriptedSeq],
     ) -> Result<Ticket, DeviceError> {
         // A closed gate (sender dropped) lets every launch through.
         let _ = self.permits.recv();
-        self.inner.launch(plan, rows)
-    }
-    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
-        self.inner.await_result(ticket)
-    }
-    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
-        self.inner.apply(effect)
-    }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
-        self.inner.lora(cmd)
-    }
-    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
-        Box::new(self.inner).teardown()
+        router.launch(plan, rows)
     }
 }
 
@@ -615,9 +585,9 @@ fn the_engine_thread_serves_clients_on_other_threads() {
 #[test]
 fn a_cancel_reaches_the_engine_thread_within_a_step() {
     let (permits, gate) = crossbeam_channel::unbounded();
-    let router = Gated {
-        inner: router(64, 8),
-        permits: gate,
+    let router = Hooked {
+        router: router(64, 8),
+        hooks: LaunchGate { permits: gate },
     };
     let thread = EngineThread::spawn(Engine::new(router, config()).unwrap()).unwrap();
     let handle = thread

@@ -17,11 +17,8 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use device_io::testing::{ScriptedConfig, ScriptedRouter, ScriptedSeq};
-use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraAck, LoraCommand, LoraError,
-    Readback, StepPlan, StepResult, Ticket,
-};
+use device_io::testing::{Hooked, Hooks, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::{DeviceError, DeviceIo, Readback, StepPlan, StepResult, Ticket};
 use scheduler::{
     Drafter, Engine, EngineConfig, RandomSampling, Request, Sampling, ShutdownMode, SpecFault,
     SpecOverlap, Speculation,
@@ -41,27 +38,28 @@ const SAMPLES: u64 = 3000;
 
 const PROMPT: [u32; 4] = [1, 2, 3, 4];
 
-/// A [`ScriptedRouter`] whose host logits are [`LOGITS`] at every token position: a launch that
+/// Around a [`ScriptedRouter`]: host logits are [`LOGITS`] at every token position. A launch that
 /// asks for host logits runs on the scripted router with the device argmax, and `into` gets one
 /// row of [`LOGITS`] per position the step may reach; each row's `logits_row` points at its own.
 #[derive(Debug)]
 struct FixedLogits {
-    inner: ScriptedRouter,
     /// The launched steps that asked for host logits.
     host: Mutex<HashSet<u64>>,
 }
 
 impl FixedLogits {
-    fn new(max_depth: usize) -> Self {
-        FixedLogits {
-            inner: ScriptedRouter::new(ScriptedConfig {
+    fn router(max_depth: usize) -> Hooked<FixedLogits> {
+        Hooked {
+            router: ScriptedRouter::new(ScriptedConfig {
                 block_size: 4,
                 num_blocks: 256,
                 num_slots: 8,
                 vocab_size: LOGITS.len(),
                 max_depth,
             }),
-            host: Mutex::new(HashSet::new()),
+            hooks: FixedLogits {
+                host: Mutex::new(HashSet::new()),
+            },
         }
     }
 }
@@ -73,24 +71,10 @@ fn fill(into: &mut Vec<f32>, positions: usize) {
     }
 }
 
-impl DeviceIo for FixedLogits {
-    type Seq = ScriptedSeq;
-    type Ptr = u64;
-    type Model = ScriptedConfig;
-    type LoraCmd = LoraCommand;
-    type LoraAck = LoraAck;
-
-    fn model(&self) -> &ScriptedConfig {
-        self.inner.model()
-    }
-    fn facts(&self) -> DeviceFacts {
-        self.inner.facts()
-    }
-    fn max_depth(&self) -> usize {
-        self.inner.max_depth()
-    }
+impl Hooks for FixedLogits {
     fn launch(
         &self,
+        router: &ScriptedRouter,
         plan: StepPlan<'_>,
         rows: &mut [&mut ScriptedSeq],
     ) -> Result<Ticket, DeviceError> {
@@ -133,14 +117,18 @@ impl DeviceIo for FixedLogits {
             }
             plan => (plan, false),
         };
-        let ticket = self.inner.launch(plan, rows)?;
+        let ticket = router.launch(plan, rows)?;
         if host {
             self.host.lock().unwrap().insert(ticket.0);
         }
         Ok(ticket)
     }
-    fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>, DeviceError> {
-        let mut result = self.inner.await_result(ticket)?;
+    fn await_result(
+        &self,
+        router: &ScriptedRouter,
+        ticket: Ticket,
+    ) -> Result<StepResult<u64>, DeviceError> {
+        let mut result = router.await_result(ticket)?;
         if self.host.lock().unwrap().remove(&ticket.0) {
             for (index, row) in result.rows.iter_mut().enumerate() {
                 row.logits_row = match row.run {
@@ -150,15 +138,6 @@ impl DeviceIo for FixedLogits {
             }
         }
         Ok(result)
-    }
-    fn apply(&self, effect: Effect<'_, ScriptedSeq, u64>) -> Result<EffectOutcome, DeviceError> {
-        self.inner.apply(effect)
-    }
-    fn lora(&mut self, cmd: LoraCommand) -> Result<LoraAck, LoraError> {
-        self.inner.lora(cmd)
-    }
-    fn teardown(self: Box<Self>) -> Result<(), DeviceError> {
-        Box::new(self.inner).teardown()
     }
 }
 
@@ -210,7 +189,7 @@ fn run(depth: usize, speculate: bool, fault: Option<SpecFault>) -> (f64, u64, u6
         }),
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(FixedLogits::new(depth), config).unwrap();
+    let mut engine = Engine::new(FixedLogits::router(depth), config).unwrap();
     if let Some(fault) = fault {
         engine.inject_spec_fault(fault);
     }
