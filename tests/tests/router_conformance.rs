@@ -18,25 +18,26 @@ fn model() -> &'static Model {
     MODEL.get_or_init(|| Model::random(Config::tiny_demo(), 4).unwrap())
 }
 
-/// The host router: blocks of 4 tokens, 16 of them, 2 slots, context 64, caches off.
-fn host() -> CpuRouter {
+/// The host router at `max_depth`: blocks of 4 tokens, 16 of them, 2 slots, context 64, caches
+/// off.
+fn host_at_depth(max_depth: usize) -> CpuRouter {
     let mut config = CpuRouterConfig::new(16, 2);
     config.block_size = 4;
     config.max_context = Some(64);
     config.prefix_cache = false;
     config.marconi = false;
+    config.max_depth = max_depth;
     CpuRouter::new(model().clone(), config).unwrap()
+}
+
+/// The host router at its default depth, 1.
+fn host() -> CpuRouter {
+    host_at_depth(1)
 }
 
 /// The host router pipelined (depth 2, as the CUDA router).
 fn host_pipelined() -> CpuRouter {
-    let mut config = CpuRouterConfig::new(16, 2);
-    config.block_size = 4;
-    config.max_context = Some(64);
-    config.prefix_cache = false;
-    config.marconi = false;
-    config.max_depth = 2;
-    CpuRouter::new(model().clone(), config).unwrap()
+    host_at_depth(2)
 }
 
 /// The CUDA router on `SimRuntime` of the host router's shape: blocks of 4 tokens, 16 of them
@@ -123,6 +124,37 @@ fn release<D: DeviceIo>(router: &D, seq: &mut D::Seq) -> bool {
             seq,
             cache: false,
             what: "finish",
+        })
+        .is_ok()
+}
+
+fn compact<D: DeviceIo>(router: &D, seq: &mut D::Seq, target: usize) -> bool {
+    router.apply(Effect::CompactSlot { seq, target }).is_ok()
+}
+
+fn snapshot_save<D: DeviceIo>(router: &D, seq: &D::Seq, slot: usize) -> bool {
+    router.apply(Effect::SsmSnapshotSave { seq, slot }).is_ok()
+}
+
+fn snapshot_restore<D: DeviceIo>(router: &D, seq: &mut D::Seq, slot: usize) -> bool {
+    router
+        .apply(Effect::SsmSnapshotRestore { seq, slot })
+        .is_ok()
+}
+
+/// Spills `seq` into `image`.
+fn save_image<D: DeviceIo>(router: &D, seq: &D::Seq, image: &mut Vec<u8>) -> bool {
+    router
+        .apply(Effect::SaveSequenceState { seq, writer: image })
+        .is_ok()
+}
+
+/// Restores `seq` from the bytes of `image`.
+fn restore_image<D: DeviceIo>(router: &D, seq: &mut D::Seq, mut image: &[u8]) -> bool {
+    router
+        .apply(Effect::RestoreSequenceState {
+            seq,
+            reader: &mut image,
         })
         .is_ok()
 }
@@ -225,38 +257,19 @@ where
     D::Seq: Sequence,
 {
     let mut a = seq::<D>(1, &[1, 2, 3]);
-    let mut calls = vec![prefill(r, &mut a, 8), release(r, &mut a)];
-    calls.push(
-        r.apply(Effect::CompactSlot {
-            seq: &mut a,
-            target: 1,
-        })
-        .is_ok(),
-    );
-    calls.push(r.apply(Effect::DetachSlot { seq: &mut a }).is_ok());
     let mut image = Vec::new();
-    calls.push(
-        r.apply(Effect::SaveSequenceState {
-            seq: &a,
-            writer: &mut image,
-        })
-        .is_ok(),
-    );
-    calls.push(r.apply(Effect::ReserveKv { seq: &mut a }).is_ok());
-    calls.push(r.apply(Effect::MarconiCheckpoint { seq: &mut a }).is_ok());
-    calls.push(
-        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 })
-            .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 0,
-        })
-        .is_ok(),
-    );
-    calls.push(release(r, &mut a));
-    calls
+    vec![
+        prefill(r, &mut a, 8),
+        release(r, &mut a),
+        compact(r, &mut a, 1),
+        r.apply(Effect::DetachSlot { seq: &mut a }).is_ok(),
+        save_image(r, &a, &mut image),
+        r.apply(Effect::ReserveKv { seq: &mut a }).is_ok(),
+        r.apply(Effect::MarconiCheckpoint { seq: &mut a }).is_ok(),
+        snapshot_save(r, &a, 0),
+        snapshot_restore(r, &mut a, 0),
+        release(r, &mut a),
+    ]
 }
 
 fn slots_that_are_taken_or_missing<D: DeviceIo>(r: &D) -> Vec<bool>
@@ -267,53 +280,19 @@ where
     let mut b = seq::<D>(2, &[4, 5, 6]);
     let mut calls = vec![prefill(r, &mut a, 8), prefill(r, &mut b, 8)];
     let b_slot = b.slot().unwrap_or(1);
-    calls.push(
-        r.apply(Effect::CompactSlot {
-            seq: &mut a,
-            target: b_slot,
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::CompactSlot {
-            seq: &mut a,
-            target: 2,
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 4 })
-            .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 0,
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 0 })
-            .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut b,
-            slot: 0,
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 0,
-        })
-        .is_ok(),
-    );
     let mut c = seq::<D>(3, &[7]);
-    calls.push(prefill(r, &mut c, 8));
-    calls.push(release(r, &mut a));
-    calls.push(release(r, &mut b));
+    calls.extend([
+        compact(r, &mut a, b_slot),
+        compact(r, &mut a, 2),
+        snapshot_save(r, &a, 4),
+        snapshot_restore(r, &mut a, 0),
+        snapshot_save(r, &a, 0),
+        snapshot_restore(r, &mut b, 0),
+        snapshot_restore(r, &mut a, 0),
+        prefill(r, &mut c, 8),
+        release(r, &mut a),
+        release(r, &mut b),
+    ]);
     calls
 }
 
@@ -322,55 +301,20 @@ where
     D::Seq: Sequence,
 {
     let mut a = seq::<D>(1, &[1, 2, 3]);
-    let mut calls = vec![prefill(r, &mut a, 8)];
-    let mut image = Vec::new();
-    calls.push(
-        r.apply(Effect::SaveSequenceState {
-            seq: &a,
-            writer: &mut image,
-        })
-        .is_ok(),
-    );
-    // Onto a live sequence, onto another request's, garbage, cut short.
-    calls.push(
-        r.apply(Effect::RestoreSequenceState {
-            seq: &mut a,
-            reader: &mut image.as_slice(),
-        })
-        .is_ok(),
-    );
     let mut other = seq::<D>(2, &[1, 2, 3]);
-    calls.push(
-        r.apply(Effect::RestoreSequenceState {
-            seq: &mut other,
-            reader: &mut image.as_slice(),
-        })
-        .is_ok(),
-    );
-    calls.push(release(r, &mut a));
-    calls.push(
-        r.apply(Effect::RestoreSequenceState {
-            seq: &mut a,
-            reader: &mut &b"not an image"[..],
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::RestoreSequenceState {
-            seq: &mut a,
-            reader: &mut &image[..image.len() / 2],
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::RestoreSequenceState {
-            seq: &mut a,
-            reader: &mut image.as_slice(),
-        })
-        .is_ok(),
-    );
-    calls.push(decode(r, &mut a, 9));
-    calls.push(release(r, &mut a));
+    let mut image = Vec::new();
+    let mut calls = vec![prefill(r, &mut a, 8), save_image(r, &a, &mut image)];
+    // Onto a live sequence, onto another request's, garbage, cut short.
+    calls.extend([
+        restore_image(r, &mut a, &image),
+        restore_image(r, &mut other, &image),
+        release(r, &mut a),
+        restore_image(r, &mut a, b"not an image"),
+        restore_image(r, &mut a, &image[..image.len() / 2]),
+        restore_image(r, &mut a, &image),
+        decode(r, &mut a, 9),
+        release(r, &mut a),
+    ]);
     calls
 }
 
@@ -487,45 +431,20 @@ where
         verify(r, &mut a, &[7], &[]),
     ];
     let mut image = Vec::new();
-    calls.push(
-        r.apply(Effect::SaveSequenceState {
-            seq: &a,
-            writer: &mut image,
-        })
-        .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotSave { seq: &a, slot: 3 })
-            .is_ok(),
-    );
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 0,
-        })
-        .is_ok(),
-    );
-    // Slot 2 held the snapshot after the rejected third draft (position 9): forgotten.
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 2,
-        })
-        .is_ok(),
-    );
-    calls.push(decode(r, &mut a, 7));
-    calls.push(
-        r.apply(Effect::SsmSnapshotRestore {
-            seq: &mut a,
-            slot: 1,
-        })
-        .is_ok(),
-    );
-    calls.push(decode(r, &mut a, 7));
-    calls.push(verify(r, &mut a, &[7, 8], &[2]));
-    calls.push(truncate(r, &mut a, 11));
-    calls.push(decode(r, &mut a, 9));
-    calls.push(release(r, &mut a));
+    calls.extend([
+        save_image(r, &a, &mut image),
+        snapshot_save(r, &a, 3),
+        snapshot_restore(r, &mut a, 0),
+        // Slot 2 held the snapshot after the rejected third draft (position 9): forgotten.
+        snapshot_restore(r, &mut a, 2),
+        decode(r, &mut a, 7),
+        snapshot_restore(r, &mut a, 1),
+        decode(r, &mut a, 7),
+        verify(r, &mut a, &[7, 8], &[2]),
+        truncate(r, &mut a, 11),
+        decode(r, &mut a, 9),
+        release(r, &mut a),
+    ]);
     calls
 }
 
