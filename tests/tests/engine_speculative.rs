@@ -18,11 +18,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_io::DeviceIo;
+use device_io::{DeviceFacts, DeviceIo};
 use model::Model;
 use scheduler::{
     Drafter, Engine, EngineConfig, EngineError, Metrics, Preemption, RandomSampling, Request,
-    Sampling, ShutdownMode, SpecFault, SpecOverlap, Speculation, SpillTarget,
+    RequestHandle, Sampling, ShutdownMode, SpecFault, SpecOverlap, Speculation, SpillTarget,
 };
 
 const BLOCK: usize = 16;
@@ -109,6 +109,41 @@ fn cohorts(spec: Speculation) -> Speculation {
     }
 }
 
+/// Each request's prompt followed by its output in `outcomes` (which must be `Ok`): what a
+/// perfect drafter knows.
+fn full_sequences(requests: &[Request], outcomes: &[Outcome]) -> Arc<Vec<Vec<u32>>> {
+    let sequences = requests
+        .iter()
+        .zip(outcomes)
+        .map(|(r, out)| {
+            r.prompt
+                .iter()
+                .chain(&out.as_ref().unwrap().0)
+                .copied()
+                .collect()
+        })
+        .collect();
+    Arc::new(sequences)
+}
+
+/// `k` drafts a row from a drafter that knows `sequences` (or, `wrong`, always proposes
+/// something else), overlapped as `overlap` says.
+fn known_drafter(
+    k: usize,
+    sequences: &Arc<Vec<Vec<u32>>>,
+    wrong: bool,
+    overlap: SpecOverlap,
+) -> Speculation {
+    Speculation {
+        k,
+        drafter: Drafter::Known {
+            sequences: Arc::clone(sequences),
+            wrong,
+        },
+        overlap,
+    }
+}
+
 fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
     // The engine reads the ring's size from the router: four rows' drafts per step.
     let ring = setup.speculation.as_ref().map_or(4, |s| 4 * s.k);
@@ -165,6 +200,15 @@ fn serve_waves(model: &Model, setup: Setup, waves: &[&[Request]]) -> (Vec<Outcom
                 .map_err(|e| e.to_string())
         })
         .collect();
+    assert_everything_back(&engine, &initial);
+    let metrics = *engine.metrics();
+    engine.shutdown(ShutdownMode::Drain).unwrap();
+    (outcomes, metrics)
+}
+
+/// Every slot is free and every block free or cached; with the prefix cache cleared, the router
+/// is as it was at `initial`.
+fn assert_everything_back(engine: &Engine<CpuRouter>, initial: &DeviceFacts) {
     let facts = engine.router().facts();
     assert_eq!(facts.live_slots_used, 0, "{facts:?}");
     assert_eq!(
@@ -173,10 +217,26 @@ fn serve_waves(model: &Model, setup: Setup, waves: &[&[Request]]) -> (Vec<Outcom
         "{facts:?}"
     );
     engine.router().clear_prefix_cache().unwrap();
-    assert_eq!(engine.router().facts(), initial);
-    let metrics = *engine.metrics();
-    engine.shutdown(ShutdownMode::Drain).unwrap();
-    (outcomes, metrics)
+    assert_eq!(engine.router().facts(), *initial);
+}
+
+/// Waits for every request of `handles`: the first, cancelled, ends as such with a prefix of its
+/// output in `reference`; every other one gives its output in `reference`.
+fn check_first_cancelled(handles: Vec<RequestHandle>, reference: &[Outcome]) {
+    for (i, (handle, want)) in handles.into_iter().zip(reference).enumerate() {
+        let got = handle.wait();
+        if i == 0 {
+            let completion = got.unwrap();
+            assert_eq!(completion.reason, scheduler::FinishReason::Cancelled);
+            let want = &want.as_ref().unwrap().0;
+            assert!(want.starts_with(&completion.tokens));
+        } else {
+            let got = got
+                .map(|c| (c.tokens, c.logits_digest))
+                .map_err(|e| e.to_string());
+            assert_eq!(&got, want, "request {i}");
+        }
+    }
 }
 
 fn check_mtp(fixture: &str) {
@@ -240,28 +300,11 @@ fn perfect_and_adversarial_drafters_change_nothing_but_the_steps() {
     let (reference, plain) = serve(&model, Setup::plain(), &requests);
     let stopped_output = &reference.last().unwrap().as_ref().unwrap().0;
     assert!(stopped_output.len() < MAX_TOKENS && stopped_output.last() == Some(&stop));
-    let known: Vec<Vec<u32>> = requests
-        .iter()
-        .zip(&reference)
-        .take(requests.len() - 1)
-        .map(|(r, out)| {
-            let mut all = r.prompt.clone();
-            all.extend_from_slice(&out.as_ref().unwrap().0);
-            all
-        })
-        .collect();
-    let known = Arc::new(known);
+    let known = full_sequences(&requests[..requests.len() - 1], &reference);
     let k = 3;
     for wrong in [false, true] {
         let setup = Setup {
-            speculation: Some(Speculation {
-                k,
-                drafter: Drafter::Known {
-                    sequences: Arc::clone(&known),
-                    wrong,
-                },
-                overlap: SpecOverlap::Auto,
-            }),
+            speculation: Some(known_drafter(k, &known, wrong, SpecOverlap::Auto)),
             ..Setup::plain()
         };
         let (outcomes, m) = serve(&model, setup, &requests);
@@ -324,26 +367,9 @@ fn mixed_batches_keep_every_row_exact() {
         })
         .collect();
     let (plain_sampled, _) = serve(&model, Setup::plain(), &sampled_only);
-    let known: Vec<Vec<u32>> = sampled_only
-        .iter()
-        .zip(&plain_sampled)
-        .map(|(r, out)| {
-            r.prompt
-                .iter()
-                .chain(&out.as_ref().unwrap().0)
-                .copied()
-                .collect()
-        })
-        .collect();
+    let known = full_sequences(&sampled_only, &plain_sampled);
     let perfect = |fault| Setup {
-        speculation: Some(Speculation {
-            k: 3,
-            drafter: Drafter::Known {
-                sequences: Arc::new(known.clone()),
-                wrong: false,
-            },
-            overlap: SpecOverlap::Auto,
-        }),
+        speculation: Some(known_drafter(3, &known, false, SpecOverlap::Auto)),
         fault,
         ..Setup::plain()
     };
@@ -353,14 +379,7 @@ fn mixed_batches_keep_every_row_exact() {
     // The negative control: trusting a sampled row's draft without its draw (a wrong acceptance
     // rule) changes the output. Drafts always wrong make it visible.
     let wrong = Setup {
-        speculation: Some(Speculation {
-            k: 3,
-            drafter: Drafter::Known {
-                sequences: Arc::new(known.clone()),
-                wrong: true,
-            },
-            overlap: SpecOverlap::Auto,
-        }),
+        speculation: Some(known_drafter(3, &known, true, SpecOverlap::Auto)),
         fault: Some(SpecFault::TrustSampledDrafts),
         ..Setup::plain()
     };
@@ -420,30 +439,19 @@ fn speculation_runs_ahead_on_a_pipelined_router() {
     // Greedy rows without a digest read the device argmax only (no synchronising host logits).
     requests.push(Request::greedy(requests[0].prompt.clone(), MAX_TOKENS));
     let (reference, _) = serve(&model, Setup::plain(), &requests);
-    let known: Vec<Vec<u32>> = requests
-        .iter()
-        .zip(&reference)
-        .map(|(r, out)| {
-            r.prompt
-                .iter()
-                .chain(&out.as_ref().unwrap().0)
-                .copied()
-                .collect()
-        })
-        .collect();
-    let known = Arc::new(known);
-    let known_drafter = |wrong| Speculation {
-        k: 3,
-        drafter: Drafter::Known {
-            sequences: Arc::clone(&known),
-            wrong,
-        },
-        overlap: SpecOverlap::Cohorts,
-    };
+    let known = full_sequences(&requests, &reference);
     let cases = [
         ("mtp k 3, caches", cohorts(Speculation::mtp(3)), true),
-        ("perfect", known_drafter(false), false),
-        ("adversarial, caches", known_drafter(true), true),
+        (
+            "perfect",
+            known_drafter(3, &known, false, SpecOverlap::Cohorts),
+            false,
+        ),
+        (
+            "adversarial, caches",
+            known_drafter(3, &known, true, SpecOverlap::Cohorts),
+            true,
+        ),
     ];
     for (name, speculation, caches) in cases {
         let setup = Setup {
@@ -489,19 +497,7 @@ fn preemption_at_depth_two_keeps_the_output() {
         })
         .collect();
     let (reference, _) = serve(&model, Setup::plain(), &requests);
-    let known: Arc<Vec<Vec<u32>>> = Arc::new(
-        requests
-            .iter()
-            .zip(&reference)
-            .map(|(r, out)| {
-                r.prompt
-                    .iter()
-                    .chain(&out.as_ref().unwrap().0)
-                    .copied()
-                    .collect()
-            })
-            .collect(),
-    );
+    let known = full_sequences(&requests, &reference);
     for preemption in [
         Preemption::Spill(SpillTarget::Memory),
         Preemption::Recompute,
@@ -511,14 +507,7 @@ fn preemption_at_depth_two_keeps_the_output() {
             num_blocks: 9,
             preemption: preemption.clone(),
             depth: 2,
-            speculation: Some(Speculation {
-                k: 3,
-                drafter: Drafter::Known {
-                    sequences: Arc::clone(&known),
-                    wrong: false,
-                },
-                overlap: SpecOverlap::Cohorts,
-            }),
+            speculation: Some(known_drafter(3, &known, false, SpecOverlap::Cohorts)),
             ..Setup::plain()
         };
         let (outcomes, m) = serve(&model, setup, &requests);
@@ -607,14 +596,12 @@ fn a_boundary_inside_a_verify_run_is_checkpointed() {
         .chain(&reference[1].as_ref().unwrap().0)
         .copied()
         .collect();
-    let perfect = Speculation {
-        k: 3,
-        drafter: Drafter::Known {
-            sequences: Arc::new(vec![first_full, follow_full]),
-            wrong: false,
-        },
-        overlap: SpecOverlap::Auto,
-    };
+    let perfect = known_drafter(
+        3,
+        &Arc::new(vec![first_full, follow_full]),
+        false,
+        SpecOverlap::Auto,
+    );
     let (outcomes, m) = serve_waves(&model, caches(Some(perfect)), waves);
     assert_eq!(outcomes, reference);
     assert_eq!(m.accepted, m.drafted, "{m:?}");
@@ -637,28 +624,11 @@ fn a_ring_shared_between_cohorts_is_caught() {
     let (reference, _) = serve(&model, Setup::plain(), &requests);
     // Drafts always wrong: every row restores a snapshot; with a drafter in the core the next
     // cohort's verification launches before the one in flight settles.
-    let known: Vec<Vec<u32>> = requests
-        .iter()
-        .zip(&reference)
-        .map(|(r, out)| {
-            r.prompt
-                .iter()
-                .chain(&out.as_ref().unwrap().0)
-                .copied()
-                .collect()
-        })
-        .collect();
+    let known = full_sequences(&requests, &reference);
     let setup = |fault| Setup {
         depth: 2,
         fault,
-        speculation: Some(Speculation {
-            k: 2,
-            drafter: Drafter::Known {
-                sequences: Arc::new(known.clone()),
-                wrong: true,
-            },
-            overlap: SpecOverlap::Cohorts,
-        }),
+        speculation: Some(known_drafter(2, &known, true, SpecOverlap::Cohorts)),
         ..Setup::plain()
     };
     // Without the fault this is the adversarial case of the depth-2 test above (exact).
@@ -698,28 +668,8 @@ fn cancel_while_a_verification_is_in_flight() {
     handles[0].cancel();
     engine.run_until_idle();
     assert_eq!(engine.metrics().spec_discards, 1);
-    for (i, (handle, want)) in handles.into_iter().zip(&reference).enumerate() {
-        let got = handle.wait();
-        if i == 0 {
-            let completion = got.unwrap();
-            assert_eq!(completion.reason, scheduler::FinishReason::Cancelled);
-            let want = &want.as_ref().unwrap().0;
-            assert!(want.starts_with(&completion.tokens));
-        } else {
-            let got = got
-                .map(|c| (c.tokens, c.logits_digest))
-                .map_err(|e| e.to_string());
-            assert_eq!(&got, want, "request {i}");
-        }
-    }
-    let facts = engine.router().facts();
-    assert_eq!(facts.live_slots_used, 0);
-    assert_eq!(
-        facts.kv_blocks_free + facts.kv_blocks_cached,
-        initial.kv_blocks_total
-    );
-    engine.router().clear_prefix_cache().unwrap();
-    assert_eq!(engine.router().facts(), initial);
+    check_first_cancelled(handles, &reference);
+    assert_everything_back(&engine, &initial);
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
 
@@ -743,26 +693,8 @@ fn cancel_mid_speculation_releases_everything() {
     }
     handles[0].cancel();
     engine.run_until_idle();
-    for (i, (handle, want)) in handles.into_iter().zip(&reference).enumerate() {
-        let got = handle.wait();
-        if i == 0 {
-            let completion = got.unwrap();
-            assert_eq!(completion.reason, scheduler::FinishReason::Cancelled);
-            let want = &want.as_ref().unwrap().0;
-            assert!(want.starts_with(&completion.tokens));
-        } else {
-            let got = got
-                .map(|c| (c.tokens, c.logits_digest))
-                .map_err(|e| e.to_string());
-            assert_eq!(&got, want, "request {i}");
-        }
-    }
-    let facts = engine.router().facts();
-    assert_eq!(facts.live_slots_used, 0);
-    assert_eq!(
-        facts.kv_blocks_free + facts.kv_blocks_cached,
-        initial.kv_blocks_total
-    );
+    check_first_cancelled(handles, &reference);
+    assert_everything_back(&engine, &initial);
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
 
