@@ -57,21 +57,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(fixture(name).join("cases.json")).expect("cases.json");
-    let json: serde_json::Value = serde_json::from_str(&text).expect("cases.json is JSON");
-    json["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .map(|c| {
-            c["prompt_ids"]
-                .as_array()
-                .expect("prompt_ids")
-                .iter()
-                .map(|v| v.as_u64().expect("id") as u32)
-                .collect()
-        })
-        .collect()
+    model::parity::prompts(&fixture(name)).expect("the fixture's cases.json")
 }
 
 /// The device's pool, slots and workspace for one model.

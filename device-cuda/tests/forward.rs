@@ -23,21 +23,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|case| {
-            case["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
+    model::parity::prompts(dir).unwrap()
 }
 
 /// The host model and the device forward side by side, over the same block tables and slots.

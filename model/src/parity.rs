@@ -4,7 +4,7 @@
 //!
 //! Used by the fixture test and by `cargo run --release -p model --example forward_parity -- PATH`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 
@@ -135,6 +135,37 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         )
 }
 
+/// The prompt of every case of `dir/cases.json` (`prompt_ids`), in file order.
+pub fn prompts(dir: &Path) -> Result<Vec<Vec<u32>>, ModelError> {
+    let (cases_path, root) = read_cases(dir)?;
+    cases(&root, &cases_path)?
+        .iter()
+        .map(|case| ids(case, "prompt_ids", &cases_path))
+        .collect()
+}
+
+/// `dir/cases.json`'s path and its parsed contents.
+fn read_cases(dir: &Path) -> Result<(PathBuf, serde_json::Value), ModelError> {
+    let cases_path = dir.join("cases.json");
+    let text = std::fs::read_to_string(&cases_path).map_err(|source| ModelError::Io {
+        path: cases_path.clone(),
+        source,
+    })?;
+    let root = serde_json::from_str(&text).map_err(|e| fixture_err(&cases_path, e.to_string()))?;
+    Ok((cases_path, root))
+}
+
+/// The list of cases of a parsed `cases.json` read from `path`.
+fn cases<'a>(
+    root: &'a serde_json::Value,
+    path: &Path,
+) -> Result<&'a [serde_json::Value], ModelError> {
+    root["cases"]
+        .as_array()
+        .map(Vec::as_slice)
+        .ok_or_else(|| fixture_err(path, "`cases` is not a list"))
+}
+
 /// Loads `dir/model` and checks every case of `dir/cases.json` against `dir/expected.safetensors`.
 pub fn check_fixture(dir: &Path) -> Result<ParityReport, ModelError> {
     let model = Model::load(&dir.join("model"))?;
@@ -143,13 +174,7 @@ pub fn check_fixture(dir: &Path) -> Result<ParityReport, ModelError> {
 
 /// Checks `model` against the cases of the fixture folder `dir`.
 pub fn check_model(model: &Model, dir: &Path) -> Result<ParityReport, ModelError> {
-    let cases_path = dir.join("cases.json");
-    let text = std::fs::read_to_string(&cases_path).map_err(|source| ModelError::Io {
-        path: cases_path.clone(),
-        source,
-    })?;
-    let root: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| fixture_err(&cases_path, e.to_string()))?;
+    let (cases_path, root) = read_cases(dir)?;
     let expected_path = dir.join("expected.safetensors");
     let bytes = std::fs::read(&expected_path).map_err(|source| ModelError::Io {
         path: expected_path.clone(),
@@ -159,9 +184,7 @@ pub fn check_model(model: &Model, dir: &Path) -> Result<ParityReport, ModelError
         path: expected_path.clone(),
         reason: crate::weights::diagnose_safetensors(&bytes, &e),
     })?;
-    let cases = root["cases"]
-        .as_array()
-        .ok_or_else(|| fixture_err(&cases_path, "`cases` is not a list"))?;
+    let cases = cases(&root, &cases_path)?;
 
     let config = model.config();
     let vocab = config.vocab_size;

@@ -9,8 +9,8 @@
 
 use std::path::PathBuf;
 
-use model::parity::{check_fixture, DEFAULT_TOLERANCE};
-use model::Config;
+use model::parity::{check_fixture, prompts, DEFAULT_TOLERANCE};
+use model::{Config, ModelError};
 
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -24,6 +24,8 @@ fn check(name: &str, lengths: &[usize]) {
     let report = check_fixture(&dir).unwrap();
     let found: Vec<usize> = report.cases.iter().map(|c| c.prompt_len).collect();
     assert_eq!(found, lengths, "{name}: prompt lengths");
+    let prompts: Vec<usize> = prompts(&dir).unwrap().iter().map(Vec::len).collect();
+    assert_eq!(prompts, lengths, "{name}: parity::prompts");
     for case in &report.cases {
         assert_eq!(case.decode_steps, 12, "{name} case {}", case.index);
         assert_eq!(case.actual_greedy.len(), 13, "{name} case {}", case.index);
@@ -90,4 +92,33 @@ fn every_case_of_the_alt_shape_matches_the_numpy_reference() {
         (12, 3, 2, 3)
     );
     check("nemotron-h-alt", &[1, 7, 16, 33, 64]);
+}
+
+/// A `cases.json` that is not what the fixtures hold is a typed error naming the file and what
+/// is wrong, for the prompts as for the parity check.
+#[test]
+fn a_malformed_cases_file_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cases.json");
+    for (text, reason) in [
+        (r#"{"cases": 3}"#, "`cases` is not a list"),
+        (
+            r#"{"cases": [{"prompt_ids": [1, -2]}]}"#,
+            "`prompt_ids` holds a non-id -2",
+        ),
+        (r#"{"cases": [{}]}"#, "`prompt_ids` is not a list"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        match prompts(dir.path()) {
+            Err(ModelError::Fixture {
+                path: at,
+                reason: got,
+            }) => {
+                assert_eq!((at, got.as_str()), (path.clone(), reason), "{text}");
+            }
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+    std::fs::remove_file(&path).unwrap();
+    assert!(matches!(prompts(dir.path()), Err(ModelError::Io { .. })));
 }

@@ -38,26 +38,7 @@ fn fixture(name: &str) -> Model {
 }
 
 fn prompts(name: &str) -> Vec<Vec<u32>> {
-    prompts_in(&fixture_dir(name))
-}
-
-/// The prompt cases of the fixture folder `dir`.
-fn prompts_in(dir: &std::path::Path) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|case| {
-            case["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect()
+    model::parity::prompts(&fixture_dir(name)).unwrap()
 }
 
 fn cuda_config(budget: u64, dtype: DType, caches: bool) -> CudaRouterConfig {
@@ -951,7 +932,7 @@ fn draft_matches_the_host_router_on_both_mtp_fixtures() {
         let dir = fixture_dir(name).join("mtp");
         let model = Model::load(&dir.join("model")).unwrap();
         assert!(model.has_mtp());
-        let cases = prompts_in(&dir);
+        let cases = model::parity::prompts(&dir).unwrap();
         let device = cuda(&model, DType::F32, false, 48);
         let host = host_like(&model, &device, false);
         let vocab = host.facts().vocab_size;

@@ -290,19 +290,7 @@ fn mtp_speculation_on_the_cuda_router_gives_plain_decodings_bits() {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../model/tests/fixtures/nemotron-h-tiny/mtp");
     let model = Model::load(&dir.join("model")).unwrap();
-    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let prompts: Vec<Vec<u32>> = json["cases"].as_array().unwrap()[1..4]
-        .iter()
-        .map(|case| {
-            case["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
+    let prompts = model::parity::prompts(&dir).unwrap()[1..4].to_vec();
     let (plain, plain_digests, _, ()) =
         generate_prompts(cuda_for(&model, false, 1, 32), None, &prompts, |_| ());
     for (k, caches, depth) in [(2, false, 1), (3, true, 2)] {
