@@ -44,27 +44,24 @@ fn model(fixture: &str) -> Model {
 /// The fixture's prompts (the NumPy reference's cases), each a greedy request with a digest,
 /// plus a repeat of the longest two (prefix-cache hits when the caches are on).
 fn greedy_requests(fixture: &str) -> Vec<Request> {
-    let text = std::fs::read_to_string(mtp_dir(fixture).join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let mut prompts: Vec<Vec<u32>> = json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            c["prompt_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        })
-        .collect();
+    let mut prompts = model::parity::prompts(&mtp_dir(fixture)).unwrap();
     let mut longest = prompts.clone();
     longest.sort_by_key(|p| std::cmp::Reverse(p.len()));
     prompts.extend(longest.into_iter().take(2));
     prompts
         .into_iter()
         .map(|p| Request::greedy(p, MAX_TOKENS).with_logits_digest(true))
+        .collect()
+}
+
+/// [`greedy_requests`] with 30 tokens each, so the rows outgrow a tight pool between flights.
+fn long_requests(fixture: &str) -> Vec<Request> {
+    greedy_requests(fixture)
+        .into_iter()
+        .map(|mut r| {
+            r.max_tokens = 30;
+            r
+        })
         .collect()
 }
 
@@ -488,14 +485,7 @@ fn speculation_runs_ahead_on_a_pipelined_router() {
 fn preemption_at_depth_two_keeps_the_output() {
     let fixture = "nemotron-h-alt";
     let model = model(fixture);
-    // Longer outputs than elsewhere, so the rows outgrow the pool between flights.
-    let requests: Vec<Request> = greedy_requests(fixture)
-        .into_iter()
-        .map(|mut r| {
-            r.max_tokens = 30;
-            r
-        })
-        .collect();
+    let requests = long_requests(fixture);
     let (reference, _) = serve(&model, Setup::plain(), &requests);
     let known = full_sequences(&requests, &reference);
     for preemption in [
@@ -529,13 +519,7 @@ fn preemption_at_depth_two_keeps_the_output() {
 fn mtp_drafts_survive_a_dry_pool_at_a_cohort_launch() {
     let fixture = "nemotron-h-alt";
     let model = model(fixture);
-    let requests: Vec<Request> = greedy_requests(fixture)
-        .into_iter()
-        .map(|mut r| {
-            r.max_tokens = 30;
-            r
-        })
-        .collect();
+    let requests = long_requests(fixture);
     let (reference, _) = serve(&model, Setup::plain(), &requests);
     for preemption in [
         Preemption::Recompute,
