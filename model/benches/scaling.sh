@@ -6,6 +6,10 @@
 #   model/benches/scaling.sh [ROUNDS [WORK [THREADS...]]]
 #   (defaults: 6 rounds, prefill:128,prefill:2048,decode:1,decode:32, threads 1 2)
 #
+# A thread count written `2x1` runs two 1-thread processes at the same time and adds their
+# rates: what two cores give when nothing is shared but the machine (memory bandwidth, caches,
+# clock), the ceiling any 2-thread split of one forward pass can reach on this machine.
+#
 # Run it on an idle machine (`uptime` load well under the core count): the per-core speed of a
 # shared machine varies by tens of percent between rounds, which interleaving and best-of only
 # partly absorb. Raw lines go to stderr, the table to stdout.
@@ -20,9 +24,27 @@ LOG=$(mktemp)
 round=1
 while [ "$round" -le "$ROUNDS" ]; do
     for t in $THREADS; do
-        "$BIN" --threads "$t" --work "$WORK" --repeat 2 | while read -r kind n _ rate; do
-            echo "$t $kind $n $rate"
-        done >>"$LOG"
+        case $t in
+        *x1)
+            # Each process's best round is kept per item, and the processes' rates are added.
+            pair=$(mktemp)
+            i=0
+            while [ "$i" -lt "${t%x1}" ]; do
+                "$BIN" --threads 1 --work "$WORK" --repeat 2 >"$pair.$i" &
+                i=$((i + 1))
+            done
+            wait
+            cat "$pair".* | awk -v t="$t" '
+                { key = $1 " " $2; if (!(key in sum)) order[++n] = key; sum[key] += $4 }
+                END { for (j = 1; j <= n; j++) print t, order[j], sum[order[j]] }' >>"$LOG"
+            rm -f "$pair" "$pair".*
+            ;;
+        *)
+            "$BIN" --threads "$t" --work "$WORK" --repeat 2 | while read -r kind n _ rate; do
+                echo "$t $kind $n $rate"
+            done >>"$LOG"
+            ;;
+        esac
     done
     echo "round $round of $ROUNDS done (load $(cut -d' ' -f1 /proc/loadavg))" >&2
     round=$((round + 1))
