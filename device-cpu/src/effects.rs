@@ -238,6 +238,17 @@ fn save(
             .export_block(block, &mut kv)
             .map_err(effect_failed)?;
     }
+    // The MTP head goes in too (its K/V and state are in the blocks and the slot).
+    let mtp = seq
+        .tenure
+        .and_then(|tenure| inner.mtp.get(&tenure))
+        .filter(|_| shape.layout.hidden_size > 0)
+        .map(|track| {
+            router_book::spec::mtp_section(track, seq.computed_len, |row| {
+                Ok::<_, std::convert::Infallible>(row.clone())
+            })
+            .unwrap_or_else(|never| match never {})
+        });
     let bytes = image::encode(
         &shape.layout,
         &plan.header,
@@ -245,6 +256,7 @@ fn save(
         plan.blocks.len(),
         &kv,
         device.states.slot(plan.slot).map_err(effect_failed)?,
+        mtp.as_ref(),
     );
     drop(device);
     book::write_image(seq.id, &bytes, writer)?;
@@ -258,7 +270,7 @@ fn restore(
     seq: &mut CpuSeq,
     reader: &mut dyn std::io::Read,
 ) -> Result<EffectOutcome> {
-    let image = book::read_image(shape, &inner.book(), seq, reader)?;
+    let mut image = book::read_image(shape, &inner.book(), seq, reader)?;
     let lora = inner.lora.bind(image.header.adapter).map_err(|reason| {
         invalid(
             "RestoreSequenceState",
@@ -291,7 +303,15 @@ fn restore(
         book::restore_abort(&mut inner.book(), blocks);
         return Err(effect_failed(err));
     }
+    let mtp = image.mtp.take();
     book::restore_commit(&mut inner.book(), seq, image, slot, blocks, lora);
+    if let (Some(mtp), Some(tenure)) = (mtp, seq.tenure) {
+        let track = router_book::spec::restored_track(mtp, |row| {
+            Ok::<_, std::convert::Infallible>(Some(row))
+        })
+        .unwrap_or_else(|never| match never {});
+        inner.mtp.insert(tenure, track);
+    }
     Ok(EffectOutcome::Unit)
 }
 

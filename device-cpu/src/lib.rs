@@ -488,6 +488,7 @@ impl CpuRouter {
             floats_per_slot: state_floats,
             max_context,
             vocab_size: mc.vocab_size,
+            hidden_size: if model.has_mtp() { mc.hidden_size } else { 0 },
         };
         let shape = Shape {
             block_size: config.block_size,

@@ -469,6 +469,7 @@ fn draft_after_prefill(
             .floats_per_slot(),
         max_context: 256,
         vocab_size: config.vocab_size,
+        hidden_size: config.hidden_size,
     };
     let image = router_book::image::decode(&layout, &bytes).unwrap();
     // Block layout (`model::state`): per attention layer, K then V, each [block, kv heads, dim].
@@ -533,4 +534,67 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
         }
     }
     assert_eq!(drafts_compared, 16);
+}
+
+/// Drafts `k` tokens after `token` for `s` (the MTP head's catch-up first).
+fn draft_once(r: &CpuRouter, s: &mut CpuSeq, token: u32, k: usize) -> Vec<u32> {
+    let ticket = r
+        .launch(
+            StepPlan::Draft {
+                tokens: &[token],
+                k,
+            },
+            &mut [s],
+        )
+        .unwrap();
+    let result = r.await_result(ticket).unwrap();
+    let run = result.rows[0].run.unwrap();
+    result.tokens[run.start..run.start + run.len].to_vec()
+}
+
+/// A checkpoint a `MarconiCheckpoint` takes during speculative decoding carries the hidden
+/// states its catch-up ring holds from the head's position: a hit on it reruns the head there
+/// (over the last position, whose K/V the caching sequence's last draft step wrote), so the
+/// head's K/V and drafts are a cold run's. Before (no rerun on that checkpoint) the K/V at the
+/// position before the hit were the caching sequence's draft's.
+#[test]
+fn the_mtp_head_after_a_hit_on_an_output_checkpoint_is_a_cold_runs() {
+    let fixture = "nemotron-h-tiny";
+    let prompt = common::tokens(11, 20);
+    let (greedy, _) = plain(fixture, &prompt, 8);
+    let hot = caching_router(fixture, true);
+    let mut first = seq(1, &prompt);
+    prefill(&hot, &mut first, 64);
+    // Two steps of three positions each with the true continuation as drafts (all accepted);
+    // the second carries the sequence past the block boundary at 24.
+    for step in 0..2 {
+        let token = greedy[3 * step];
+        draft_once(&hot, &mut first, token, 2);
+        let drafts = &greedy[3 * step + 1..3 * step + 3];
+        let (emitted, _) = speculate(&hot, &mut first, token, drafts, true).unwrap();
+        assert_eq!(emitted, greedy[3 * step + 1..3 * step + 4]);
+    }
+    assert_eq!(first.computed_len(), 26);
+    hot.apply(Effect::MarconiCheckpoint { seq: &mut first })
+        .unwrap();
+    assert_eq!(first.checkpoints_held(), (Some(16), Some(24)));
+    release(&hot, &mut first, true);
+    // A prompt sharing the first 24 positions, then leaving the caching sequence's path.
+    let mut prompt2 = first_tokens(&prompt, &greedy, 24);
+    prompt2.extend([(greedy[4] + 1) % 256, 3, 4]);
+    let mut s = seq(2, &prompt2);
+    let (hot_drafts, hot_kv, cached) = draft_after_prefill(fixture, &hot, &mut s, 3);
+    assert_eq!(cached, 24);
+    release(&hot, &mut s, true);
+    let cold = caching_router(fixture, false);
+    let mut c = seq(2, &prompt2);
+    let (cold_drafts, cold_kv, _) = draft_after_prefill(fixture, &cold, &mut c, 3);
+    release(&cold, &mut c, false);
+    assert!(hot_kv == cold_kv, "the K/V differ");
+    assert_eq!(hot_drafts, cold_drafts);
+}
+
+/// The first `n` tokens of a prompt followed by its greedy continuation.
+fn first_tokens(prompt: &[u32], greedy: &[u32], n: usize) -> Vec<u32> {
+    prompt.iter().chain(greedy).take(n).copied().collect()
 }

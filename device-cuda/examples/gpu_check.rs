@@ -378,6 +378,11 @@ fn random_image(router: &CudaRouter, model: &Model, id: u64, computed: usize) ->
         floats_per_slot: (plan.state_slot_bytes / 4) as usize,
         max_context: router.router_config().max_context,
         vocab_size: model.config().vocab_size,
+        hidden_size: if model.has_mtp() {
+            model.config().hidden_size
+        } else {
+            0
+        },
     };
     let mut rng = ChaCha8Rng::seed_from_u64(id);
     let blocks = computed.div_ceil(plan.block_size);
@@ -395,7 +400,7 @@ fn random_image(router: &CudaRouter, model: &Model, id: u64, computed: usize) ->
         adapter: None,
         cache_salt: None,
     };
-    router_book::image::encode(&layout, &header, &tokens, blocks, &kv, &state)
+    router_book::image::encode(&layout, &header, &tokens, blocks, &kv, &state, None)
 }
 
 /// One script of effects; answers every outcome, the images saved and the state rows.

@@ -319,6 +319,14 @@ impl CudaRouter {
         run().map_err(effect_err)
     }
 
+    /// The hidden state in catch-up cell `cell`, read after the work queued before.
+    fn read_cell(&self, cell: u32) -> std::result::Result<Vec<f32>, CudaError> {
+        let src = self.cell(cell)?;
+        let mut out = vec![0u8; src.bytes()];
+        self.runtime().download(&mut out, src, Stream::Compute)?;
+        Ok(bytes_f32(&out))
+    }
+
     /// The bytes of state row `row`, read after the work queued before (for tests and checks).
     pub fn read_state_row(&self, row: usize) -> std::result::Result<Vec<u8>, CudaError> {
         let src = self.state_row(row)?;
@@ -452,6 +460,21 @@ impl CudaRouter {
         self.settle_flights(inner)?;
         let plan = book::save_plan(&shape, &inner.book(), seq)?;
         let (kv, state) = self.export(&plan.blocks, plan.slot).map_err(effect_err)?;
+        // The MTP head goes in too: its K/V and state are in the blocks and the slot, its
+        // catch-up ring's cells are read here.
+        let track = seq
+            .tenure
+            .and_then(|tenure| inner.mtp.get(&tenure))
+            .filter(|_| shape.layout.hidden_size > 0);
+        let mtp = match track {
+            Some(track) => Some(
+                router_book::spec::mtp_section(track, seq.computed_len, |&cell| {
+                    self.read_cell(cell)
+                })
+                .map_err(effect_err)?,
+            ),
+            None => None,
+        };
         let bytes = image::encode(
             &shape.layout,
             &plan.header,
@@ -459,6 +482,7 @@ impl CudaRouter {
             plan.blocks.len(),
             &kv,
             &state,
+            mtp.as_ref(),
         );
         book::write_image(seq.id, &bytes, writer)?;
         Ok(EffectOutcome::Unit)
@@ -471,7 +495,7 @@ impl CudaRouter {
         reader: &mut dyn std::io::Read,
     ) -> Result<EffectOutcome> {
         let shape = *self.book_shape();
-        let image = book::read_image(&shape, &inner.book(), seq, reader)?;
+        let mut image = book::read_image(&shape, &inner.book(), seq, reader)?;
         if let Some(adapter) = image.header.adapter {
             return Err(invalid(
                 "RestoreSequenceState",
@@ -487,7 +511,33 @@ impl CudaRouter {
             book::restore_abort(&mut inner.book(), blocks);
             return Err(effect_err(err));
         }
+        // The MTP head's ring into free catch-up cells (as many as there are, newest first).
+        let mut track = None;
+        if let Some(section) = image.mtp.take() {
+            let free = &mut inner.free_cells;
+            let mut taken = Vec::new();
+            let held = router_book::spec::restored_track(section, |row| {
+                let Some(cell) = free.pop() else {
+                    return Ok(None);
+                };
+                taken.push(cell);
+                self.runtime()
+                    .upload(self.cell(cell)?, &f32_bytes(&row), Stream::Compute)?;
+                Ok::<_, CudaError>(Some(cell))
+            });
+            match held {
+                Ok(held) => track = Some(held),
+                Err(err) => {
+                    inner.free_cells.extend(taken);
+                    book::restore_abort(&mut inner.book(), blocks);
+                    return Err(effect_err(err));
+                }
+            }
+        }
         book::restore_commit(&mut inner.book(), seq, image, slot, blocks, None);
+        if let (Some(track), Some(tenure)) = (track, seq.tenure) {
+            inner.mtp.insert(tenure, track);
+        }
         Ok(EffectOutcome::Unit)
     }
 

@@ -105,6 +105,11 @@ impl CudaRouter {
                 block_size: plan.block_size,
                 floats_per_block: (plan.kv_block_bytes / 4) as usize,
                 floats_per_slot: (plan.state_slot_bytes / 4) as usize,
+                hidden_size: if model.has_mtp() {
+                    model.config().hidden_size
+                } else {
+                    0
+                },
                 max_context: router.max_context,
                 vocab_size: model.config().vocab_size,
             },

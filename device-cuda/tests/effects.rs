@@ -46,6 +46,7 @@ fn layout(router: &CudaRouter) -> Layout {
         floats_per_slot: (plan.state_slot_bytes / 4) as usize,
         max_context: 256,
         vocab_size: 256,
+        hidden_size: 0,
     }
 }
 
@@ -86,7 +87,7 @@ fn image_of(
         adapter: None,
         cache_salt: Some(9),
     };
-    let bytes = image::encode(&layout, &header, &tokens, blocks, &kv, &state);
+    let bytes = image::encode(&layout, &header, &tokens, blocks, &kv, &state, None);
     (bytes, state.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 

@@ -43,7 +43,9 @@ pub enum Effect<'a, S, P> {
         seq: &'a mut S,
     },
     /// Spill: write a versioned, self-describing image of the sequence (its KV blocks and live
-    /// state) to `writer`. The sequence itself is unchanged; the core usually releases it next.
+    /// state, and on a model with an MTP head the head's position and catch-up ring, so a
+    /// restored sequence drafts at its next step) to `writer`. The sequence itself is
+    /// unchanged; the core usually releases it next.
     SaveSequenceState {
         /// The sequence to spill.
         seq: &'a S,
@@ -52,7 +54,9 @@ pub enum Effect<'a, S, P> {
     },
     /// The inverse of [`Effect::SaveSequenceState`]: read an image into fresh blocks and a free
     /// slot of `seq` (which must hold none). A truncated, corrupt or foreign image is refused with
-    /// [`DeviceError::BadImage`](crate::DeviceError::BadImage) and changes nothing.
+    /// [`DeviceError::BadImage`](crate::DeviceError::BadImage) and changes nothing. A router reads
+    /// the image versions its format names (an older image without the MTP head's section
+    /// restores a sequence that drafts again once it kept a new hidden state).
     RestoreSequenceState {
         /// The sequence that receives the image; it must hold no blocks and no slot.
         seq: &'a mut S,

@@ -264,6 +264,12 @@ pub fn print(title: &str, report: &ReplayReport, adapters: &[std::path::PathBuf]
             report.mean_accepted_length,
             report.tokens_per_target_step
         );
+        if report.draft_steps > 0 || report.draft_failures > 0 {
+            println!(
+                "MTP drafting        {} draft steps ({} refused); {} rows drafted nothing though they had a budget",
+                report.draft_steps, report.draft_failures, report.draft_misses
+            );
+        }
     }
     if report.fed_steps > 0 || report.pipeline_drains > 0 {
         println!(

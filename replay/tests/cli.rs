@@ -328,3 +328,51 @@ fn adapters_go_round_robin_to_sessions_and_report_their_hit_rates() {
     assert_eq!(hits("caches_off"), [(1, 2, 4, 106, 0), (2, 2, 4, 106, 0)]);
     assert_eq!(report["setup"]["adapters"].as_array().unwrap().len(), 2);
 }
+
+/// With `--mtp K` the report says how the MTP head drafted: its draft steps, the refused ones,
+/// and the rows it proposed nothing for (the report had no such line before).
+#[test]
+fn an_mtp_run_reports_its_draft_steps_and_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.jsonl");
+    let lines = [
+        record(
+            1,
+            0,
+            &[5, 6, 7, 8, 9, 10, 11, 12],
+            &[20, 21, 22, 23, 24, 25],
+        ),
+        record(2, 0, &[5, 6, 7, 8, 1, 2], &[30, 31, 32, 33]),
+    ];
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let json = dir.path().join("report.json");
+    let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/fixtures/nemotron-h-tiny/mtp/model");
+    let out = replay(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--workload",
+        trace.to_str().unwrap(),
+        "--kv-blocks",
+        "64",
+        "--mtp",
+        "2",
+        "--progress",
+        "off",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}\n{}", stdout(&out), stderr(&out));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let pass = &report["caches_on"];
+    let steps = pass["draft_steps"].as_u64().unwrap();
+    assert!(steps > 0, "{pass}");
+    assert_eq!(pass["draft_failures"], 0);
+    assert_eq!(pass["draft_misses"], 0);
+    let line = format!(
+        "MTP drafting        {steps} draft steps (0 refused); 0 rows drafted nothing though they had a budget"
+    );
+    let text = stdout(&out);
+    assert!(text.contains(&line), "missing {line:?} in\n{text}");
+}

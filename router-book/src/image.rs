@@ -1,12 +1,12 @@
 //! The spill image of one sequence (`SaveSequenceState` / `RestoreSequenceState`): format, writer, and
 //! a validating reader.
 //!
-//! # Format (version 1, all integers and floats little-endian)
+//! # Format (version 2, all integers and floats little-endian)
 //!
 //! | bytes | field |
 //! |---|---|
 //! | 8 | magic `b"HYBSEQ\0\x01"` |
-//! | 4 | format version (`1`) |
+//! | 4 | format version (`2`; `1` is read too) |
 //! | 8 | model fingerprint ([`model::Model::fingerprint`]) |
 //! | 4 | block size (tokens per KV block) |
 //! | 8 | floats per KV block (all attention layers, K and V) |
@@ -18,32 +18,51 @@
 //! | 1 + 4 | LoRA adapter: flag (0/1), id |
 //! | 1 + 8 | cache salt: flag (0/1), salt |
 //! | 8 | block count (exactly `ceil(computed / block_size)`) |
+//! | 1 | MTP section: flag (0/1) (version 2 only, as the next three) |
+//! | 8 | MTP head: positions consumed (0 without the section) |
+//! | 8 | MTP head: positions exact (at most those consumed) |
+//! | 8 | MTP catch-up ring: row count (at most [`CATCHUP_RING`]) |
 //! | 4 × token count | token ids |
 //! | 4 × block count × floats per block | the KV of each block, in position order |
 //! | 4 × floats per slot | the live state |
+//! | (8 + 4 × hidden size) × row count | the ring's rows: position, then the main model's hidden state there (version 2) |
 //! | 8 | xxh3-64 of every byte before it |
 //!
+//! The MTP section carries the sequence's MTP head (`crate::spec::MtpTrack`) on a model with one:
+//! how far its K/V and state (in the KV and the live state above) have consumed the sequence, how
+//! far exactly, and the hidden states of its catch-up ring, so a restored sequence drafts at its
+//! first step as it would have without the spill. Ring positions increase strictly and lie in
+//! `consumed..computed`. A version 1 image (written before the section existed) has none: the
+//! restored head drafts from its next kept hidden state on.
+//!
 //! The reader checks, before anything is touched: the magic, the version, the fingerprint, the block
-//! size and both float counts against this router; that the lengths are consistent with each other;
-//! that the body has exactly the announced length; and the checksum. Only then does the router look
-//! for blocks and a slot.
+//! size and both float counts against this router; that the lengths are consistent with each other
+//! (and the MTP section with them and with the router's hidden size); that the body has exactly
+//! the announced length; and the checksum. Only then does the router look for blocks and a slot.
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::spec::CATCHUP_RING;
+
 /// The first eight bytes of every image.
 pub const MAGIC: [u8; 8] = *b"HYBSEQ\0\x01";
-/// The format version this crate writes and reads.
-pub const VERSION: u32 = 1;
+/// The format version this crate writes.
+pub const VERSION: u32 = 2;
+/// The oldest format version this crate reads (no MTP section).
+pub const OLDEST_VERSION: u32 = 1;
 
-/// Bytes of the fixed header (everything before the token ids).
-const HEADER_BYTES: usize = 8 + 4 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 5 + 9 + 8;
+/// Bytes of the fixed header of a version 1 image (everything before the token ids).
+const HEADER_V1_BYTES: usize = 8 + 4 + 8 + 4 + 8 + 8 + 8 + 8 + 8 + 8 + 5 + 9 + 8;
+/// Bytes of the fixed header (version 2: the MTP section's fields after version 1's).
+const HEADER_BYTES: usize = HEADER_V1_BYTES + 1 + 8 + 8 + 8;
 
-/// The longest image a router of `layout` can accept (a sequence of `max_context` tokens);
-/// readers stop there, so a runaway stream cannot exhaust memory.
+/// The longest image a router of `layout` can accept (a sequence of `max_context` tokens, a
+/// full catch-up ring); readers stop there, so a runaway stream cannot exhaust memory.
 pub fn max_len(layout: &Layout) -> u64 {
     let blocks = layout.max_context.div_ceil(layout.block_size) as u64;
     let floats = blocks * layout.floats_per_block as u64 + layout.floats_per_slot as u64;
-    HEADER_BYTES as u64 + 4 * layout.max_context as u64 + 4 * floats + 8
+    let ring = CATCHUP_RING as u64 * (8 + 4 * layout.hidden_size as u64);
+    HEADER_BYTES as u64 + 4 * layout.max_context as u64 + 4 * floats + ring + 8
 }
 
 /// What the router must match for an image to be accepted.
@@ -55,6 +74,21 @@ pub struct Layout {
     pub floats_per_slot: usize,
     pub max_context: usize,
     pub vocab_size: usize,
+    /// Floats of one hidden state of the MTP head's catch-up ring (the model's hidden size; 0
+    /// without an MTP head, whose images carry no MTP section).
+    pub hidden_size: usize,
+}
+
+/// An image's MTP section: the sequence's MTP head (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MtpSection {
+    /// The head's K/V and state cover positions `..consumed`.
+    pub consumed: usize,
+    /// Exactly (`crate::spec::MtpTrack::exact`).
+    pub exact: usize,
+    /// The catch-up ring: position and the main model's hidden state there, positions
+    /// increasing.
+    pub ring: Vec<(usize, Vec<f32>)>,
 }
 
 /// The sequence-level fields of an image.
@@ -77,9 +111,12 @@ pub struct Image {
     pub num_blocks: usize,
     /// `floats_per_slot` floats.
     pub state: Vec<f32>,
+    /// The MTP head, when the image carries it.
+    pub mtp: Option<MtpSection>,
 }
 
-/// Encodes an image. `kv` holds the blocks' floats back to back.
+/// Encodes an image (the current version). `kv` holds the blocks' floats back to back; `mtp`
+/// (rows of `hidden_size` floats, at most [`CATCHUP_RING`]) is the MTP section.
 pub fn encode(
     layout: &Layout,
     header: &ImageHeader,
@@ -87,10 +124,15 @@ pub fn encode(
     num_blocks: usize,
     kv: &[f32],
     state: &[f32],
+    mtp: Option<&MtpSection>,
 ) -> Vec<u8> {
     debug_assert_eq!(kv.len(), num_blocks * layout.floats_per_block);
     debug_assert_eq!(state.len(), layout.floats_per_slot);
-    let body = 4 * (tokens.len() + kv.len() + state.len());
+    let ring = mtp.map_or(&[][..], |mtp| &mtp.ring[..]);
+    debug_assert!(ring.len() <= CATCHUP_RING);
+    debug_assert!(ring.iter().all(|(_, row)| row.len() == layout.hidden_size));
+    let body =
+        4 * (tokens.len() + kv.len() + state.len()) + ring.len() * (8 + 4 * layout.hidden_size);
     let mut out = Vec::with_capacity(HEADER_BYTES + body + 8);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
@@ -107,12 +149,26 @@ pub fn encode(
     out.push(u8::from(header.cache_salt.is_some()));
     out.extend_from_slice(&header.cache_salt.unwrap_or(0).to_le_bytes());
     out.extend_from_slice(&(num_blocks as u64).to_le_bytes());
+    out.push(u8::from(mtp.is_some()));
+    for field in [
+        mtp.map_or(0, |mtp| mtp.consumed),
+        mtp.map_or(0, |mtp| mtp.exact),
+        ring.len(),
+    ] {
+        out.extend_from_slice(&(field as u64).to_le_bytes());
+    }
     debug_assert_eq!(out.len(), HEADER_BYTES);
     for token in tokens {
         out.extend_from_slice(&token.to_le_bytes());
     }
     for value in kv.iter().chain(state) {
         out.extend_from_slice(&value.to_le_bytes());
+    }
+    for (pos, row) in ring {
+        out.extend_from_slice(&(*pos as u64).to_le_bytes());
+        for value in row {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
     }
     let checksum = xxh3_64(&out);
     out.extend_from_slice(&checksum.to_le_bytes());
@@ -189,9 +245,10 @@ pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
         return Err(format!("magic is {magic:02x?}, expected {MAGIC:02x?}"));
     }
     let version = cur.u32("version")?;
-    if version != VERSION {
+    if !(OLDEST_VERSION..=VERSION).contains(&version) {
         return Err(format!(
-            "format version {version} is not supported (this router reads {VERSION})"
+            "format version {version} is not supported (this router reads {OLDEST_VERSION} \
+             to {VERSION})"
         ));
     }
     let fingerprint = cur.u64("model fingerprint")?;
@@ -225,6 +282,16 @@ pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
     let has_salt = cur.flag("cache salt")?;
     let salt = cur.u64("cache salt")?;
     let num_blocks = cur.usize("block count")?;
+    let (has_mtp, consumed, exact, ring_rows) = if version >= 2 {
+        (
+            cur.flag("MTP section")?,
+            cur.usize("MTP positions consumed")?,
+            cur.usize("MTP positions exact")?,
+            cur.usize("MTP ring row count")?,
+        )
+    } else {
+        (false, 0, 0, 0)
+    };
 
     if prompt_len == 0 {
         return Err("prompt length is 0".to_string());
@@ -261,9 +328,37 @@ pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
         ));
     }
 
-    // Every size below is bounded by the context limit checked above, so these products fit.
+    if has_mtp {
+        if layout.hidden_size == 0 {
+            return Err("an MTP section, but this router's model has no MTP head".to_string());
+        }
+        if consumed > computed_len || exact > consumed {
+            return Err(format!(
+                "MTP positions are inconsistent: consumed {consumed}, exact {exact}, computed \
+                 {computed_len}"
+            ));
+        }
+        if ring_rows > CATCHUP_RING {
+            return Err(format!(
+                "MTP ring row count {ring_rows} exceeds the ring's {CATCHUP_RING}"
+            ));
+        }
+    } else if consumed != 0 || exact != 0 || ring_rows != 0 {
+        return Err(format!(
+            "no MTP section, but MTP fields consumed {consumed}, exact {exact}, rows {ring_rows}"
+        ));
+    }
+
+    // Every size below is bounded by the context limit (and the ring's) checked above, so these
+    // products fit.
     let body_floats = num_blocks * layout.floats_per_block + layout.floats_per_slot;
-    let expected_len = HEADER_BYTES + 4 * token_count + 4 * body_floats + 8;
+    let header_bytes = if version >= 2 {
+        HEADER_BYTES
+    } else {
+        HEADER_V1_BYTES
+    };
+    let ring_bytes = ring_rows * (8 + 4 * layout.hidden_size);
+    let expected_len = header_bytes + 4 * token_count + 4 * body_floats + ring_bytes + 8;
     if bytes.len() != expected_len {
         return Err(if bytes.len() < expected_len {
             format!(
@@ -306,6 +401,29 @@ pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
     };
     let kv = read_floats(num_blocks * layout.floats_per_block, "KV")?;
     let state = read_floats(layout.floats_per_slot, "live state")?;
+    let mut ring: Vec<(usize, Vec<f32>)> = Vec::with_capacity(ring_rows);
+    for _ in 0..ring_rows {
+        let pos = cur.usize("MTP ring position")?;
+        let after = ring.last().map_or(consumed, |&(last, _)| last + 1);
+        if pos < after || pos >= computed_len {
+            return Err(format!(
+                "MTP ring position {pos} is out of order or range (next at least {after}, \
+                 computed {computed_len})"
+            ));
+        }
+        let row = cur.take(4 * layout.hidden_size, "MTP ring row")?;
+        ring.push((
+            pos,
+            row.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect(),
+        ));
+    }
+    let mtp = has_mtp.then_some(MtpSection {
+        consumed,
+        exact,
+        ring,
+    });
     Ok(Image {
         header: ImageHeader {
             seq_id,
@@ -318,6 +436,7 @@ pub fn decode(layout: &Layout, bytes: &[u8]) -> Result<Image, String> {
         kv,
         num_blocks,
         state,
+        mtp,
     })
 }
 
@@ -333,10 +452,33 @@ mod tests {
             floats_per_slot: 2,
             max_context: 64,
             vocab_size: 100,
+            hidden_size: 2,
         }
     }
 
+    fn section() -> MtpSection {
+        MtpSection {
+            consumed: 3,
+            exact: 2,
+            ring: vec![(3, vec![0.25, -4.0]), (4, vec![8.0, 1.5])],
+        }
+    }
+
+    /// `image` (of a sequence with no MTP section) as version 1 wrote it: no MTP fields.
+    fn as_version_1(image: &[u8]) -> Vec<u8> {
+        let mut old = image[..HEADER_V1_BYTES].to_vec();
+        old[8..12].copy_from_slice(&1u32.to_le_bytes());
+        old.extend_from_slice(&image[HEADER_BYTES..image.len() - 8]);
+        let checksum = xxh3_64(&old);
+        old.extend_from_slice(&checksum.to_le_bytes());
+        old
+    }
+
     fn sample() -> Vec<u8> {
+        sample_with(Some(&section()))
+    }
+
+    fn sample_with(mtp: Option<&MtpSection>) -> Vec<u8> {
         let header = ImageHeader {
             seq_id: 9,
             prompt_len: 3,
@@ -345,7 +487,15 @@ mod tests {
             cache_salt: None,
         };
         let kv: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
-        encode(&layout(), &header, &[1, 2, 3, 4, 5], 2, &kv, &[7.0, -1.0])
+        encode(
+            &layout(),
+            &header,
+            &[1, 2, 3, 4, 5],
+            2,
+            &kv,
+            &[7.0, -1.0],
+            mtp,
+        )
     }
 
     #[test]
@@ -360,6 +510,89 @@ mod tests {
         assert_eq!(image.num_blocks, 2);
         assert_eq!(image.kv, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
         assert_eq!(image.state, vec![7.0, -1.0]);
+        assert_eq!(image.mtp, Some(section()));
+        assert_eq!(decode(&layout(), &sample_with(None)).unwrap().mtp, None);
+    }
+
+    /// An image written before the MTP section existed (version 1) still loads, with no section.
+    #[test]
+    fn version_1_images_load() {
+        let current = decode(&layout(), &sample_with(None)).unwrap();
+        let old = decode(&layout(), &as_version_1(&sample_with(None))).unwrap();
+        assert_eq!(old.header, current.header);
+        assert_eq!(old.tokens, current.tokens);
+        assert_eq!(old.kv, current.kv);
+        assert_eq!(old.state, current.state);
+        assert_eq!(old.mtp, None);
+        let mut cut = as_version_1(&sample_with(None));
+        cut.pop();
+        check_err(&cut, &layout(), "truncated: the header announces");
+    }
+
+    /// Malformed MTP sections are named.
+    #[test]
+    fn every_bad_mtp_section_is_named() {
+        let l = layout();
+        check_err(
+            &sample(),
+            &Layout {
+                hidden_size: 0,
+                ..l
+            },
+            "an MTP section, but this router's model has no MTP head",
+        );
+        let with = |mtp: MtpSection| sample_with(Some(&mtp));
+        check_err(
+            &with(MtpSection {
+                consumed: 6,
+                ..section()
+            }),
+            &l,
+            "MTP positions are inconsistent: consumed 6, exact 2, computed 5",
+        );
+        check_err(
+            &with(MtpSection {
+                exact: 4,
+                ..section()
+            }),
+            &l,
+            "MTP positions are inconsistent: consumed 3, exact 4",
+        );
+        check_err(
+            &with(MtpSection {
+                ring: vec![(4, vec![0.0; 2]), (3, vec![0.0; 2])],
+                ..section()
+            }),
+            &l,
+            "MTP ring position 3 is out of order or range (next at least 5",
+        );
+        check_err(
+            &with(MtpSection {
+                ring: vec![(2, vec![0.0; 2])],
+                ..section()
+            }),
+            &l,
+            "MTP ring position 2 is out of order or range (next at least 3",
+        );
+        check_err(
+            &with(MtpSection {
+                ring: vec![(5, vec![0.0; 2])],
+                ..section()
+            }),
+            &l,
+            "MTP ring position 5 is out of order or range (next at least 3, computed 5)",
+        );
+        // The row count in the header (offset: the last eight header bytes) past the ring.
+        let mut many = sample();
+        many[HEADER_BYTES - 8..HEADER_BYTES].copy_from_slice(&17u64.to_le_bytes());
+        check_err(&many, &l, "MTP ring row count 17 exceeds the ring's 16");
+        let mut stray = sample_with(None);
+        stray[HEADER_BYTES - 8..HEADER_BYTES].copy_from_slice(&1u64.to_le_bytes());
+        check_err(
+            &stray,
+            &l,
+            "no MTP section, but MTP fields consumed 0, exact 0, rows 1",
+        );
     }
 
     fn check_err(bytes: &[u8], layout: &Layout, expected_start: &str) {
@@ -387,8 +620,8 @@ mod tests {
         bad_magic[0] = b'X';
         check_err(&bad_magic, &l, "magic is");
         let mut bad_version = good.clone();
-        bad_version[8] = 2;
-        check_err(&bad_version, &l, "format version 2");
+        bad_version[8] = 3;
+        check_err(&bad_version, &l, "format version 3 is not supported");
         check_err(
             &good,
             &Layout {
@@ -489,7 +722,9 @@ mod tests {
             }
             let l = layout();
             if let Ok(image) = decode(&l, &bytes) {
-                let floats = image.kv.len() + image.state.len();
+                let ring = image.mtp.as_ref().map_or(0, |mtp| mtp.ring.len());
+                proptest::prop_assert!(ring <= CATCHUP_RING);
+                let floats = image.kv.len() + image.state.len() + ring * l.hidden_size;
                 proptest::prop_assert!(4 * (image.tokens.len() + floats) <= bytes.len());
                 proptest::prop_assert_eq!(image.kv.len(), image.num_blocks * l.floats_per_block);
                 proptest::prop_assert_eq!(image.state.len(), l.floats_per_slot);

@@ -274,6 +274,48 @@ impl<H> MtpTrack<H> {
     }
 }
 
+/// The MTP section of a spill image for `track`, of a sequence of `computed` positions: the
+/// head's positions and its ring's rows in `consumed..computed` (`read` reads one hidden state).
+pub fn mtp_section<H, E>(
+    track: &MtpTrack<H>,
+    computed: usize,
+    mut read: impl FnMut(&H) -> std::result::Result<Vec<f32>, E>,
+) -> std::result::Result<crate::image::MtpSection, E> {
+    let consumed = track.consumed.min(computed);
+    let mut ring = Vec::new();
+    for (&pos, hidden) in track.ring.range(consumed..computed).take(CATCHUP_RING) {
+        ring.push((pos, read(hidden)?));
+    }
+    Ok(crate::image::MtpSection {
+        consumed,
+        exact: track.exact.min(consumed),
+        ring,
+    })
+}
+
+/// The MTP head of a sequence restored from an image's MTP section: `hold` keeps one hidden
+/// state the router's way (`None`: no room; the ring then keeps the newest rows it could, and
+/// the head skips the rest at its next catch-up).
+pub fn restored_track<H, E>(
+    section: crate::image::MtpSection,
+    mut hold: impl FnMut(Vec<f32>) -> std::result::Result<Option<H>, E>,
+) -> std::result::Result<MtpTrack<H>, E> {
+    let mut track = MtpTrack {
+        consumed: section.consumed,
+        exact: section.exact,
+        ring: std::collections::BTreeMap::new(),
+    };
+    for (pos, row) in section.ring.into_iter().rev() {
+        match hold(row)? {
+            Some(hidden) => {
+                track.ring.insert(pos, hidden);
+            }
+            None => break,
+        }
+    }
+    Ok(track)
+}
+
 /// The MTP head after a prefix hit, and the checkpoints it marks (the rule both routers keep
 /// when their [`BookShape::head_rerun`] is set).
 ///

@@ -358,6 +358,10 @@ struct Waiting<S> {
 struct Spilled<S> {
     seq: S,
     tag: ImageTag,
+    /// The router's MTP drafts for the sequence's next step that no verification took, and the
+    /// length they were proposed at: the head consumed its catch-up ring to propose them (the
+    /// image carries that ring), so they come back with the sequence.
+    drafts: Option<(usize, Vec<u32>)>,
 }
 
 /// Buffers reused by every step, so a steady state allocates nothing of its own.
@@ -1158,9 +1162,13 @@ where
             if req.preemptions > 0 {
                 req.resumed_at = Some(self.step_no);
             }
+            let mut kept = None;
             let seq = match spilled {
                 Some(spilled) => match self.restore(spilled, &mut req) {
-                    Restored::Yes(seq) => seq,
+                    Restored::Yes(seq, drafts) => {
+                        kept = drafts;
+                        seq
+                    }
                     // With nothing running, waiting cannot help: prefill it again instead (and
                     // if even that cannot fit, the request fails rather than waits forever).
                     Restored::Later(_) if self.running.is_empty() => {
@@ -1190,16 +1198,20 @@ where
                 in_plan: false,
                 in_flight: false,
                 no_cache: false,
-                drafts: Vec::new(),
+                drafts_at: kept.as_ref().map(|&(at, _)| at),
+                drafts: kept.map(|(_, drafts)| drafts).unwrap_or_default(),
                 draft_slots: Vec::new(),
-                drafts_at: None,
             });
         }
         admitted
     }
 
     fn restore(&mut self, spilled: Spilled<D::Seq>, req: &mut Tracked) -> Restored<D::Seq> {
-        let Spilled { mut seq, tag } = spilled;
+        let Spilled {
+            mut seq,
+            tag,
+            drafts,
+        } = spilled;
         let Some(store) = &mut self.spill else {
             return Restored::Recompute;
         };
@@ -1216,7 +1228,8 @@ where
                 match check_restored(&seq, &tag) {
                     Ok(()) => {
                         self.metrics.restores += 1;
-                        return Restored::Yes(seq);
+                        let drafts = drafts.filter(|&(at, _)| at == seq.computed_len());
+                        return Restored::Yes(seq, drafts);
                     }
                     Err(problem) => {
                         // The router restored something other than what was spilled: give its
@@ -1232,7 +1245,7 @@ where
                 }
             }
             Ok(Err(DeviceError::KvExhausted { .. } | DeviceError::SlotsExhausted { .. })) => {
-                return Restored::Later(Spilled { seq, tag });
+                return Restored::Later(Spilled { seq, tag, drafts });
             }
             Ok(Err(err)) => {
                 tracing::warn!(id = req.id, %err, "restore failed; recomputing instead");
@@ -1487,7 +1500,16 @@ where
     }
 
     fn preempt(&mut self, index: usize) {
-        let Active { seq, mut req, .. } = self.running.remove(index);
+        let Active {
+            seq,
+            mut req,
+            drafts,
+            drafts_at,
+            ..
+        } = self.running.remove(index);
+        let drafts = drafts_at
+            .filter(|&at| at == seq.computed_len() && !drafts.is_empty())
+            .map(|at| (at, drafts));
         req.preemptions += 1;
         self.metrics.preemptions += 1;
         tracing::debug!(
@@ -1545,7 +1567,7 @@ where
                 self.metrics.spills += 1;
                 self.waiting.push_front(Waiting {
                     req,
-                    spilled: Some(Spilled { seq, tag }),
+                    spilled: Some(Spilled { seq, tag, drafts }),
                 });
             }
             Err(source) => {
@@ -1795,8 +1817,8 @@ where
 
 /// What restoring a spilled sequence came to.
 enum Restored<S> {
-    /// Restored; the sequence runs again.
-    Yes(S),
+    /// Restored; the sequence runs again (with the MTP drafts it had, at its length).
+    Yes(S, Option<(usize, Vec<u32>)>),
     /// The pool or the slots are dry; try again later.
     Later(Spilled<S>),
     /// The image could not be restored; prefill prompt plus generated tokens again.

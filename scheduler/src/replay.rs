@@ -192,6 +192,14 @@ pub struct ReplayReport {
     pub mean_accepted_length: f64,
     /// Tokens emitted per target step of a row that carried drafts (1 without speculation).
     pub tokens_per_target_step: f64,
+    /// Speculative decoding: `Draft` steps of the router's MTP head that settled.
+    pub draft_steps: u64,
+    /// Speculative decoding: `Draft` steps the router refused (those steps verified without
+    /// drafts).
+    pub draft_failures: u64,
+    /// Speculative decoding: rows a settled `Draft` proposed nothing for though they had a
+    /// budget (the head had no catch-up state for them); each costs a row's drafts for a step.
+    pub draft_misses: u64,
 }
 
 /// A finished replay: the report and every turn's outcome (in workload order).
@@ -471,6 +479,9 @@ fn summarize(
         acceptance_rate: ratio(metrics.accepted, metrics.drafted),
         mean_accepted_length: ratio(metrics.accepted, metrics.spec_rows),
         tokens_per_target_step: ratio(metrics.spec_tokens, metrics.spec_rows),
+        draft_steps: metrics.draft_launches,
+        draft_failures: metrics.draft_failures,
+        draft_misses: metrics.draft_misses,
     }
 }
 
