@@ -21,8 +21,8 @@
 //! Their K/V land at positions `c..c + k - 1` of the row's blocks, the speculative part of which
 //! the next catch-up overwrites; blocks the sequence does not hold yet are taken for the step and
 //! given back when it is submitted (device work runs in order, so nothing later sees them before
-//! it finished). A row whose ring lacks `c - 1` (after a spill and restore, or when the core kept
-//! no hidden state) drafts nothing: its run is empty.
+//! it finished). A row whose ring lacks `c - 1` (when the core kept no hidden state, or after a
+//! restore from a version-1 spill image, which carries no ring) drafts nothing: its run is empty.
 //!
 //! After a prefix-cache hit the head is a cold run's when the hit's checkpoint carries the main
 //! model's hidden states before it (`router_book::spec`'s rerun: the router stores them with

@@ -83,9 +83,9 @@ pub struct Metrics {
     /// `Draft` plans the router refused (those steps verified without drafts).
     pub draft_failures: u64,
     /// Rows a settled `Draft` proposed no drafts for, though they had a budget: the router's MTP
-    /// head had no catch-up state for them (the hidden state of the row's latest position, which
-    /// a sequence restored from a spill image has not kept yet); each costs that row's drafts for
-    /// one step.
+    /// head had no catch-up state for them (the hidden state of the row's latest position: the
+    /// core kept none, or the row was restored from a version-1 spill image, which carries no
+    /// catch-up ring); each costs that row's drafts for one step.
     pub draft_misses: u64,
     /// Verification rows that carried at least one draft.
     pub spec_rows: u64,
