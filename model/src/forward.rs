@@ -766,6 +766,42 @@ pub(crate) fn mlp(
     }
 }
 
+/// A Mamba layer's sizes and constants, as [`mamba`] and [`mamba_rows`] both read them.
+struct MambaShape {
+    /// Heads, head dim P, state size N, groups, conv kernel K.
+    h: usize,
+    p: usize,
+    n: usize,
+    g: usize,
+    k: usize,
+    inner: usize,
+    conv_dim: usize,
+    proj_dim: usize,
+    eps: f32,
+    /// The lower clamp of `dt` after its softplus, where the config asks for one.
+    clamp: Option<f32>,
+}
+
+impl MambaShape {
+    fn new(config: &Config) -> Self {
+        Self {
+            h: config.mamba_num_heads,
+            p: config.mamba_head_dim,
+            n: config.ssm_state_size,
+            g: config.n_groups,
+            k: config.conv_kernel,
+            inner: config.mamba_inner(),
+            conv_dim: config.mamba_conv_dim(),
+            proj_dim: config.mamba_in_proj_dim(),
+            eps: config.layer_norm_epsilon as f32,
+            clamp: match config.dt_clamp {
+                DtClamp::TimeStepMin => Some(config.time_step_min as f32),
+                DtClamp::Off => None,
+            },
+        }
+    }
+}
+
 /// Mamba2 mixer (ARCH.md §3).
 ///
 /// The projections batch all rows. The causal conv then runs row by row (it reads and shifts each
@@ -792,21 +828,18 @@ fn mamba(
     lora: &mut LoraWork<'_, '_>,
 ) {
     let m = rows.len();
-    let (h, p, n, g, k) = (
-        config.mamba_num_heads,
-        config.mamba_head_dim,
-        config.ssm_state_size,
-        config.n_groups,
-        config.conv_kernel,
-    );
-    let inner = config.mamba_inner();
-    let conv_dim = config.mamba_conv_dim();
-    let proj_dim = config.mamba_in_proj_dim();
-    let eps = config.layer_norm_epsilon as f32;
-    let clamp = match config.dt_clamp {
-        DtClamp::TimeStepMin => Some(config.time_step_min as f32),
-        DtClamp::Off => None,
-    };
+    let MambaShape {
+        h,
+        p,
+        n,
+        g,
+        k,
+        inner,
+        conv_dim,
+        proj_dim,
+        eps,
+        clamp,
+    } = MambaShape::new(config);
     let proj = take(&mut scratch.proj, m * proj_dim);
     matmul(
         &mut scratch.mm,
@@ -929,21 +962,18 @@ fn mamba_rows(
     runs: &[(usize, usize)],
 ) {
     let m = rows.len();
-    let (h, p, n, g, k) = (
-        config.mamba_num_heads,
-        config.mamba_head_dim,
-        config.ssm_state_size,
-        config.n_groups,
-        config.conv_kernel,
-    );
-    let inner = config.mamba_inner();
-    let conv_dim = config.mamba_conv_dim();
-    let proj_dim = config.mamba_in_proj_dim();
-    let eps = config.layer_norm_epsilon as f32;
-    let clamp = match config.dt_clamp {
-        DtClamp::TimeStepMin => Some(config.time_step_min as f32),
-        DtClamp::Off => None,
-    };
+    let MambaShape {
+        h,
+        p,
+        n,
+        g,
+        k,
+        inner,
+        conv_dim,
+        proj_dim,
+        eps,
+        clamp,
+    } = MambaShape::new(config);
     let proj = &scratch.proj[..m * proj_dim];
     let kernels = scratch.mm.kernels;
     // The causal depthwise conv of every row at once, on the threads: a row's window is its
