@@ -42,8 +42,11 @@
 //! `MtpLayout`): a prefill keeps the prompt's last position, and `SaveHiddenCatchup` copies a
 //! row of the latest settled decode or verification (kept in the step's half of
 //! `step_hidden`) into a free cell; `TruncateKv`, `Rollback` and `ReleaseSeq` free the cells
-//! of the positions they drop, and `Draft` those it consumes. A spilled and restored sequence
-//! has no ring (the image holds none) and drafts nothing until it has one again. `SyncSecondary`
+//! of the positions they drop, and `Draft` those it consumes. A spill image (version 2) carries
+//! the head's position and its ring (the cells downloaded; a restore uploads them into free
+//! cells). A `MarconiCheckpoint` the head can mark copies the ring's cells from the head's
+//! position to the rows stored with the checkpoint (`router_book::spec::checkpoint_head`), for
+//! the head's rerun at a hit on it (the `step` module). `SyncSecondary`
 //! is the copy stream's join: the catch-up itself runs inside the next `Draft`, after every
 //! step before it on the compute stream, as on the host router.
 
@@ -672,6 +675,34 @@ impl CudaRouter {
         Ok(EffectOutcome::Unit)
     }
 
+    /// A checkpoint a sequence just took at `pos`: the hidden states its MTP head's rerun at a
+    /// hit needs, when its catch-up ring holds them (`router_book::spec::checkpoint_head`),
+    /// copied from the ring's cells to the rows stored with the checkpoint, behind the work
+    /// queued before.
+    fn stash_head(
+        &self,
+        inner: &mut Inner,
+        tenure: Option<u64>,
+        slot: router_book::CheckpointSlot,
+        pos: usize,
+    ) -> Result<()> {
+        let Some(track) = tenure.and_then(|tenure| inner.mtp.get(&tenure)) else {
+            return Ok(());
+        };
+        let Some(cells) = router_book::spec::checkpoint_head(track, &mut inner.cache, slot, pos)
+        else {
+            return Ok(());
+        };
+        for (i, &cell) in cells.into_iter().enumerate() {
+            let copied = self.mark_rows(slot.index(), i, 1).and_then(|stored| {
+                self.runtime()
+                    .copy(stored, self.cell(cell)?, Stream::Compute)
+            });
+            copied.map_err(effect_err)?;
+        }
+        Ok(())
+    }
+
     /// `bytes` bytes at `offset` of the MTP regions.
     pub(crate) fn mtp_region(
         &self,
@@ -683,6 +714,30 @@ impl CudaRouter {
             .as_ref()
             .ok_or_else(|| CudaError::BadRange("the model has no MTP head".to_owned()))?
             .range(offset, bytes)
+    }
+
+    /// Row `row` of the hidden rows stored with checkpoint slot `checkpoint` (the MTP head's
+    /// rerun at a prefix hit; `rows` rows from there).
+    pub(crate) fn mark_rows(
+        &self,
+        checkpoint: usize,
+        row: usize,
+        rows: usize,
+    ) -> std::result::Result<DeviceSlice, CudaError> {
+        let bytes = self.mtp_layout().row as usize;
+        let per_slot = self.plan().mark_bytes as usize;
+        if (row + rows) * bytes > per_slot {
+            return Err(CudaError::BadRange(format!(
+                "rows {row}..{} of a checkpoint's {} stored hidden rows",
+                row + rows,
+                per_slot / bytes.max(1)
+            )));
+        }
+        self.buffers()?
+            .marks
+            .as_ref()
+            .ok_or_else(|| CudaError::BadRange("the MTP head does not rerun at a hit".to_owned()))?
+            .range(checkpoint * per_slot + row * bytes, rows * bytes)
     }
 
     /// Catch-up cell `cell`.
@@ -800,7 +855,20 @@ impl DeviceIo for CudaRouter {
                 // A boundary a `Verify` run passed comes from the snapshot the run wrote for it:
                 // the main model's Mamba layers, the MTP head's from the live row.
                 let mut copy_layers = |from, to, main_only| self.copy_layers(from, to, main_only);
-                book::marconi_checkpoint_layered(&shape, &mut inner.book(), seq, &mut copy_layers)
+                let before = seq.output_checkpoint;
+                let outcome = book::marconi_checkpoint_layered(
+                    &shape,
+                    &mut inner.book(),
+                    seq,
+                    &mut copy_layers,
+                )?;
+                match seq.output_checkpoint {
+                    Some((pos, slot)) if shape.head_rerun && seq.output_checkpoint != before => {
+                        self.stash_head(&mut inner, seq.tenure, slot, pos)?;
+                    }
+                    _ => {}
+                }
+                Ok(outcome)
             }
             Effect::SsmSnapshotSave { seq, slot } => {
                 book::snapshot_save(&shape, &mut inner.book(), seq, slot, &mut copy)

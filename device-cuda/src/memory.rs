@@ -118,6 +118,10 @@ pub struct MemoryPlan {
     pub scratch_slots: usize,
     /// The MTP head's regions ([`MtpLayout`]; 0 without a head).
     pub mtp_bytes: u64,
+    /// Per checkpoint slot: the main model's hidden states stored with the checkpoint for the
+    /// MTP head's rerun at a prefix hit (`router_book::spec`; `head_reruns`): `CATCHUP_RING`
+    /// rows of `hidden_size` f32, at most what a mark names. 0 when the head does not rerun.
+    pub mark_bytes: u64,
     /// Activations of the largest step: the forward step's [`Workspace`](crate::Workspace) for
     /// [`forward_limits`].
     pub workspace_bytes: u64,
@@ -231,7 +235,9 @@ impl MemoryPlan {
     ///    rows of `max_seqs` sequences of up to `max_context` tokens), the logits of two steps
     ///    and the per-step inputs and outputs ([`IoLayout`]).
     /// 2. Of the rest, a hybrid model gives a quarter to checkpoints and three quarters to KV; an
-    ///    attention-only model everything to KV (as the host router does).
+    ///    attention-only model everything to KV (as the host router does). A checkpoint slot
+    ///    costs a state row plus, when the MTP head reruns at a hit (`head_reruns`), its
+    ///    stored hidden rows (`mark_bytes`).
     /// 3. A model without attention has no KV bytes; its pool is bookkeeping only, with blocks
     ///    for `max_seqs` sequences of `max_context` tokens.
     ///
@@ -342,7 +348,12 @@ impl MemoryPlan {
                 limit: "block ids are u32: the budget gives more than 2^32 blocks",
             });
         }
-        let checkpoint_slots = match checkpoint_bytes.checked_div(state_slot_bytes) {
+        let mark_bytes = if head_reruns(config) {
+            4 * (config.hidden_size * router_book::spec::CATCHUP_RING) as u64
+        } else {
+            0
+        };
+        let checkpoint_slots = match checkpoint_bytes.checked_div(state_slot_bytes + mark_bytes) {
             Some(slots) if router.prefix_cache => usize::try_from(slots).unwrap_or(usize::MAX),
             _ => 0,
         };
@@ -357,6 +368,7 @@ impl MemoryPlan {
             snapshot_slots: router.snapshot_slots,
             scratch_slots,
             mtp_bytes,
+            mark_bytes,
             workspace_bytes,
             logits_bytes,
             io_bytes,
@@ -385,6 +397,11 @@ impl MemoryPlan {
         self.live_slots + self.checkpoint_slots + self.snapshot_slots + slot
     }
 
+    /// Bytes of the hidden rows stored with every checkpoint slot (see `mark_bytes`).
+    pub fn marks_bytes(&self) -> u64 {
+        self.mark_bytes * self.checkpoint_slots as u64
+    }
+
     /// Bytes of every state row.
     pub fn state_bytes(&self) -> u64 {
         self.state_slot_bytes * self.state_rows() as u64
@@ -399,7 +416,16 @@ impl MemoryPlan {
             + self.logits_bytes
             + self.io_bytes
             + self.mtp_bytes
+            + self.marks_bytes()
     }
+}
+
+/// Whether the router reruns the MTP head at a prefix hit (`router_book::BookShape::head_rerun`):
+/// the model has a head without Mamba layers (a checkpoint holds a Mamba layer's state after the
+/// position the rerun computes again, so such a head is not rerun).
+pub fn head_reruns(config: &Config) -> bool {
+    let kinds = config.mtp_kinds();
+    !kinds.is_empty() && !kinds.contains(&LayerKind::Mamba)
 }
 
 /// Byte offsets of the MTP head's regions, one buffer (a model with an MTP head; all zero

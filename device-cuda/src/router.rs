@@ -50,6 +50,9 @@ pub(crate) struct Buffers {
     pub mtp: Option<DeviceBuffer>,
     /// Per half: where a draft's tokens come to the host (on a model with a head).
     pub draft_pinned: Vec<PinnedBuffer>,
+    /// Per checkpoint slot, the main model's hidden rows stored with it for the MTP head's
+    /// rerun at a prefix hit (`MemoryPlan::mark_bytes` each), when the head reruns.
+    pub marks: Option<DeviceBuffer>,
 }
 
 /// The CUDA router. See the module docs.
@@ -113,10 +116,9 @@ impl CudaRouter {
                 max_context: router.max_context,
                 vocab_size: model.config().vocab_size,
             },
-            // The MTP head's rerun at a prefix hit (`router_book::spec`) is the host router's
-            // only so far: this router stores no hidden state with its checkpoints, so its
-            // head after a hit is the one the cache served (drafts only; never the output).
-            head_rerun: false,
+            // The MTP head's rerun at a prefix hit (`router_book::spec`): the hidden rows stored
+            // with each checkpoint are the `marks` buffer's (`MemoryPlan::mark_bytes`).
+            head_rerun: plan.mark_bytes > 0 && plan.checkpoint_slots > 0,
         };
         let cache = Caches::new(
             model,
@@ -196,6 +198,11 @@ impl CudaRouter {
                 vec![rt.alloc_pinned(bytes)?, rt.alloc_pinned(bytes)?]
             } else {
                 Vec::new()
+            },
+            marks: if plan.marks_bytes() > 0 {
+                Some(rt.alloc(size(plan.marks_bytes()))?)
+            } else {
+                None
             },
         };
         self.buffers = Some(buffers);
@@ -313,6 +320,7 @@ impl CudaRouter {
             ]
             .into_iter()
             .chain(buffers.mtp)
+            .chain(buffers.marks)
             {
                 let done = rt.free(buffer);
                 freed = freed.and(done);

@@ -30,7 +30,13 @@
 //!
 //! On a model with an MTP head, a prefill call keeps every row's hidden state and runs the head
 //! over the positions whose next token the prompt holds (`prefill_head`), keeping the prompt's
-//! last position in the row's catch-up ring; a decode or verification keeps its logit rows'
+//! last position in the row's catch-up ring. After a prefix hit on a checkpoint the head marked
+//! (`router_book::spec`; a head without Mamba layers), the head first reruns the positions the
+//! mark names from the main model's hidden rows stored with the checkpoint (the `marks`
+//! buffer, `MemoryPlan::mark_bytes` per checkpoint slot), on copies of the shared blocks it
+//! rewrites; a run that ends at a checkpoint stores its last hidden row there (a
+//! `MarconiCheckpoint` copies the ring's cells instead), so its head after a hit is a cold
+//! run's, as on the host router. A decode or verification keeps its logit rows'
 //! hidden states for `SaveHiddenCatchup`. A `Draft` (`router_book::spec`'s bookkeeping) runs
 //! the head's catch-up over each drafting row's ring (its cells gathered into one buffer), the
 //! first drafts by device argmax, then `k - 1` one-position steps per row on scratch copies of
@@ -58,7 +64,7 @@ use device_io::{
 };
 use router_book::plans::{self, DecodePlan, FeedSources, Input, Inputs, PrefillOp, StepBook};
 use router_book::spec::{DraftPlan, MtpTrack, VerifyPlan};
-use router_book::{LogitsHandle, RouterSeq};
+use router_book::{Caches, LogitsHandle, RouterSeq};
 
 use crate::error::CudaError;
 use crate::forward::{DeviceState, StepArgs, StepOutput, StepRun};
@@ -149,12 +155,28 @@ struct MtpPiece {
     next: Vec<u32>,
     /// The run's row at the prompt's last position, and the cell its hidden state goes to.
     keep: Option<(usize, u32)>,
+    /// The head's rerun after a hit on a marked checkpoint, before the run's own positions.
+    lead: Option<Lead>,
+    /// The run's last row, and the checkpoint slot its hidden state is stored with.
+    stash: Option<(usize, usize)>,
 }
 
-/// The catch-up rings a prefill on a model with an MTP head updates.
+/// The MTP head's rerun after a prefix hit (`router_book::plans::HeadLead`): positions
+/// `from..from + next.len()`, from the hidden rows stored with checkpoint slot `checkpoint`.
+#[derive(Debug, Clone)]
+struct Lead {
+    checkpoint: usize,
+    from: usize,
+    /// The token after each position.
+    next: Vec<u32>,
+}
+
+/// The catch-up rings a prefill on a model with an MTP head updates, and the checkpoints it
+/// marks for the head's rerun.
 struct MtpBook<'a> {
     tracks: &'a mut std::collections::BTreeMap<u64, MtpTrack<u32>>,
     free_cells: &'a mut Vec<u32>,
+    cache: &'a mut Caches,
 }
 
 /// Where a forward call's tokens come from.
@@ -209,7 +231,9 @@ impl Batch {
 
 /// A prefill's ops as forward calls and state copies (see the module docs); with `mtp`, each
 /// run's MTP head part too, as the host router runs it: the head consumes the positions whose
-/// next token is in the prompt, and the prompt's last position is kept in the row's ring.
+/// next token is in the prompt (after a hit on a marked checkpoint, from the rerun's first), the
+/// prompt's last position is kept in the row's ring, and a run that ends at a checkpoint the
+/// head marks stores its last hidden state with it.
 fn prefill_work(
     ops: Vec<PrefillOp>,
     rows: &[&mut RouterSeq],
@@ -237,7 +261,6 @@ fn prefill_work(
                 work.push(Work::Copy { from, to });
             }
             PrefillOp::CopyBlock { from, to } => work.push(Work::CopyBlock { from, to }),
-            // This router leaves `BookShape::head_rerun` unset: no run names a rerun or a stash.
             PrefillOp::Run {
                 row,
                 start,
@@ -246,17 +269,32 @@ fn prefill_work(
                 blocks,
                 emit,
                 lead,
-                stash: _,
+                stash,
             } => {
                 let seq = &*rows[row];
                 let tokens = &seq.tokens;
-                // The head consumes positions `start..known`; the prompt's last is kept.
+                // The head consumes positions `start..known` (after its rerun's); the prompt's
+                // last is kept.
                 let mut known = stop;
                 let mut keep_cell = None;
+                let mut rerun = None;
+                let mut stash_slot = None;
                 if let Some(book) = mtp.as_mut() {
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = book.tracks.entry(tenure).or_default();
                     known = router_book::spec::prefill_head(track, seq, (start, stop), lead).known;
+                    rerun = lead.map(|lead| Lead {
+                        checkpoint: lead.checkpoint.index(),
+                        from: lead.from,
+                        next: tokens[lead.from + 1..start + 1].to_vec(),
+                    });
+                    stash_slot = stash
+                        .filter(|&checkpoint| {
+                            router_book::spec::prefill_checkpoint_head(
+                                track, book.cache, checkpoint, stop,
+                            )
+                        })
+                        .map(|checkpoint| checkpoint.index());
                     if stop == seq.prompt_len {
                         if let Some(cell) = book.free_cells.pop() {
                             let forgotten = track.keep(stop - 1, cell);
@@ -287,6 +325,10 @@ fn prefill_work(
                             keep: keep_cell
                                 .filter(|_| end == stop)
                                 .map(|cell| (end - 1 - pos, cell)),
+                            lead: rerun.take(),
+                            stash: stash_slot
+                                .filter(|_| end == stop)
+                                .map(|checkpoint| (end - 1 - pos, checkpoint)),
                         });
                     }
                     if end == stop && emit {
@@ -461,6 +503,7 @@ impl CudaRouter {
                 let book = mtp.then_some(MtpBook {
                     tracks: &mut inner.mtp,
                     free_cells: &mut inner.free_cells,
+                    cache: &mut inner.cache,
                 });
                 let work = prefill_work(plan.ops, rows, max_rows, book);
                 (
@@ -1004,8 +1047,10 @@ struct Drafting<'a> {
 
 impl CudaRouter {
     /// The MTP head's part of a prefill call (after its main forward left every row's hidden
-    /// state in `staging`): for each piece, the head over the positions whose next token the
-    /// prompt holds, then the prompt's last position's hidden state into its catch-up cell.
+    /// state in `staging`): for each piece, the head's rerun after a prefix hit (from the hidden
+    /// rows stored with the hit's checkpoint), the head over the positions whose next token the
+    /// prompt holds, then the prompt's last position's hidden state into its catch-up cell, and
+    /// the run's last hidden state with the checkpoint it ends at.
     fn prefill_head(
         &self,
         half: usize,
@@ -1016,14 +1061,7 @@ impl CudaRouter {
     ) -> std::result::Result<(), CudaError> {
         let rt = self.runtime();
         let s = Stream::Compute;
-        let model = self.device_model()?;
-        let buffers = self.buffers()?;
-        let mtp = self.mtp_layout();
-        let row = mtp.row as usize;
-        let io = *self.io_layout();
-        // Zero-length outputs (the head's logits and hidden outputs are not wanted here), outside
-        // the workspace.
-        let nothing = self.mtp_region(mtp.pong as usize, 0)?;
+        let row = self.mtp_layout().row as usize;
         let mut first_rows = Vec::with_capacity(runs.len());
         let mut first = 0;
         for run in runs {
@@ -1033,32 +1071,68 @@ impl CudaRouter {
         for piece in pieces {
             let run = &runs[piece.run];
             let first = first_rows[piece.run];
+            if let Some(lead) = &piece.lead {
+                let n = lead.next.len();
+                let hidden = self.mark_rows(lead.checkpoint, 0, n)?;
+                let rerun = StepRun {
+                    start_pos: lead.from,
+                    len: n,
+                    ..*run
+                };
+                self.head_over(half, state, rerun, &lead.next, hidden)?;
+            }
             let n = piece.next.len();
             if n > 0 {
-                let tokens = self.io_half(half, io.tokens, 4 * n)?;
-                rt.upload(tokens, &u32_bytes(&piece.next), s)?;
-                model.mtp(
-                    rt,
-                    &StepArgs {
-                        workspace: buffers.workspace.all(),
-                        workspace_layout: self.workspace(),
-                        state,
-                        runs: &[StepRun { len: n, ..*run }],
-                        tokens,
-                        out: StepOutput {
-                            logit_rows: &[],
-                            logits: nothing,
-                        },
-                    },
-                    staging.range(first * row, n * row)?,
-                    nothing,
-                )?;
+                let rows = staging.range(first * row, n * row)?;
+                self.head_over(half, state, StepRun { len: n, ..*run }, &piece.next, rows)?;
             }
             if let Some((at, cell)) = piece.keep {
                 rt.copy(self.cell(cell)?, staging.range((first + at) * row, row)?, s)?;
             }
+            if let Some((at, checkpoint)) = piece.stash {
+                let stored = self.mark_rows(checkpoint, 0, 1)?;
+                rt.copy(stored, staging.range((first + at) * row, row)?, s)?;
+            }
         }
         Ok(())
+    }
+
+    /// The MTP head over `run`'s positions, fed `next` (the token after each) and `hidden` (the
+    /// main model's hidden state at each); its logits and hidden outputs are not kept.
+    fn head_over(
+        &self,
+        half: usize,
+        state: &DeviceState,
+        run: StepRun<'_>,
+        next: &[u32],
+        hidden: DeviceSlice,
+    ) -> std::result::Result<(), CudaError> {
+        let rt = self.runtime();
+        let model = self.device_model()?;
+        let buffers = self.buffers()?;
+        let mtp = self.mtp_layout();
+        let io = *self.io_layout();
+        // Zero-length outputs (the head's logits and hidden outputs are not wanted here), outside
+        // the workspace.
+        let nothing = self.mtp_region(mtp.pong as usize, 0)?;
+        let tokens = self.io_half(half, io.tokens, 4 * next.len())?;
+        rt.upload(tokens, &u32_bytes(next), Stream::Compute)?;
+        model.mtp(
+            rt,
+            &StepArgs {
+                workspace: buffers.workspace.all(),
+                workspace_layout: self.workspace(),
+                state,
+                runs: &[run],
+                tokens,
+                out: StepOutput {
+                    logit_rows: &[],
+                    logits: nothing,
+                },
+            },
+            hidden,
+            nothing,
+        )
     }
 
     /// `Draft`: the committed plan's catch-up and drafts on the device (see the module docs),

@@ -981,3 +981,177 @@ fn draft_matches_the_host_router_on_both_mtp_fixtures() {
         Box::new(device).teardown().unwrap();
     }
 }
+
+/// The K/V of every attention layer (the MTP head's last) at each position `s` has computed, as
+/// bits, from its spill image (block layout `model::state`: per layer K then V, each
+/// `[block, kv heads, dim]`).
+fn kv_bits<D: Router>(
+    router: &D,
+    model: &Model,
+    plan: &device_cuda::MemoryPlan,
+    s: &mut RouterSeq,
+) -> Vec<u32> {
+    let mut bytes = Vec::new();
+    router
+        .apply(Effect::SaveSequenceState {
+            seq: s,
+            writer: &mut bytes,
+        })
+        .unwrap();
+    let config = model.config();
+    let layout = router_book::image::Layout {
+        fingerprint: model.fingerprint(),
+        block_size: plan.block_size,
+        floats_per_block: (plan.kv_block_bytes / 4) as usize,
+        floats_per_slot: (plan.state_slot_bytes / 4) as usize,
+        max_context: CONTEXT,
+        vocab_size: config.vocab_size,
+        hidden_size: config.hidden_size,
+    };
+    let image = router_book::image::decode(&layout, &bytes).unwrap();
+    let (block_size, width) = (
+        plan.block_size,
+        config.num_key_value_heads * config.head_dim,
+    );
+    let layers = layout.floats_per_block / (2 * block_size * width);
+    let mut kv = Vec::new();
+    for pos in 0..s.computed_len {
+        let block = &image.kv[pos / block_size * layout.floats_per_block..];
+        for layer in 0..layers {
+            let keys = layer * 2 * block_size * width + pos % block_size * width;
+            for at in [keys, keys + block_size * width] {
+                kv.extend(block[at..at + width].iter().map(|x| x.to_bits()));
+            }
+        }
+    }
+    kv
+}
+
+/// After a prefix hit the CUDA router's MTP head is a cold run's, as the host router's is: the
+/// hit's checkpoint carries the main model's hidden state at the position before it (the
+/// `marks` buffer), and the head reruns that position with this sequence's next token (the
+/// caching sequence's differs) on a copy of the shared block. So the head's K/V at every
+/// computed position equal, bit for bit, those of the same prompt on a CUDA router with no
+/// cache, and its drafts equal the cold run's and the host router's. Without the rerun
+/// (`head_rerun` false, as before) the K/V at the position before the hit were the caching
+/// sequence's in 4 of 4 cases (this test failed there), and 5 of the 16 drafts differed from
+/// the cold run's.
+#[test]
+fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
+    let dir = fixture_dir("nemotron-h-tiny").join("mtp");
+    let model = Model::load(&dir.join("model")).unwrap();
+    let hot = cuda(&model, DType::F32, true, 64);
+    let cold = cuda(&model, DType::F32, false, 64);
+    let host = host_like(&model, &hot, true);
+    let plan = *hot.plan();
+    assert_eq!(plan.block_size, 16);
+    let vocab = host.facts().vocab_size;
+    let initial = hot.facts();
+    let mut drafts_compared = 0;
+    for case in 0..4u32 {
+        let shared: Vec<u32> = (0..32u32)
+            .map(|i| (i.wrapping_mul(97).wrapping_add(case * 31) ^ (i >> 2)) % 256)
+            .collect();
+        let mut caching = shared.clone();
+        caching.extend([(case * 7 + 1) % 256, 5]);
+        let mut prompt = shared.clone();
+        prompt.extend([(case * 7 + 2) % 256, 9, 17]);
+        let id = 2 * u64::from(case);
+        let mut first = [seq(id + 1, &caching), seq(id + 1, &caching)];
+        prefill(&hot, &[CONTEXT], &mut [&mut first[0]]);
+        prefill(&host, &[CONTEXT], &mut [&mut first[1]]);
+        release(&hot, &mut first[0], true);
+        release(&host, &mut first[1], true);
+        let mut on_hot = seq(id + 2, &prompt);
+        let mut on_cold = seq(id + 2, &prompt);
+        let mut on_host = seq(id + 2, &prompt);
+        let (hot_reports, hot_logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
+        let (cold_reports, _) = prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
+        let (host_reports, _) = prefill(&host, &[CONTEXT], &mut [&mut on_host]);
+        assert_eq!(
+            hot_reports[0].cached, 32,
+            "case {case}: a hit at the shared blocks"
+        );
+        assert_eq!(host_reports[0].cached, 32, "case {case}");
+        assert_eq!(cold_reports[0].cached, 0, "case {case}");
+        let next = argmax_rows(&hot_logits, vocab);
+        let hot_drafts = draft(&hot, &next, 4, &mut [&mut on_hot]);
+        let cold_drafts = draft(&cold, &next, 4, &mut [&mut on_cold]);
+        let host_drafts = draft(&host, &next, 4, &mut [&mut on_host]);
+        assert!(
+            kv_bits(&hot, &model, &plan, &mut on_hot)
+                == kv_bits(&cold, &model, &plan, &mut on_cold),
+            "case {case}: the K/V differ"
+        );
+        assert_eq!(hot_drafts, cold_drafts, "case {case}");
+        assert_eq!(hot_drafts, host_drafts, "case {case}");
+        drafts_compared += hot_drafts[0].len();
+        release(&hot, &mut on_hot, true);
+        release(&cold, &mut on_cold, false);
+        release(&host, &mut on_host, true);
+        // Every block the hit copied went back or is cached; no slot is held.
+        let facts = hot.facts();
+        assert_eq!(
+            facts.kv_blocks_free + facts.kv_blocks_cached,
+            facts.kv_blocks_total
+        );
+        assert_eq!(facts.live_slots_used, initial.live_slots_used);
+    }
+    assert_eq!(drafts_compared, 16);
+    Box::new(hot).teardown().unwrap();
+    Box::new(cold).teardown().unwrap();
+}
+
+/// A checkpoint a `MarconiCheckpoint` takes on the CUDA router during speculative decoding
+/// carries the hidden states its catch-up ring holds from the head's position (copied from the
+/// ring's cells): a hit on it reruns the head there (over the last position, whose K/V the
+/// caching sequence's last draft step wrote), so the head's K/V and drafts are a cold run's.
+/// Without that mark (`stash_head` skipped) the K/V at the position before the hit were the
+/// caching sequence's draft's (this test failed there).
+#[test]
+fn the_mtp_head_after_a_hit_on_an_output_checkpoint_is_a_cold_runs_on_the_device() {
+    let dir = fixture_dir("nemotron-h-tiny").join("mtp");
+    let model = Model::load(&dir.join("model")).unwrap();
+    let hot = cuda(&model, DType::F32, true, 64);
+    let cold = cuda(&model, DType::F32, false, 64);
+    let plan = *hot.plan();
+    let prompt: Vec<u32> = (0..44u32)
+        .map(|i| (i.wrapping_mul(97).wrapping_add(11 * 31) ^ (i >> 2)) % 256)
+        .collect();
+    let greedy = greedy(&cold, &[&prompt], 8, false).remove(0);
+    let mut first = [seq(1, &prompt)];
+    prefill(&hot, &[CONTEXT], &mut [&mut first[0]]);
+    // Two steps of three positions each with the true continuation as drafts (all accepted);
+    // the second carries the sequence past the block boundary at 48.
+    for step in 0..2 {
+        let token = greedy[3 * step];
+        draft(&hot, &[token], 2, &mut [&mut first[0]]);
+        let drafts = vec![greedy[3 * step + 1..3 * step + 3].to_vec()];
+        let following = speculate(&hot, &[token], &drafts, 2, &mut first);
+        assert_eq!(following, [greedy[3 * step + 3]]);
+    }
+    assert_eq!(first[0].computed_len, 50);
+    hot.apply(Effect::MarconiCheckpoint { seq: &mut first[0] })
+        .unwrap();
+    release(&hot, &mut first[0], true);
+    // A prompt sharing the first 48 positions, then leaving the caching sequence's path.
+    let mut prompt2: Vec<u32> = prompt.iter().chain(&greedy).take(48).copied().collect();
+    prompt2.extend([(greedy[4] + 1) % 256, 3, 4]);
+    let mut on_hot = seq(2, &prompt2);
+    let mut on_cold = seq(2, &prompt2);
+    let (hot_reports, hot_logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
+    prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
+    assert_eq!(hot_reports[0].cached, 48);
+    let next = argmax_rows(&hot_logits, model.config().vocab_size);
+    let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
+    let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
+    assert!(
+        kv_bits(&hot, &model, &plan, &mut on_hot) == kv_bits(&cold, &model, &plan, &mut on_cold),
+        "the K/V differ"
+    );
+    assert_eq!(hot_drafts, cold_drafts);
+    release(&hot, &mut on_hot, true);
+    release(&cold, &mut on_cold, false);
+    Box::new(hot).teardown().unwrap();
+    Box::new(cold).teardown().unwrap();
+}
