@@ -5,15 +5,15 @@
 //! logit within 1e-4 of the host's and the same greedy ids. bf16 weights: see
 //! [`bf16_tolerance`].
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use device_cuda::{
-    DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepArgs,
-    StepOutput, StepRun, Stream, WeightImage, Workspace,
-};
+use common::bf16::bf16_weights;
+use common::{DeviceForward, Shape, S};
+use device_cuda::{DType, DeviceBuffer, ForwardLimits, Runtime, SimRuntime, StepOutput, StepRun};
 use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
 
-const S: Stream = Stream::Compute;
 const F32_TOLERANCE: f32 = 1e-4;
 
 fn fixture(name: &str) -> PathBuf {
@@ -32,13 +32,7 @@ struct Pair {
     host_kv: KvPool,
     host_states: MambaStates,
     scratch: Scratch,
-    rt: SimRuntime,
-    device: DeviceModel,
-    ws: Workspace,
-    ws_buf: DeviceBuffer,
-    kv: DeviceBuffer,
-    states: DeviceBuffer,
-    state: DeviceState,
+    dev: DeviceForward,
     /// Largest |device - host| over every logit compared.
     max_diff: f32,
     /// Largest |host logit|.
@@ -50,45 +44,6 @@ struct Pair {
     shadow: Option<(Model, KvPool, MambaStates)>,
     /// Largest |shadow - host| over every logit compared.
     shadow_diff: f32,
-}
-
-/// `model` with every GEMM matrix rounded to bf16 (the matrices the device keeps in bf16: every
-/// 2-D weight but the MoE gate), written to a scratch folder and loaded back.
-fn bf16_weights(model: &Model) -> Model {
-    let dir = tempfile::tempdir().unwrap();
-    model.save(dir.path()).unwrap();
-    let path = dir.path().join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, view) in file.tensors() {
-        let mut values: Vec<f32> = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        if view.shape().len() == 2 && !name.ends_with(".gate.weight") {
-            for v in &mut values {
-                *v = half::bf16::from_f32(*v).to_f32();
-            }
-        }
-        tensors.push((
-            name,
-            view.shape().to_vec(),
-            bytemuck::cast_slice(&values).to_vec(),
-        ));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(name, shape, data)| {
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                    .unwrap();
-            (name.clone(), view)
-        })
-        .collect();
-    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
-    Model::load(dir.path()).unwrap()
 }
 
 /// One sequence: its slot, block table and next position.
@@ -106,46 +61,28 @@ impl Pair {
         let config = model.config().clone();
         let host_kv = KvPool::new(&config, BLOCKS, block_size).unwrap();
         let host_states = MambaStates::new(&config, SLOTS).unwrap();
-        let rt = SimRuntime::new().unwrap();
-        let image = WeightImage::new(&model, dtype).unwrap();
-        let device = DeviceModel::upload(&rt, &model, &image)
-            .unwrap()
-            .with_split_keys(split_keys);
-        let ws = Workspace::new(
-            &config,
-            ForwardLimits {
-                max_rows: 128,
-                max_runs: SLOTS,
-                max_table: SLOTS * BLOCKS,
+        let dev = DeviceForward::new(
+            SimRuntime::new().unwrap(),
+            &model,
+            dtype,
+            split_keys,
+            Shape {
+                blocks: BLOCKS,
+                block_size,
+                slots: SLOTS,
+                limits: ForwardLimits {
+                    max_rows: 128,
+                    max_runs: SLOTS,
+                    max_table: SLOTS * BLOCKS,
+                },
             },
-        )
-        .unwrap();
-        let ws_buf = rt.alloc(ws.bytes()).unwrap();
-        let block_floats = host_kv.floats_per_block();
-        let slot_floats = host_states.floats_per_slot();
-        let kv = rt.alloc((BLOCKS * block_floats * 4).max(4)).unwrap();
-        let states = rt.alloc((SLOTS * slot_floats * 4).max(4)).unwrap();
-        let state = DeviceState {
-            kv: kv.range(0, BLOCKS * block_floats * 4).unwrap(),
-            num_blocks: BLOCKS,
-            block_size,
-            block_floats,
-            states: states.range(0, SLOTS * slot_floats * 4).unwrap(),
-            num_slots: SLOTS,
-            slot_floats,
-        };
+        );
         Pair {
             scratch: Scratch::new(&config),
             model,
             host_kv,
             host_states,
-            rt,
-            device,
-            ws,
-            ws_buf,
-            kv,
-            states,
-            state,
+            dev,
             max_diff: 0.0,
             max_logit: 0.0,
             compared: 0,
@@ -160,7 +97,7 @@ impl Pair {
         let config = self.model.config().clone();
         self.shadow = Some((
             bf16_weights(&self.model),
-            KvPool::new(&config, BLOCKS, self.state.block_size).unwrap(),
+            KvPool::new(&config, BLOCKS, self.dev.state.block_size).unwrap(),
             MambaStates::new(&config, SLOTS).unwrap(),
         ));
         self
@@ -170,7 +107,7 @@ impl Pair {
     /// logits; answers each run's last-row argmax (host, device).
     fn step(&mut self, seqs: &mut [Seq], runs: &[(usize, Vec<u32>)]) -> Vec<(u32, u32)> {
         let vocab = self.model.config().vocab_size;
-        let block_size = self.state.block_size;
+        let block_size = self.dev.state.block_size;
         // Host: each run as a prefill of its tokens (all positions' logits).
         let mut host_logits = Vec::new();
         for (seq, tokens) in runs {
@@ -179,18 +116,19 @@ impl Pair {
                 s.blocks.len() * block_size >= s.pos + tokens.len(),
                 "sequence {seq} needs more blocks"
             );
+            let row = PrefillRow {
+                tokens,
+                start_pos: s.pos,
+                blocks: &s.blocks,
+                slot: s.slot,
+            };
             let mut logits = Vec::new();
             self.model
                 .prefill(
                     &mut self.scratch,
                     &mut self.host_kv,
                     &mut self.host_states,
-                    PrefillRow {
-                        tokens,
-                        start_pos: s.pos,
-                        blocks: &s.blocks,
-                        slot: s.slot,
-                    },
+                    row,
                     true,
                     &mut logits,
                 )
@@ -198,19 +136,7 @@ impl Pair {
             if let Some((shadow, kv, states)) = &mut self.shadow {
                 let mut shadow_logits = Vec::new();
                 shadow
-                    .prefill(
-                        &mut self.scratch,
-                        kv,
-                        states,
-                        PrefillRow {
-                            tokens,
-                            start_pos: s.pos,
-                            blocks: &s.blocks,
-                            slot: s.slot,
-                        },
-                        true,
-                        &mut shadow_logits,
-                    )
+                    .prefill(&mut self.scratch, kv, states, row, true, &mut shadow_logits)
                     .unwrap();
                 for (a, b) in shadow_logits.iter().zip(&logits) {
                     self.shadow_diff = self.shadow_diff.max((a - b).abs());
@@ -231,32 +157,7 @@ impl Pair {
             .collect();
         let all: Vec<u32> = runs.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         let rows = all.len();
-        let tokens = self.rt.alloc(rows * 4).unwrap();
-        self.rt
-            .upload(tokens.all(), bytemuck::cast_slice(&all), S)
-            .unwrap();
-        let logits = self.rt.alloc(rows * vocab * 4).unwrap();
-        let logit_rows: Vec<u32> = (0..rows as u32).collect();
-        self.device
-            .forward(
-                &self.rt,
-                &StepArgs {
-                    workspace: self.ws_buf.all(),
-                    workspace_layout: &self.ws,
-                    state: &self.state,
-                    runs: &step_runs,
-                    tokens: tokens.all(),
-                    out: StepOutput {
-                        logit_rows: &logit_rows,
-                        logits: logits.all(),
-                    },
-                },
-            )
-            .unwrap();
-        let mut bytes = vec![0u8; rows * vocab * 4];
-        self.rt.download(&mut bytes, logits.all(), S).unwrap();
-        self.rt.free(tokens).unwrap();
-        self.rt.free(logits).unwrap();
+        let bytes = self.dev.step(&step_runs, &all);
         let device_logits: Vec<f32> = bytemuck::cast_slice(&bytes).to_vec();
         assert_eq!(device_logits.len(), host_logits.len());
         for r in 0..rows {
@@ -289,11 +190,7 @@ impl Pair {
     }
 
     fn finish(self, into: &mut Outcome) {
-        let rt = self.rt;
-        for buffer in [self.ws_buf, self.kv, self.states] {
-            rt.free(buffer).unwrap();
-        }
-        self.device.free(&rt).unwrap();
+        self.dev.free();
         into.row_errors.extend(self.row_errors);
         into.max_logit = into.max_logit.max(self.max_logit);
         into.shadow_diff = into.shadow_diff.max(self.shadow_diff);
@@ -386,12 +283,13 @@ fn every_case(name: &str, dtype: DType, plans: &[Plan], max_prompt: usize, outco
             if let Some((_, _, states)) = &mut pair.shadow {
                 states.zero_slot(seqs[seq].slot).unwrap();
             }
-            let slot_bytes = pair.state.slot_floats * 4;
+            let slot_bytes = pair.dev.state.slot_floats * 4;
             let slot = pair
+                .dev
                 .states
                 .range(seqs[seq].slot * slot_bytes, slot_bytes)
                 .unwrap();
-            pair.rt.memset(slot, 0, S).unwrap();
+            pair.dev.rt.memset(slot, 0, S).unwrap();
         }
         let before = outcome.row_errors.len();
         pair.finish(outcome);
@@ -508,16 +406,7 @@ fn bf16_tolerance(delta: f32) -> f32 {
 /// keys, then a mixed-batch run.
 #[test]
 fn tiny_f32() {
-    let mut outcome = Outcome::default();
-    every_case(
-        "nemotron-h-tiny",
-        DType::F32,
-        &[(7, 4, 8)],
-        100,
-        &mut outcome,
-    );
-    mixed_batches("nemotron-h-tiny", DType::F32, &mut outcome);
-    check_f32(&outcome);
+    f32_pass("nemotron-h-tiny", (7, 4, 8));
 }
 
 /// CI's f32 pass over the alternative fixture (biases, conv width 3, 3-of-12 experts in 3
@@ -525,15 +414,15 @@ fn tiny_f32() {
 /// with split attention, then a mixed-batch run.
 #[test]
 fn alt_f32() {
+    f32_pass("nemotron-h-alt", (128, 16, 8));
+}
+
+/// One f32 pass over the fixture `name`: every case (up to 100 tokens) with `plan`, then a
+/// mixed-batch run, every logit within [`F32_TOLERANCE`].
+fn f32_pass(name: &str, plan: Plan) {
     let mut outcome = Outcome::default();
-    every_case(
-        "nemotron-h-alt",
-        DType::F32,
-        &[(128, 16, 8)],
-        100,
-        &mut outcome,
-    );
-    mixed_batches("nemotron-h-alt", DType::F32, &mut outcome);
+    every_case(name, DType::F32, &[plan], 100, &mut outcome);
+    mixed_batches(name, DType::F32, &mut outcome);
     check_f32(&outcome);
 }
 
@@ -590,84 +479,44 @@ fn back_to_back(
     rounds: &[Vec<Job>],
     pipelined: bool,
 ) -> Vec<Vec<u32>> {
-    let config = model.config().clone();
-    let (block_size, blocks, slots) = (4usize, 64usize, 4usize);
-    let host_kv = KvPool::new(&config, blocks, block_size).unwrap();
-    let host_states = MambaStates::new(&config, slots).unwrap();
-    let rt = SimRuntime::with_schedule(schedule).unwrap();
-    let image = WeightImage::new(model, DType::F32).unwrap();
-    let device = DeviceModel::upload(&rt, model, &image)
-        .unwrap()
-        .with_split_keys(16);
-    let ws = Workspace::new(
-        &config,
-        ForwardLimits {
-            max_rows: 64,
-            max_runs: 1,
-            max_table: blocks,
+    let dev = DeviceForward::new(
+        SimRuntime::with_schedule(schedule).unwrap(),
+        model,
+        DType::F32,
+        16,
+        Shape {
+            blocks: 64,
+            block_size: 4,
+            slots: 4,
+            limits: ForwardLimits {
+                max_rows: 64,
+                max_runs: 1,
+                max_table: 64,
+            },
         },
-    )
-    .unwrap();
-    let ws_buf = rt.alloc(ws.bytes()).unwrap();
-    let (block_floats, slot_floats) = (host_kv.floats_per_block(), host_states.floats_per_slot());
-    let kv = rt.alloc(blocks * block_floats * 4).unwrap();
-    let states = rt.alloc(slots * slot_floats * 4).unwrap();
-    let state = DeviceState {
-        kv: kv.all(),
-        num_blocks: blocks,
-        block_size,
-        block_floats,
-        states: states.all(),
-        num_slots: slots,
-        slot_floats,
-    };
-    let vocab = config.vocab_size;
+    );
     let mut answers = Vec::new();
     for round in rounds {
         let mut pending = Vec::new();
         for (slot, table, start, tokens) in round {
-            let rows = tokens.len();
-            let token_buf = rt.alloc(rows * 4).unwrap();
-            rt.upload(token_buf.all(), bytemuck::cast_slice(tokens), S)
-                .unwrap();
-            let logits = rt.alloc(rows * vocab * 4).unwrap();
-            let logit_rows: Vec<u32> = (0..rows as u32).collect();
-            device
-                .forward(
-                    &rt,
-                    &StepArgs {
-                        workspace: ws_buf.all(),
-                        workspace_layout: &ws,
-                        state: &state,
-                        runs: &[StepRun {
-                            start_pos: *start,
-                            len: rows,
-                            slot: *slot,
-                            blocks: table,
-                            snapshots: &[],
-                        }],
-                        tokens: token_buf.all(),
-                        out: StepOutput {
-                            logit_rows: &logit_rows,
-                            logits: logits.all(),
-                        },
-                    },
-                )
-                .unwrap();
-            pending.push((token_buf, logits));
+            let runs = [StepRun {
+                start_pos: *start,
+                len: tokens.len(),
+                slot: *slot,
+                blocks: table,
+                snapshots: &[],
+            }];
+            pending.push(dev.launch(&runs, tokens));
             if !pipelined {
-                rt.sync_stream(S).unwrap();
+                dev.rt.sync_stream(S).unwrap();
             }
         }
-        for (token_buf, logits) in pending {
-            let mut bytes = vec![0u8; logits.bytes()];
-            rt.download(&mut bytes, logits.all(), S).unwrap();
+        for launched in pending {
+            let bytes = dev.read(launched);
             answers.push(bytemuck::cast_slice::<u8, u32>(&bytes).to_vec());
-            rt.free(token_buf).unwrap();
-            rt.free(logits).unwrap();
         }
     }
-    device.free(&rt).unwrap();
+    dev.free();
     answers
 }
 
@@ -724,56 +573,31 @@ fn back_to_back_steps_match_separate_steps() {
 /// The device MTP head on one runtime: the main stack and the head over slot 0 or 1 of a pool
 /// of 16 blocks of 16 (the host harness of `model/tests/mtp.rs`).
 struct MtpDevice {
-    rt: SimRuntime,
-    device: DeviceModel,
-    ws: Workspace,
-    buffers: Vec<DeviceBuffer>,
-    state: DeviceState,
+    dev: DeviceForward,
     blocks: Vec<u32>,
 }
 
 impl MtpDevice {
     fn new(model: &Model) -> MtpDevice {
-        let config = model.config().clone();
-        let (blocks, block_size, slots) = (16usize, 16usize, 2usize);
-        let block_floats = KvPool::new(&config, 1, block_size)
-            .unwrap()
-            .floats_per_block();
-        let slot_floats = MambaStates::new(&config, 1).unwrap().floats_per_slot();
-        let rt = SimRuntime::new().unwrap();
-        let image = WeightImage::new(model, DType::F32).unwrap();
-        let device = DeviceModel::upload(&rt, model, &image)
-            .unwrap()
-            .with_split_keys(8);
-        let ws = Workspace::new(
-            &config,
-            ForwardLimits {
-                max_rows: 128,
-                max_runs: 1,
-                max_table: blocks,
+        let blocks = 16;
+        let dev = DeviceForward::new(
+            SimRuntime::new().unwrap(),
+            model,
+            DType::F32,
+            8,
+            Shape {
+                blocks,
+                block_size: 16,
+                slots: 2,
+                limits: ForwardLimits {
+                    max_rows: 128,
+                    max_runs: 1,
+                    max_table: blocks,
+                },
             },
-        )
-        .unwrap();
-        let buffers = vec![
-            rt.alloc(blocks * block_floats * 4).unwrap(),
-            rt.alloc((slots * slot_floats * 4).max(4)).unwrap(),
-            rt.alloc(ws.bytes()).unwrap(),
-        ];
-        let state = DeviceState {
-            kv: buffers[0].all(),
-            num_blocks: blocks,
-            block_size,
-            block_floats,
-            states: buffers[1].range(0, slots * slot_floats * 4).unwrap(),
-            num_slots: slots,
-            slot_floats,
-        };
+        );
         MtpDevice {
-            rt,
-            device,
-            ws,
-            buffers,
-            state,
+            dev,
             blocks: (0..blocks as u32).collect(),
         }
     }
@@ -787,9 +611,9 @@ impl MtpDevice {
         slot: usize,
         hidden_in: Option<&[f32]>,
     ) -> (Vec<f32>, Vec<f32>) {
-        let config = self.device.config();
+        let config = self.dev.device.config();
         let (rows, d, vocab) = (tokens.len(), config.hidden_size, config.vocab_size);
-        let rt = &self.rt;
+        let rt = &self.dev.rt;
         let token_buf = rt.alloc(rows * 4).unwrap();
         rt.upload(token_buf.all(), bytemuck::cast_slice(tokens), S)
             .unwrap();
@@ -807,41 +631,20 @@ impl MtpDevice {
             logit_rows: &logit_rows,
             logits: logits.all(),
         };
-        let ws_buf = self.buffers[2].all();
+        let args = self.dev.args(&runs, &token_buf, out);
         match hidden_in {
             None => self
+                .dev
                 .device
-                .forward_hidden(
-                    rt,
-                    &StepArgs {
-                        workspace: ws_buf,
-                        workspace_layout: &self.ws,
-                        state: &self.state,
-                        runs: &runs,
-                        tokens: token_buf.all(),
-                        out,
-                    },
-                    hidden_out.all(),
-                )
+                .forward_hidden(rt, &args, hidden_out.all())
                 .unwrap(),
             Some(h) => {
                 let hidden_buf = rt.alloc(h.len() * 4).unwrap();
                 rt.upload(hidden_buf.all(), bytemuck::cast_slice(h), S)
                     .unwrap();
-                self.device
-                    .mtp(
-                        rt,
-                        &StepArgs {
-                            workspace: ws_buf,
-                            workspace_layout: &self.ws,
-                            state: &self.state,
-                            runs: &runs,
-                            tokens: token_buf.all(),
-                            out,
-                        },
-                        hidden_buf.all(),
-                        hidden_out.all(),
-                    )
+                self.dev
+                    .device
+                    .mtp(rt, &args, hidden_buf.all(), hidden_out.all())
                     .unwrap();
                 rt.sync_stream(S).unwrap();
                 rt.free(hidden_buf).unwrap();
@@ -861,11 +664,13 @@ impl MtpDevice {
 
     /// Copies slot 0's state (the MTP layers' included) to slot 1.
     fn fork_slot(&self) {
-        let bytes = self.state.slot_floats * 4;
-        self.rt
+        let states = self.dev.state.states;
+        let bytes = self.dev.state.slot_floats * 4;
+        self.dev
+            .rt
             .copy(
-                self.state.states.range(bytes, bytes).unwrap(),
-                self.state.states.range(0, bytes).unwrap(),
+                states.range(bytes, bytes).unwrap(),
+                states.range(0, bytes).unwrap(),
                 S,
             )
             .unwrap();
@@ -937,7 +742,7 @@ fn check_mtp(fixture_name: &str) -> f32 {
         let i = case["index"].as_u64().unwrap();
         let (prompt, greedy) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
         let dev = MtpDevice::new(&model);
-        assert!(dev.device.has_mtp());
+        assert!(dev.dev.device.has_mtp());
         let n = prompt.len();
         let (_, hidden) = dev.step(&prompt, 0, 0, None);
         let mut next = prompt[1..].to_vec();
@@ -1004,32 +809,28 @@ fn mtp_refusals_are_typed_errors() {
         let dev = MtpDevice::new(model);
         let d = model.config().hidden_size;
         let vocab = model.config().vocab_size;
-        let rt = &dev.rt;
+        let rt = &dev.dev.rt;
         let tokens = rt.alloc(8).unwrap();
         let logits = rt.alloc(2 * vocab * 4).unwrap();
         let hidden_in = rt.alloc(hidden_rows * d * 4).unwrap();
         let hidden_out = rt.alloc(out_rows * d * 4).unwrap();
+        let runs = [StepRun {
+            start_pos: 0,
+            len: 2,
+            slot: 0,
+            blocks: &dev.blocks,
+            snapshots: &[],
+        }];
+        let out = StepOutput {
+            logit_rows: &[0, 1],
+            logits: logits.all(),
+        };
         let err = dev
+            .dev
             .device
             .mtp(
                 rt,
-                &StepArgs {
-                    workspace: dev.buffers[2].all(),
-                    workspace_layout: &dev.ws,
-                    state: &dev.state,
-                    runs: &[StepRun {
-                        start_pos: 0,
-                        len: 2,
-                        slot: 0,
-                        blocks: &dev.blocks,
-                        snapshots: &[],
-                    }],
-                    tokens: tokens.all(),
-                    out: StepOutput {
-                        logit_rows: &[0, 1],
-                        logits: logits.all(),
-                    },
-                },
+                &dev.dev.args(&runs, &tokens, out),
                 hidden_in.all(),
                 hidden_out.all(),
             )

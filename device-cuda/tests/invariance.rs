@@ -6,13 +6,12 @@
 //! split into several blocks of keys and not. This is what makes the caches bit-transparent
 //! (a prefix hit starts a prefill mid-prompt).
 
-use device_cuda::{
-    DType, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepArgs, StepOutput,
-    StepRun, Stream, WeightImage, Workspace,
-};
-use model::{Config, KvPool, MambaStates, Model};
+mod common;
 
-const S: Stream = Stream::Compute;
+use common::{DeviceForward, Shape};
+use device_cuda::{DType, ForwardLimits, SimRuntime, StepRun};
+use model::{Config, Model};
+
 const BLOCK: usize = 4;
 const BLOCKS_EACH: usize = 16;
 const SLOTS: usize = 3;
@@ -28,38 +27,24 @@ fn tokens(seq: usize, from: usize, len: usize, vocab: usize) -> Vec<u32> {
 
 /// The logits (as bits) of sequence 0's positions, in order, over the steps of `cut`.
 fn run(model: &Model, split_keys: usize, cut: &Cut) -> Vec<u32> {
-    let config = model.config().clone();
-    let vocab = config.vocab_size;
+    let vocab = model.config().vocab_size;
     let blocks = SLOTS * BLOCKS_EACH;
-    let host_kv = KvPool::new(&config, blocks, BLOCK).unwrap();
-    let host_states = MambaStates::new(&config, SLOTS).unwrap();
-    let rt = SimRuntime::new().unwrap();
-    let image = WeightImage::new(model, DType::F32).unwrap();
-    let device = DeviceModel::upload(&rt, model, &image)
-        .unwrap()
-        .with_split_keys(split_keys);
-    let ws = Workspace::new(
-        &config,
-        ForwardLimits {
-            max_rows: 64,
-            max_runs: SLOTS,
-            max_table: blocks,
+    let dev = DeviceForward::new(
+        SimRuntime::new().unwrap(),
+        model,
+        DType::F32,
+        split_keys,
+        Shape {
+            blocks,
+            block_size: BLOCK,
+            slots: SLOTS,
+            limits: ForwardLimits {
+                max_rows: 64,
+                max_runs: SLOTS,
+                max_table: blocks,
+            },
         },
-    )
-    .unwrap();
-    let ws_buf = rt.alloc(ws.bytes()).unwrap();
-    let (block_floats, slot_floats) = (host_kv.floats_per_block(), host_states.floats_per_slot());
-    let kv = rt.alloc(blocks * block_floats * 4).unwrap();
-    let states = rt.alloc(SLOTS * slot_floats * 4).unwrap();
-    let state = DeviceState {
-        kv: kv.all(),
-        num_blocks: blocks,
-        block_size: BLOCK,
-        block_floats,
-        states: states.all(),
-        num_slots: SLOTS,
-        slot_floats,
-    };
+    );
     // Interleaved tables: sequence s owns blocks s, s + SLOTS, ...
     let tables: Vec<Vec<u32>> = (0..SLOTS)
         .map(|s| (0..BLOCKS_EACH).map(|j| (j * SLOTS + s) as u32).collect())
@@ -80,30 +65,7 @@ fn run(model: &Model, split_keys: usize, cut: &Cut) -> Vec<u32> {
             .iter()
             .flat_map(|&(seq, from, len)| tokens(seq, from, len, vocab))
             .collect();
-        let rows = all.len();
-        let token_buf = rt.alloc(rows * 4).unwrap();
-        rt.upload(token_buf.all(), bytemuck::cast_slice(&all), S)
-            .unwrap();
-        let logits = rt.alloc(rows * vocab * 4).unwrap();
-        let logit_rows: Vec<u32> = (0..rows as u32).collect();
-        device
-            .forward(
-                &rt,
-                &StepArgs {
-                    workspace: ws_buf.all(),
-                    workspace_layout: &ws,
-                    state: &state,
-                    runs: &runs,
-                    tokens: token_buf.all(),
-                    out: StepOutput {
-                        logit_rows: &logit_rows,
-                        logits: logits.all(),
-                    },
-                },
-            )
-            .unwrap();
-        let mut bytes = vec![0u8; rows * vocab * 4];
-        rt.download(&mut bytes, logits.all(), S).unwrap();
+        let bytes = dev.step(&runs, &all);
         let bits: &[u32] = bytemuck::cast_slice(&bytes);
         let mut row = 0;
         for &(seq, _, len) in step {
@@ -112,13 +74,8 @@ fn run(model: &Model, split_keys: usize, cut: &Cut) -> Vec<u32> {
             }
             row += len;
         }
-        rt.free(token_buf).unwrap();
-        rt.free(logits).unwrap();
     }
-    for buffer in [ws_buf, kv, states] {
-        rt.free(buffer).unwrap();
-    }
-    device.free(&rt).unwrap();
+    dev.free();
     out
 }
 

@@ -4,22 +4,15 @@
 //! device fed exactly what the host emitted; and the negative controls (skipping the rollback,
 //! emitting the over-run) are caught by the same checks.
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter};
+mod common;
+
+use common::{prompt, router_at_depth};
+use device_io::testing::{FaultAt, ScriptedRouter};
 use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase};
 use scheduler::{
     Engine, EngineConfig, Event, FinishReason, PipelineFault, Preemption, Request, RequestHandle,
     ShutdownMode, SpillTarget,
 };
-
-fn router(depth: usize, num_blocks: usize) -> ScriptedRouter {
-    ScriptedRouter::new(ScriptedConfig {
-        block_size: 4,
-        num_blocks,
-        num_slots: 4,
-        vocab_size: 1000,
-        max_depth: depth,
-    })
-}
 
 fn config(preemption: Preemption) -> EngineConfig {
     EngineConfig {
@@ -29,10 +22,6 @@ fn config(preemption: Preemption) -> EngineConfig {
         preemption,
         ..EngineConfig::default()
     }
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 7 + salt) % 1000).collect()
 }
 
 /// A request's whole stream: its tokens, then how it ended.
@@ -56,7 +45,8 @@ fn run(
     requests: &dyn Fn(&ScriptedRouter, u64) -> Option<Request>,
     cancel_after: &[(u64, usize)],
 ) -> Run {
-    let mut engine = Engine::new(router(depth, num_blocks), config(preemption)).unwrap();
+    let mut engine =
+        Engine::new(router_at_depth(depth, num_blocks, 4), config(preemption)).unwrap();
     if let Some(fault) = fault {
         engine.inject_pipeline_fault(fault);
     }
@@ -253,7 +243,7 @@ fn preemption_by_recompute_and_by_spill_gives_the_depth_one_streams() {
 
 #[test]
 fn a_step_lost_in_flight_fails_only_its_rows() {
-    let mut engine = Engine::new(router(2, 64), config(Preemption::Recompute)).unwrap();
+    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
     let a = engine.submit(Request::greedy(prompt(5, 1), 30)).unwrap();
     let b = engine.submit(Request::greedy(prompt(6, 2), 30)).unwrap();
     while !engine.step_in_flight() {
@@ -279,7 +269,7 @@ fn a_step_lost_in_flight_fails_only_its_rows() {
 
 #[test]
 fn a_device_lost_while_a_step_is_in_flight_ends_everything_and_stops_the_engine() {
-    let mut engine = Engine::new(router(2, 64), config(Preemption::Recompute)).unwrap();
+    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
     let handles: Vec<_> = (1..=3)
         .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
         .collect();
@@ -306,7 +296,7 @@ fn a_device_lost_while_a_step_is_in_flight_ends_everything_and_stops_the_engine(
 #[test]
 fn a_failed_fed_launch_fails_its_rows_after_their_last_real_token() {
     let reference = run(1, 64, Preemption::Recompute, None, &mix, &[]);
-    let mut engine = Engine::new(router(2, 64), config(Preemption::Recompute)).unwrap();
+    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
     let handles: Vec<_> = (1..=8)
         .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
         .collect();
@@ -344,7 +334,7 @@ fn a_failed_fed_launch_fails_its_rows_after_their_last_real_token() {
 
 #[test]
 fn an_abort_with_a_step_in_flight_settles_it_first() {
-    let mut engine = Engine::new(router(2, 64), config(Preemption::Recompute)).unwrap();
+    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
     let handles: Vec<_> = (1..=3)
         .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
         .collect();

@@ -3,58 +3,21 @@
 //! case a failure costs the requests it hit and nothing else, and every accepted request gets
 //! exactly one final event.
 
+mod common;
+
+use common::{config, expected, idle_facts, prompt, router};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::{Receiver, Sender};
-use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedConfig, ScriptedRouter, ScriptedSeq};
-use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Phase, StepPlan, Ticket,
-};
+use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedRouter, ScriptedSeq};
+use device_io::{DeviceError, DeviceIo, Effect, EffectOutcome, Phase, StepPlan, Ticket};
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::{
-    ControlError, Engine, EngineConfig, EngineError, EngineThread, Event, Request, RequestError,
-    RequestHandle, ServeError, ShutdownMode,
+    ControlError, Engine, EngineError, EngineThread, Event, Request, RequestError, RequestHandle,
+    ServeError, ShutdownMode,
 };
-
-fn router(num_blocks: usize, num_slots: usize) -> ScriptedRouter {
-    ScriptedRouter::new(ScriptedConfig {
-        block_size: 4,
-        num_blocks,
-        num_slots,
-        vocab_size: 1000,
-        max_depth: 1,
-    })
-}
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        max_running: 8,
-        max_step_tokens: 64,
-        max_prefill_chunk: 16,
-        ..EngineConfig::default()
-    }
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 7 + salt) % 1000).collect()
-}
-
-/// The tokens the scripted router answers for request `id` with a prompt of `prompt` tokens.
-fn expected(router: &ScriptedRouter, id: u64, prompt: usize, n: usize) -> Vec<u32> {
-    (0..n)
-        .map(|i| router.fallback_token(id, prompt + i))
-        .collect()
-}
-
-fn idle_facts(router: &ScriptedRouter) -> DeviceFacts {
-    let facts = router.facts();
-    DeviceFacts {
-        kv_blocks_free: facts.kv_blocks_total,
-        live_slots_used: 0,
-        ..facts
-    }
-}
 
 fn injected() -> DeviceError {
     DeviceError::Failed {

@@ -3,8 +3,12 @@
 //! the threaded client. Tokens are the scripted router's deterministic function of (id, position),
 //! so every expected output is exact.
 
-use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedConfig, ScriptedRouter, ScriptedSeq};
-use device_io::{DeviceError, DeviceFacts, DeviceIo, Phase, StepPlan, Ticket};
+mod common;
+
+use common::{config, expected, idle_facts, prompt, router};
+
+use device_io::testing::{FaultAt, Hooked, Hooks, ScriptedRouter, ScriptedSeq};
+use device_io::{DeviceError, DeviceIo, Phase, StepPlan, Ticket};
 use device_trace::{TraceSink, TracingDeviceIo};
 use scheduler::replay::{replay, ReplayOptions, TurnOutcome};
 use scheduler::workload::{GenOptions, TokenIds, Workload};
@@ -14,51 +18,12 @@ use scheduler::{
     SpillTarget,
 };
 
-fn router(num_blocks: usize, num_slots: usize) -> ScriptedRouter {
-    ScriptedRouter::new(ScriptedConfig {
-        block_size: 4,
-        num_blocks,
-        num_slots,
-        vocab_size: 1000,
-        max_depth: 1,
-    })
-}
-
-fn config() -> EngineConfig {
-    EngineConfig {
-        max_running: 8,
-        max_step_tokens: 64,
-        max_prefill_chunk: 16,
-        ..EngineConfig::default()
-    }
-}
-
 fn engine(num_blocks: usize, num_slots: usize, config: EngineConfig) -> Engine<ScriptedRouter> {
     Engine::new(router(num_blocks, num_slots), config).unwrap()
 }
 
-/// The tokens the scripted router answers for request `id` with a prompt of `prompt` tokens.
-fn expected(engine: &Engine<ScriptedRouter>, id: u64, prompt: usize, n: usize) -> Vec<u32> {
-    (0..n)
-        .map(|i| engine.router().fallback_token(id, prompt + i))
-        .collect()
-}
-
-fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 7 + salt) % 1000).collect()
-}
-
 fn done(handle: RequestHandle) -> Completion {
     handle.wait().expect("request failed")
-}
-
-fn initial_facts(engine: &Engine<ScriptedRouter>) -> DeviceFacts {
-    let facts = engine.router().facts();
-    DeviceFacts {
-        kv_blocks_free: facts.kv_blocks_total,
-        live_slots_used: 0,
-        ..facts
-    }
 }
 
 #[test]
@@ -69,7 +34,7 @@ fn greedy_requests_stream_the_routers_tokens_then_finish() {
     let (ida, idb) = (a.id(), b.id());
     engine.run_until_idle();
     let events: Vec<Event> = a.events().try_iter().collect();
-    let want = expected(&engine, ida, 5, 3);
+    let want = expected(engine.router(), ida, 5, 3);
     assert_eq!(events.len(), 4);
     for (event, token) in events.iter().zip(&want) {
         assert_eq!(event, &Event::Token(*token));
@@ -92,8 +57,8 @@ fn greedy_requests_stream_the_routers_tokens_then_finish() {
         other => panic!("expected Finished, got {other:?}"),
     }
     let b = done(b);
-    assert_eq!(b.tokens, expected(&engine, idb, 9, 4));
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(b.tokens, expected(engine.router(), idb, 9, 4));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
     let metrics = engine.metrics();
     assert_eq!(metrics.finished, 2);
     assert_eq!(metrics.generated_tokens, 7);
@@ -132,8 +97,8 @@ fn prefill_is_chunked_under_the_step_budget() {
     );
     assert_eq!(step.ended, 1);
     engine.run_until_idle();
-    assert_eq!(done(a).tokens, expected(&engine, ida, 15, 2));
-    assert_eq!(done(b).tokens, expected(&engine, idb, 7, 2));
+    assert_eq!(done(a).tokens, expected(engine.router(), ida, 15, 2));
+    assert_eq!(done(b).tokens, expected(engine.router(), idb, 7, 2));
 }
 
 #[test]
@@ -143,7 +108,7 @@ fn a_stop_token_ends_the_request_and_is_part_of_the_output() {
     let id = probe.id();
     engine.run_until_idle();
     let full = done(probe).tokens;
-    assert_eq!(full, expected(&engine, id, 6, 5));
+    assert_eq!(full, expected(engine.router(), id, 6, 5));
     // The scripted tokens depend on the id, so script the next request's tokens directly.
     engine.router().script(&[11, 12, 13, 14, 15]);
     let handle = engine
@@ -190,7 +155,7 @@ fn cancel_ends_waiting_and_running_requests() {
         assert_eq!(completion.reason, FinishReason::Cancelled);
     }
     assert_eq!(engine.metrics().cancelled, 2);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
     let effects = engine.router().effects();
     assert!(effects.contains(&"ReleaseSeq{cache=true, cancel}".to_string()));
 }
@@ -245,9 +210,9 @@ fn requests_that_each_need_the_whole_pool_take_turns() {
     let b = engine.submit(Request::greedy(prompt(20, 1), 12)).unwrap();
     let (ida, idb) = (a.id(), b.id());
     engine.run_until_idle();
-    assert_eq!(done(a).tokens, expected(&engine, ida, 20, 12));
-    assert_eq!(done(b).tokens, expected(&engine, idb, 20, 12));
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(done(a).tokens, expected(engine.router(), ida, 20, 12));
+    assert_eq!(done(b).tokens, expected(engine.router(), idb, 20, 12));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 /// Runs `n` requests of different lengths and answers each one's output (by submission order).
@@ -267,7 +232,7 @@ fn check_mix(engine: &Engine<ScriptedRouter>, results: &[(u64, Completion)]) {
     for (i, (id, completion)) in results.iter().enumerate() {
         assert_eq!(
             completion.tokens,
-            expected(engine, *id, 6 + 3 * i, 10 + i),
+            expected(engine.router(), *id, 6 + 3 * i, 10 + i),
             "request {i}"
         );
     }
@@ -285,7 +250,7 @@ fn kv_exhaustion_preempts_by_recompute_and_outputs_do_not_change() {
     assert_eq!(metrics.spills, 0);
     let preempted: usize = results.iter().map(|(_, c)| c.usage.preemptions).sum();
     assert_eq!(preempted as u64, metrics.preemptions);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
     let effects = engine.router().effects();
     assert!(effects.contains(&"ReleaseSeq{cache=true, preempt}".to_string()));
 }
@@ -307,7 +272,7 @@ fn kv_exhaustion_preempts_by_spill_to_memory_and_to_a_directory() {
         assert!(metrics.spills > 0, "{metrics:?}");
         assert_eq!(metrics.spills, metrics.restores);
         assert_eq!(metrics.recomputes, 0);
-        assert_eq!(engine.router().facts(), initial_facts(&engine));
+        assert_eq!(engine.router().facts(), idle_facts(engine.router()));
         let effects = engine.router().effects();
         assert!(effects.contains(&"SaveSequenceState".to_string()));
         assert!(effects.contains(&"RestoreSequenceState".to_string()));
@@ -335,7 +300,7 @@ fn a_failed_restore_falls_back_to_recompute() {
     let metrics = *engine.metrics();
     assert_eq!(metrics.spill_fallbacks, 1, "{metrics:?}");
     assert_eq!(metrics.restores + 1, metrics.spills);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 #[test]
@@ -381,12 +346,12 @@ fn a_launch_fault_fails_exactly_that_steps_rows() {
         }
         other => panic!("expected a device error, got {other:?}"),
     }
-    assert_eq!(done(b).tokens, expected(&engine, idb, 8, 3));
+    assert_eq!(done(b).tokens, expected(engine.router(), idb, 8, 3));
     assert!(engine
         .router()
         .effects()
         .contains(&"ReleaseSeq{cache=false, fault}".to_string()));
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
     assert_eq!(engine.metrics().failed, 1);
 }
 
@@ -415,7 +380,7 @@ fn effect_faults_fail_only_the_request_they_hit() {
             ..
         })
     ));
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 
     let d = engine.submit(Request::greedy(prompt(4, 3), 2)).unwrap();
     let e = engine.submit(Request::greedy(prompt(4, 4), 3)).unwrap();
@@ -435,7 +400,7 @@ fn effect_faults_fail_only_the_request_they_hit() {
         })
     ));
     assert_eq!(done(e).tokens.len(), 3);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 #[test]
@@ -451,7 +416,7 @@ fn a_sequence_that_cannot_fit_even_alone_fails_instead_of_looping() {
     let b = engine.submit(Request::greedy(prompt(8, 0), 4)).unwrap();
     engine.run_until_idle();
     assert_eq!(done(b).tokens.len(), 4);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 #[test]
@@ -662,7 +627,7 @@ fn replay_forces_the_recorded_outputs_and_counts_everything() {
         workload.input_tokens() as u64
     );
     assert_eq!(report.token_hit_rate, 0.0);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 #[test]
@@ -708,11 +673,11 @@ fn the_victim_is_the_request_with_the_fewest_generated_tokens() {
     let (ida, idb) = (a.id(), b.id());
     engine.run_until_idle();
     let (a, b) = (done(a), done(b));
-    assert_eq!(a.tokens, expected(&engine, ida, 4, 20));
-    assert_eq!(b.tokens, expected(&engine, idb, 4, 20));
+    assert_eq!(a.tokens, expected(engine.router(), ida, 4, 20));
+    assert_eq!(b.tokens, expected(engine.router(), idb, 4, 20));
     assert_eq!(a.usage.preemptions, 0);
     assert!(b.usage.preemptions >= 1);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }
 
 #[test]
@@ -756,5 +721,5 @@ fn a_dropped_handle_cancels_its_request_at_the_next_token() {
     // The first token found nobody listening; no compute was spent after it.
     assert_eq!(metrics.generated_tokens, 1);
     assert_eq!(metrics.decode_launches, 0);
-    assert_eq!(engine.router().facts(), initial_facts(&engine));
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
 }

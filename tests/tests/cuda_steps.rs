@@ -13,7 +13,13 @@
 //! such difference over the rows compared); the device must be within 2δ on at least 95% of
 //! the rows, within half the largest logit on every row, and give the same greedy ids.
 
+// The shadow model is the one `device-cuda/tests/forward.rs` bounds the forward step by.
+#[path = "../../device-cuda/tests/common/bf16.rs"]
+mod bf16;
+
 use std::path::PathBuf;
+
+use bf16::bf16_weights;
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
@@ -321,42 +327,6 @@ fn f32_steps_match_the_host_router_on_both_fixtures() {
 #[ignore = "the full sweep, about 30 s; CI runs f32_steps_match_the_host_router_on_both_fixtures"]
 fn f32_steps_match_the_host_router_full_sweep() {
     f32_sweep([&[CONTEXT, 16, 7], &[CONTEXT, 16, 7]]);
-}
-
-/// `model` with every GEMM matrix rounded to bf16 (the matrices the device keeps in bf16: every
-/// 2-D weight but the MoE gate), written to a scratch folder and loaded back.
-fn bf16_weights(model: &Model) -> Model {
-    let dir = tempfile::tempdir().unwrap();
-    model.save(dir.path()).unwrap();
-    let path = dir.path().join("model.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, view) in file.tensors() {
-        let mut values: Vec<f32> = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        if view.shape().len() == 2 && !name.ends_with(".gate.weight") {
-            for v in &mut values {
-                *v = half::bf16::from_f32(*v).to_f32();
-            }
-        }
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((name, view.shape().to_vec(), data));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(name, shape, data)| {
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                    .unwrap();
-            (name.clone(), view)
-        })
-        .collect();
-    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
-    Model::load(dir.path()).unwrap()
 }
 
 /// bf16 weights on the device against the f32 host router, bounded by the shadow (see the

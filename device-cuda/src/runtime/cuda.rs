@@ -9,9 +9,9 @@
 //!
 //! # Invariants of `State`
 //!
-//! - `allocations` maps every live device buffer's address to its length, `pinned` every live
-//!   pinned buffer's id to its address, length and the events recorded after the latest copy that
-//!   touched it on each stream (so host access waits for exactly those copies).
+//! - `memory` holds the live device and pinned buffers (see `live`); of each pinned buffer it
+//!   keeps the events recorded after the latest copy that touched it on each stream (so host
+//!   access waits for exactly those copies).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
@@ -21,6 +21,7 @@ use crate::kernels::Kernel;
 use crate::raw::cuda::{
     self as raw, Blas, CopyKind, Device, Function, Module, RawEvent, RawStream,
 };
+use crate::runtime::live::{check_copy, check_download, check_upload, LiveMemory};
 use crate::runtime::{
     DType, DeviceBuffer, DeviceSlice, Event, Gemm, KernelArg, LaunchDims, PinnedBuffer, Runtime,
     RuntimeKind, Stream,
@@ -35,18 +36,12 @@ pub fn ptx_modules() -> &'static [(&'static str, Option<&'static str>)] {
     ptx::PTX_MODULES
 }
 
-#[derive(Debug)]
-struct PinnedHost {
-    address: u64,
-    bytes: usize,
-    after: [Option<RawEvent>; 2],
-}
+/// Of each pinned buffer, the event recorded after the latest copy that touched it on each stream.
+type AfterCopies = [Option<RawEvent>; 2];
 
 #[derive(Debug, Default)]
 struct State {
-    allocations: BTreeMap<u64, usize>,
-    pinned: BTreeMap<u32, PinnedHost>,
-    next_pinned: u32,
+    memory: LiveMemory<AfterCopies>,
     events: BTreeMap<u32, RawEvent>,
     next_event: u32,
 }
@@ -66,30 +61,6 @@ pub struct CudaRuntime {
     name: String,
     driver_version: i32,
     device: Device,
-}
-
-fn check_live(state: &State, slice: DeviceSlice, what: &str) -> Result<()> {
-    match state.allocations.range(..=slice.ptr).next_back() {
-        Some((&base, &len)) if slice.ptr + slice.bytes as u64 <= base + len as u64 => Ok(()),
-        _ => Err(CudaError::BadRange(format!(
-            "{what}: {} bytes at {:#x} are not inside a live allocation",
-            slice.bytes, slice.ptr
-        ))),
-    }
-}
-
-fn pinned_range(state: &State, buffer: &PinnedBuffer, offset: usize, bytes: usize) -> Result<u64> {
-    let pinned = state
-        .pinned
-        .get(&buffer.id)
-        .ok_or_else(|| CudaError::BadRange(format!("pinned buffer {} is not live", buffer.id)))?;
-    match offset.checked_add(bytes) {
-        Some(end) if end <= pinned.bytes => Ok(pinned.address + offset as u64),
-        _ => Err(CudaError::BadRange(format!(
-            "{bytes} bytes at offset {offset} of a pinned buffer of {}",
-            pinned.bytes
-        ))),
-    }
 }
 
 impl CudaRuntime {
@@ -165,10 +136,10 @@ impl CudaRuntime {
 
     /// Records, on `stream`, the event after the latest copy touching pinned buffer `id`.
     fn mark_pinned(&self, state: &mut State, id: u32, stream: Stream) -> Result<()> {
-        let Some(pinned) = state.pinned.get_mut(&id) else {
+        let Some(pinned) = state.memory.pinned.get_mut(&id) else {
             return Ok(());
         };
-        let slot = &mut pinned.after[stream.index()];
+        let slot = &mut pinned.in_flight[stream.index()];
         if slot.is_none() {
             *slot = Some(RawEvent::new()?);
         }
@@ -179,8 +150,8 @@ impl CudaRuntime {
     }
 
     fn wait_pinned(state: &State, id: u32) -> Result<()> {
-        if let Some(pinned) = state.pinned.get(&id) {
-            for event in pinned.after.iter().flatten() {
+        if let Some(pinned) = state.memory.pinned.get(&id) {
+            for event in pinned.in_flight.iter().flatten() {
                 event.synchronize()?;
             }
         }
@@ -200,13 +171,13 @@ impl Drop for CudaRuntime {
             .state
             .get_mut()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (address, _) in std::mem::take(&mut state.allocations) {
+        for (address, _) in std::mem::take(&mut state.memory.allocations) {
             // SAFETY: both streams are drained, so no queued work touches the buffer.
             if let Err(err) = unsafe { raw::free(address) } {
                 tracing::warn!(%err, "cuMemFree at drop failed");
             }
         }
-        for (_, pinned) in std::mem::take(&mut state.pinned) {
+        for (_, pinned) in std::mem::take(&mut state.memory.pinned) {
             // SAFETY: as above, for pinned buffers.
             if let Err(err) = unsafe { raw::free_pinned(pinned.address) } {
                 tracing::warn!(%err, "cuMemFreeHost at drop failed");
@@ -228,18 +199,12 @@ impl Runtime for CudaRuntime {
     fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         let mut state = self.lock()?;
         let ptr = raw::alloc(bytes)?;
-        state.allocations.insert(ptr, bytes);
-        Ok(DeviceBuffer { ptr, bytes })
+        Ok(state.memory.insert_allocation(ptr, bytes))
     }
 
     fn free(&self, buffer: DeviceBuffer) -> Result<()> {
         let mut state = self.lock()?;
-        if state.allocations.remove(&buffer.ptr).is_none() {
-            return Err(CudaError::BadRange(format!(
-                "free of {:#x}, which is not a live allocation",
-                buffer.ptr
-            )));
-        }
+        state.memory.remove_allocation(&buffer)?;
         self.sync_all()?;
         // SAFETY: the buffer left the table (no new work can name it) and both streams drained.
         unsafe { raw::free(buffer.ptr) }
@@ -248,46 +213,28 @@ impl Runtime for CudaRuntime {
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
         let mut state = self.lock()?;
         let address = raw::alloc_pinned(bytes)?;
-        let id = state.next_pinned;
-        state.next_pinned += 1;
-        state.pinned.insert(
-            id,
-            PinnedHost {
-                address,
-                bytes,
-                after: [None, None],
-            },
-        );
-        Ok(PinnedBuffer { id, bytes })
+        Ok(state.memory.insert_pinned(address, bytes, [None, None]))
     }
 
     fn free_pinned(&self, buffer: PinnedBuffer) -> Result<()> {
         let mut state = self.lock()?;
         Self::wait_pinned(&state, buffer.id)?;
-        let pinned = state.pinned.remove(&buffer.id).ok_or_else(|| {
-            CudaError::BadRange(format!("pinned buffer {} is not live", buffer.id))
-        })?;
+        let pinned = state.memory.remove_pinned(&buffer)?;
         // SAFETY: every copy issued on the buffer finished (waited above) and it left the table.
         unsafe { raw::free_pinned(pinned.address) }
     }
 
     fn memset(&self, dst: DeviceSlice, value: u8, stream: Stream) -> Result<()> {
         let state = self.lock()?;
-        check_live(&state, dst, "memset")?;
+        state.memory.check_live(dst, "memset")?;
         // SAFETY: the range lies in a live allocation.
         unsafe { raw::memset_async(dst.ptr, value, dst.bytes, self.stream(stream)) }
     }
 
     fn upload(&self, dst: DeviceSlice, src: &[u8], stream: Stream) -> Result<()> {
-        if dst.bytes != src.len() {
-            return Err(CudaError::BadRange(format!(
-                "upload of {} host bytes into {} device bytes",
-                src.len(),
-                dst.bytes
-            )));
-        }
+        check_upload(dst, src)?;
         let state = self.lock()?;
-        check_live(&state, dst, "upload")?;
+        state.memory.check_live(dst, "upload")?;
         // SAFETY: the destination is live; the pageable source is staged by the driver before
         // `cuMemcpyHtoDAsync` returns, so `src` may be dropped afterwards.
         unsafe {
@@ -302,15 +249,9 @@ impl Runtime for CudaRuntime {
     }
 
     fn download(&self, dst: &mut [u8], src: DeviceSlice, stream: Stream) -> Result<()> {
-        if dst.len() != src.bytes {
-            return Err(CudaError::BadRange(format!(
-                "download of {} device bytes into {} host bytes",
-                src.bytes,
-                dst.len()
-            )));
-        }
+        check_download(dst, src)?;
         let state = self.lock()?;
-        check_live(&state, src, "download")?;
+        state.memory.check_live(src, "download")?;
         // SAFETY: the source is live; `dst` is borrowed mutably until the stream is synchronised
         // below, so the copy finishes before the borrow ends.
         unsafe {
@@ -327,15 +268,10 @@ impl Runtime for CudaRuntime {
     }
 
     fn copy(&self, dst: DeviceSlice, src: DeviceSlice, stream: Stream) -> Result<()> {
-        if dst.bytes != src.bytes || dst.overlaps(&src) {
-            return Err(CudaError::BadRange(format!(
-                "copy of {} bytes into {} bytes (or overlapping)",
-                src.bytes, dst.bytes
-            )));
-        }
+        check_copy(dst, src)?;
         let state = self.lock()?;
-        check_live(&state, dst, "copy destination")?;
-        check_live(&state, src, "copy source")?;
+        state.memory.check_live(dst, "copy destination")?;
+        state.memory.check_live(src, "copy source")?;
         // SAFETY: both ranges are live device memory of equal length.
         unsafe {
             raw::copy_async(
@@ -356,8 +292,8 @@ impl Runtime for CudaRuntime {
         stream: Stream,
     ) -> Result<()> {
         let mut state = self.lock()?;
-        check_live(&state, src, "copy to pinned")?;
-        let address = pinned_range(&state, dst, offset, src.bytes)?;
+        state.memory.check_live(src, "copy to pinned")?;
+        let address = state.memory.pinned_range(dst, offset, src.bytes)?;
         // SAFETY: the source is live device memory and the destination lies in a live pinned
         // buffer, which host code touches only after waiting for the event recorded below, and
         // which is freed only after that wait.
@@ -381,8 +317,8 @@ impl Runtime for CudaRuntime {
         stream: Stream,
     ) -> Result<()> {
         let mut state = self.lock()?;
-        check_live(&state, dst, "copy from pinned")?;
-        let address = pinned_range(&state, src, offset, dst.bytes)?;
+        state.memory.check_live(dst, "copy from pinned")?;
+        let address = state.memory.pinned_range(src, offset, dst.bytes)?;
         // SAFETY: as in `copy_to_pinned`, the other way round.
         unsafe {
             raw::copy_async(
@@ -399,7 +335,7 @@ impl Runtime for CudaRuntime {
     fn read_pinned(&self, src: &PinnedBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
         let state = self.lock()?;
         Self::wait_pinned(&state, src.id)?;
-        let address = pinned_range(&state, src, offset, dst.len())?;
+        let address = state.memory.pinned_range(src, offset, dst.len())?;
         // SAFETY: the range lies in the live pinned buffer, every copy issued on it finished, and
         // no new one can be issued while this thread holds the lock.
         unsafe { raw::host_copy(dst.as_mut_ptr() as u64, address, dst.len()) };
@@ -409,7 +345,7 @@ impl Runtime for CudaRuntime {
     fn write_pinned(&self, dst: &PinnedBuffer, offset: usize, src: &[u8]) -> Result<()> {
         let state = self.lock()?;
         Self::wait_pinned(&state, dst.id)?;
-        let address = pinned_range(&state, dst, offset, src.len())?;
+        let address = state.memory.pinned_range(dst, offset, src.len())?;
         // SAFETY: as in `read_pinned`, in the other direction.
         unsafe { raw::host_copy(address, src.as_ptr() as u64, src.len()) };
         Ok(())
@@ -486,11 +422,7 @@ impl Runtime for CudaRuntime {
     ) -> Result<()> {
         dims.check(kernel.name())?;
         let state = self.lock()?;
-        for arg in args {
-            if let KernelArg::Ptr(slice) = arg {
-                check_live(&state, *slice, kernel.name())?;
-            }
-        }
+        state.memory.check_kernel_args(kernel, args)?;
         let cells: Vec<u64> = args.iter().map(KernelArg::storage).collect();
         // SAFETY: the caller of `Runtime::launch` guarantees the arguments and memory; the
         // function belongs to a module this runtime keeps loaded.
@@ -509,9 +441,7 @@ impl Runtime for CudaRuntime {
     fn gemm(&self, gemm: &Gemm, stream: Stream) -> Result<()> {
         gemm.check()?;
         let state = self.lock()?;
-        check_live(&state, gemm.a, "GEMM a")?;
-        check_live(&state, gemm.b, "GEMM b")?;
-        check_live(&state, gemm.c, "GEMM c")?;
+        state.memory.check_gemm(gemm)?;
         let dim = |x: usize| i32::try_from(x).unwrap_or(i32::MAX);
         // SAFETY: `Gemm::check` validated the sizes, alignment and that c overlaps neither input;
         // the three slices are live; the lock serialises the handle's stream binding.

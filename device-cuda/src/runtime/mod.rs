@@ -30,6 +30,7 @@ use crate::error::{CudaError, Result};
 use crate::kernels::Kernel;
 
 pub(crate) mod cuda;
+mod live;
 pub(crate) mod sim;
 
 /// One of the router's two streams.
@@ -87,16 +88,8 @@ impl DeviceBuffer {
 
     /// `bytes` bytes at `offset`, or an error when that runs past the end.
     pub fn range(&self, offset: usize, bytes: usize) -> Result<DeviceSlice> {
-        match offset.checked_add(bytes) {
-            Some(end) if end <= self.bytes => Ok(DeviceSlice {
-                ptr: self.ptr + offset as u64,
-                bytes,
-            }),
-            _ => Err(CudaError::BadRange(format!(
-                "{bytes} bytes at offset {offset} of a buffer of {}",
-                self.bytes
-            ))),
-        }
+        let ptr = live::sub_range(self.ptr, self.bytes, offset, bytes, "a buffer")?;
+        Ok(DeviceSlice { ptr, bytes })
     }
 }
 
@@ -120,16 +113,8 @@ impl DeviceSlice {
 
     /// `bytes` bytes at `offset` inside this slice.
     pub fn range(&self, offset: usize, bytes: usize) -> Result<DeviceSlice> {
-        match offset.checked_add(bytes) {
-            Some(end) if end <= self.bytes => Ok(DeviceSlice {
-                ptr: self.ptr + offset as u64,
-                bytes,
-            }),
-            _ => Err(CudaError::BadRange(format!(
-                "{bytes} bytes at offset {offset} of a slice of {}",
-                self.bytes
-            ))),
-        }
+        let ptr = live::sub_range(self.ptr, self.bytes, offset, bytes, "a slice")?;
+        Ok(DeviceSlice { ptr, bytes })
     }
 
     /// Whether the two slices share a byte.

@@ -18,8 +18,8 @@
 //!
 //! # Invariants of `State`
 //!
-//! - `allocations` maps each live device buffer's address to its length; `pinned` each live pinned
-//!   buffer's id to its address, length and number of queued copies that touch it.
+//! - `memory` holds the live device and pinned buffers (see `live`); of each pinned buffer it
+//!   keeps the number of queued copies that touch it.
 //! - `queued[s]` counts the commands of stream `s` not yet finished (queued or running).
 //! - `events[e].completed <= events[e].recorded`.
 
@@ -30,6 +30,7 @@ use std::thread::JoinHandle;
 use crate::error::{CudaError, Result};
 use crate::kernels::Kernel;
 use crate::raw::sim::{self as raw, HostAddress, SimKernel};
+use crate::runtime::live::{check_copy, check_download, check_upload, LiveMemory};
 use crate::runtime::{
     DType, DeviceBuffer, DeviceSlice, Event, Gemm, KernelArg, LaunchDims, PinnedBuffer, Runtime,
     RuntimeKind, Stream,
@@ -86,18 +87,10 @@ struct EventState {
     completed: u64,
 }
 
-#[derive(Debug)]
-struct Pinned {
-    address: u64,
-    bytes: usize,
-    pending: usize,
-}
-
 #[derive(Debug, Default)]
 struct State {
-    allocations: BTreeMap<u64, usize>,
-    pinned: BTreeMap<u32, Pinned>,
-    next_pinned: u32,
+    /// Of each pinned buffer, the number of queued copies that touch it.
+    memory: LiveMemory<usize>,
     events: BTreeMap<u32, EventState>,
     next_event: u32,
     queues: [VecDeque<Queued>; 2],
@@ -152,35 +145,6 @@ pub struct SimRuntime {
     shared: Arc<Shared>,
     kernels: Vec<SimKernel>,
     worker: Option<JoinHandle<()>>,
-}
-
-fn check_live(state: &State, slice: DeviceSlice, what: &str) -> Result<()> {
-    let found = state.allocations.range(..=slice.ptr).next_back();
-    match found {
-        Some((&base, &len))
-            if slice.ptr >= base && slice.ptr + slice.bytes as u64 <= base + len as u64 =>
-        {
-            Ok(())
-        }
-        _ => Err(CudaError::BadRange(format!(
-            "{what}: {} bytes at {:#x} are not inside a live allocation",
-            slice.bytes, slice.ptr
-        ))),
-    }
-}
-
-fn check_pinned(state: &State, buffer: &PinnedBuffer, offset: usize, bytes: usize) -> Result<u64> {
-    let pinned = state
-        .pinned
-        .get(&buffer.id)
-        .ok_or_else(|| CudaError::BadRange(format!("pinned buffer {} is not live", buffer.id)))?;
-    match offset.checked_add(bytes) {
-        Some(end) if end <= pinned.bytes => Ok(pinned.address + offset as u64),
-        _ => Err(CudaError::BadRange(format!(
-            "{bytes} bytes at offset {offset} of a pinned buffer of {}",
-            pinned.bytes
-        ))),
-    }
 }
 
 fn sticky(state: &State) -> Result<()> {
@@ -334,8 +298,8 @@ fn worker(shared: Arc<Shared>) {
             Op::Copy {
                 pinned: Some(id), ..
             } => {
-                if let Some(p) = state.pinned.get_mut(&id) {
-                    p.pending -= 1;
+                if let Some(p) = state.memory.pinned.get_mut(&id) {
+                    p.in_flight -= 1;
                 }
             }
             Op::Download { id, .. } => {
@@ -447,12 +411,12 @@ impl Drop for SimRuntime {
             }
         }
         let mut state = self.shared.lock();
-        for (address, bytes) in std::mem::take(&mut state.allocations) {
+        for (address, bytes) in std::mem::take(&mut state.memory.allocations) {
             // SAFETY: the worker has exited, so nothing touches the memory; the table holds each
             // live allocation once with its length.
             unsafe { raw::free(address, bytes) };
         }
-        for (_, pinned) in std::mem::take(&mut state.pinned) {
+        for (_, pinned) in std::mem::take(&mut state.memory.pinned) {
             // SAFETY: as above, for pinned buffers.
             unsafe { raw::free(pinned.address, pinned.bytes) };
         }
@@ -472,24 +436,16 @@ impl Runtime for SimRuntime {
         let mut state = self.shared.lock();
         sticky(&state)?;
         let ptr = raw::alloc_zeroed(bytes)?;
-        state.allocations.insert(ptr, bytes);
-        Ok(DeviceBuffer { ptr, bytes })
+        Ok(state.memory.insert_allocation(ptr, bytes))
     }
 
     fn free(&self, buffer: DeviceBuffer) -> Result<()> {
         let mut state = self.drain_all();
-        match state.allocations.remove(&buffer.ptr) {
-            Some(bytes) => {
-                // SAFETY: both streams are drained (nothing queued touches it) and the entry is
-                // gone from the table, so no later command can be validated against it.
-                unsafe { raw::free(buffer.ptr, bytes) };
-                Ok(())
-            }
-            None => Err(CudaError::BadRange(format!(
-                "free of {:#x}, which is not a live allocation",
-                buffer.ptr
-            ))),
-        }
+        let bytes = state.memory.remove_allocation(&buffer)?;
+        // SAFETY: both streams are drained (nothing queued touches it) and the entry is gone from
+        // the table, so no later command can be validated against it.
+        unsafe { raw::free(buffer.ptr, bytes) };
+        Ok(())
     }
 
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
@@ -499,41 +455,27 @@ impl Runtime for SimRuntime {
             what: "pinned host",
             requested: bytes,
         })?;
-        let id = state.next_pinned;
-        state.next_pinned += 1;
-        state.pinned.insert(
-            id,
-            Pinned {
-                address,
-                bytes,
-                pending: 0,
-            },
-        );
-        Ok(PinnedBuffer { id, bytes })
+        Ok(state.memory.insert_pinned(address, bytes, 0))
     }
 
     fn free_pinned(&self, buffer: PinnedBuffer) -> Result<()> {
         let state = self.shared.lock();
         let mut state = self.wait_until(state, |s| {
-            s.pinned.get(&buffer.id).is_none_or(|p| p.pending == 0)
+            s.memory
+                .pinned
+                .get(&buffer.id)
+                .is_none_or(|p| p.in_flight == 0)
         });
-        match state.pinned.remove(&buffer.id) {
-            Some(pinned) => {
-                // SAFETY: no queued copy touches it any more and it left the table.
-                unsafe { raw::free(pinned.address, pinned.bytes) };
-                Ok(())
-            }
-            None => Err(CudaError::BadRange(format!(
-                "pinned buffer {} is not live",
-                buffer.id
-            ))),
-        }
+        let pinned = state.memory.remove_pinned(&buffer)?;
+        // SAFETY: no queued copy touches it any more and it left the table.
+        unsafe { raw::free(pinned.address, pinned.bytes) };
+        Ok(())
     }
 
     fn memset(&self, dst: DeviceSlice, value: u8, stream: Stream) -> Result<()> {
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, dst, "memset")?;
+        state.memory.check_live(dst, "memset")?;
         self.enqueue(
             &mut state,
             stream,
@@ -547,16 +489,10 @@ impl Runtime for SimRuntime {
     }
 
     fn upload(&self, dst: DeviceSlice, src: &[u8], stream: Stream) -> Result<()> {
-        if dst.bytes != src.len() {
-            return Err(CudaError::BadRange(format!(
-                "upload of {} host bytes into {} device bytes",
-                src.len(),
-                dst.bytes
-            )));
-        }
+        check_upload(dst, src)?;
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, dst, "upload")?;
+        state.memory.check_live(dst, "upload")?;
         self.enqueue(
             &mut state,
             stream,
@@ -569,16 +505,10 @@ impl Runtime for SimRuntime {
     }
 
     fn download(&self, dst: &mut [u8], src: DeviceSlice, stream: Stream) -> Result<()> {
-        if dst.len() != src.bytes {
-            return Err(CudaError::BadRange(format!(
-                "download of {} device bytes into {} host bytes",
-                src.bytes,
-                dst.len()
-            )));
-        }
+        check_download(dst, src)?;
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, src, "download")?;
+        state.memory.check_live(src, "download")?;
         let id = state.next_seq;
         self.enqueue(
             &mut state,
@@ -595,16 +525,11 @@ impl Runtime for SimRuntime {
     }
 
     fn copy(&self, dst: DeviceSlice, src: DeviceSlice, stream: Stream) -> Result<()> {
-        if dst.bytes != src.bytes || dst.overlaps(&src) {
-            return Err(CudaError::BadRange(format!(
-                "copy of {} bytes into {} bytes (or overlapping)",
-                src.bytes, dst.bytes
-            )));
-        }
+        check_copy(dst, src)?;
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, dst, "copy destination")?;
-        check_live(&state, src, "copy source")?;
+        state.memory.check_live(dst, "copy destination")?;
+        state.memory.check_live(src, "copy source")?;
         self.enqueue(
             &mut state,
             stream,
@@ -627,10 +552,10 @@ impl Runtime for SimRuntime {
     ) -> Result<()> {
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, src, "copy to pinned")?;
-        let address = check_pinned(&state, dst, offset, src.bytes)?;
-        if let Some(p) = state.pinned.get_mut(&dst.id) {
-            p.pending += 1;
+        state.memory.check_live(src, "copy to pinned")?;
+        let address = state.memory.pinned_range(dst, offset, src.bytes)?;
+        if let Some(p) = state.memory.pinned.get_mut(&dst.id) {
+            p.in_flight += 1;
         }
         self.enqueue(
             &mut state,
@@ -654,10 +579,10 @@ impl Runtime for SimRuntime {
     ) -> Result<()> {
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, dst, "copy from pinned")?;
-        let address = check_pinned(&state, src, offset, dst.bytes)?;
-        if let Some(p) = state.pinned.get_mut(&src.id) {
-            p.pending += 1;
+        state.memory.check_live(dst, "copy from pinned")?;
+        let address = state.memory.pinned_range(src, offset, dst.bytes)?;
+        if let Some(p) = state.memory.pinned.get_mut(&src.id) {
+            p.in_flight += 1;
         }
         self.enqueue(
             &mut state,
@@ -675,11 +600,14 @@ impl Runtime for SimRuntime {
     fn read_pinned(&self, src: &PinnedBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
         let state = self.shared.lock();
         let state = self.wait_until(state, |s| {
-            s.pinned.get(&src.id).is_none_or(|p| p.pending == 0)
+            s.memory
+                .pinned
+                .get(&src.id)
+                .is_none_or(|p| p.in_flight == 0)
         });
         sticky(&state)?;
-        let address = check_pinned(&state, src, offset, dst.len())?;
-        // SAFETY: the range lies inside the live pinned buffer, no queued copy touches it (pending
+        let address = state.memory.pinned_range(src, offset, dst.len())?;
+        // SAFETY: the range lies inside the live pinned buffer, no queued copy touches it (its count
         // is 0 and a new one cannot be queued while this thread holds the lock), and `dst` is a
         // distinct host slice.
         unsafe { raw::copy(HostAddress::of(dst).0, address, dst.len()) };
@@ -689,10 +617,13 @@ impl Runtime for SimRuntime {
     fn write_pinned(&self, dst: &PinnedBuffer, offset: usize, src: &[u8]) -> Result<()> {
         let state = self.shared.lock();
         let state = self.wait_until(state, |s| {
-            s.pinned.get(&dst.id).is_none_or(|p| p.pending == 0)
+            s.memory
+                .pinned
+                .get(&dst.id)
+                .is_none_or(|p| p.in_flight == 0)
         });
         sticky(&state)?;
-        let address = check_pinned(&state, dst, offset, src.len())?;
+        let address = state.memory.pinned_range(dst, offset, src.len())?;
         // SAFETY: as in `read_pinned`, with `src` the distinct host slice.
         unsafe { raw::copy(address, src.as_ptr() as u64, src.len()) };
         Ok(())
@@ -801,11 +732,7 @@ impl Runtime for SimRuntime {
         let sim = self.kernels[kernel as usize];
         let mut state = self.shared.lock();
         sticky(&state)?;
-        for arg in args {
-            if let KernelArg::Ptr(slice) = arg {
-                check_live(&state, *slice, kernel.name())?;
-            }
-        }
+        state.memory.check_kernel_args(kernel, args)?;
         self.enqueue(
             &mut state,
             stream,
@@ -822,9 +749,7 @@ impl Runtime for SimRuntime {
         gemm.check()?;
         let mut state = self.shared.lock();
         sticky(&state)?;
-        check_live(&state, gemm.a, "GEMM a")?;
-        check_live(&state, gemm.b, "GEMM b")?;
-        check_live(&state, gemm.c, "GEMM c")?;
+        state.memory.check_gemm(gemm)?;
         self.enqueue(&mut state, stream, Op::Gemm(*gemm));
         Ok(())
     }
