@@ -173,29 +173,17 @@ impl Workload {
     /// turn appends a user message to the history (previous inputs and outputs).
     pub fn chat(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
         options.check(vocab_size)?;
-        let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+        let mut draws = Draws::new(options, vocab_size);
         let openers: Vec<Vec<u32>> = (0..options.shared_prefixes)
-            .map(|_| random_tokens(&mut rng, options.prefix_len, vocab_size))
+            .map(|_| draws.tokens(options.prefix_len))
             .collect();
         let mut turns = Vec::new();
         for session in 0..options.sessions as u64 {
-            let opener = &openers[rng.random_range(0..openers.len())];
+            let opener = &openers[draws.rng.random_range(0..openers.len())];
             let mut history = opener.clone();
             let mut ts = session as f64 * options.session_gap_s;
             for turn in 0..options.turns as u64 {
-                let message_len = rng.random_range(options.message_len.0..=options.message_len.1);
-                history.extend(random_tokens(&mut rng, message_len, vocab_size));
-                let output_len = rng.random_range(options.output_len.0..=options.output_len.1);
-                let output = random_tokens(&mut rng, output_len, vocab_size);
-                turns.push(Turn {
-                    session,
-                    turn,
-                    ts,
-                    input: history.clone(),
-                    output: output.clone(),
-                    source_line: None,
-                });
-                history.extend(output);
+                turns.push(draws.turn(&mut history, session, turn, ts));
                 ts += options.think_time_s;
             }
         }
@@ -207,34 +195,21 @@ impl Workload {
     /// last tool result and the reply to it), so the next input branches off an earlier point.
     pub fn agentic(options: &GenOptions, vocab_size: usize) -> Result<Workload, WorkloadError> {
         options.check(vocab_size)?;
-        let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
-        let system = random_tokens(&mut rng, options.prefix_len, vocab_size);
+        let mut draws = Draws::new(options, vocab_size);
+        let system = draws.tokens(options.prefix_len);
         let mut turns = Vec::new();
         for session in 0..options.sessions as u64 {
             let mut history = system.clone();
-            let task_len = rng.random_range(options.message_len.0..=options.message_len.1);
-            history.extend(random_tokens(&mut rng, task_len, vocab_size));
+            history.extend(draws.message());
             let mut before_last_step = history.len();
             let mut ts = session as f64 * options.session_gap_s;
             for turn in 0..options.turns as u64 {
-                if turn >= 2 && rng.random_bool(0.25) {
+                if turn >= 2 && draws.rng.random_bool(0.25) {
                     // Edit: forget the last tool result and the reply to it.
                     history.truncate(before_last_step);
                 }
                 before_last_step = history.len();
-                let tool_len = rng.random_range(options.message_len.0..=options.message_len.1);
-                history.extend(random_tokens(&mut rng, tool_len, vocab_size));
-                let output_len = rng.random_range(options.output_len.0..=options.output_len.1);
-                let output = random_tokens(&mut rng, output_len, vocab_size);
-                turns.push(Turn {
-                    session,
-                    turn,
-                    ts,
-                    input: history.clone(),
-                    output: output.clone(),
-                    source_line: None,
-                });
-                history.extend(output);
+                turns.push(draws.turn(&mut history, session, turn, ts));
                 ts += options.think_time_s;
             }
         }
@@ -266,10 +241,55 @@ impl Workload {
     }
 }
 
-fn random_tokens(rng: &mut ChaCha8Rng, len: usize, vocab_size: usize) -> Vec<u32> {
-    (0..len)
-        .map(|_| rng.random_range(0..vocab_size as u32))
-        .collect()
+/// The random draws of a generated workload, from one seeded generator. A workload is a function
+/// of its options: every draw's order is part of it, so the generators draw only through here.
+struct Draws<'a> {
+    rng: ChaCha8Rng,
+    options: &'a GenOptions,
+    vocab_size: usize,
+}
+
+impl<'a> Draws<'a> {
+    fn new(options: &'a GenOptions, vocab_size: usize) -> Self {
+        Draws {
+            rng: ChaCha8Rng::seed_from_u64(options.seed),
+            options,
+            vocab_size,
+        }
+    }
+
+    /// `len` tokens of the vocabulary.
+    fn tokens(&mut self, len: usize) -> Vec<u32> {
+        (0..len)
+            .map(|_| self.rng.random_range(0..self.vocab_size as u32))
+            .collect()
+    }
+
+    /// A new message (a user message, a task or a tool result): its length, then its tokens.
+    fn message(&mut self) -> Vec<u32> {
+        let (low, high) = self.options.message_len;
+        let len = self.rng.random_range(low..=high);
+        self.tokens(len)
+    }
+
+    /// One turn at `ts`: a new message joins `history`, which is the turn's input; then a new
+    /// output (its length, then its tokens) is recorded and joins `history` too.
+    fn turn(&mut self, history: &mut Vec<u32>, session: u64, turn: u64, ts: f64) -> Turn {
+        history.extend(self.message());
+        let (low, high) = self.options.output_len;
+        let output_len = self.rng.random_range(low..=high);
+        let output = self.tokens(output_len);
+        let recorded = Turn {
+            session,
+            turn,
+            ts,
+            input: history.clone(),
+            output: output.clone(),
+            source_line: None,
+        };
+        history.extend(output);
+        recorded
+    }
 }
 
 /// The shape of a generated workload. Lengths are in tokens; ranges are inclusive.
