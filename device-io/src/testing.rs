@@ -201,6 +201,19 @@ struct State {
     lora_log: Vec<(String, usize)>,
 }
 
+impl State {
+    /// Records that `seq` consumed `token` at its next position: the router's input log, and the
+    /// sequence's tokens (past the prompt, whatever a rollback left beyond it is replaced).
+    fn consume(&mut self, seq: &mut ScriptedSeq, token: u32) {
+        self.inputs
+            .entry(seq.id)
+            .or_default()
+            .insert(seq.computed, token);
+        seq.tokens.truncate(seq.computed.max(seq.prompt_len));
+        seq.tokens.push(token);
+    }
+}
+
 /// Slots of the snapshot ring (`SsmSnapshotSave` / `SsmSnapshotRestore`), as many as the host
 /// router has by default.
 pub const SNAPSHOT_SLOTS: usize = 4;
@@ -517,13 +530,7 @@ impl ScriptedRouter {
             }
             let start = tokens.len();
             for &token in input.iter() {
-                state
-                    .inputs
-                    .entry(seq.id)
-                    .or_default()
-                    .insert(seq.computed, token);
-                seq.tokens.truncate(seq.computed.max(seq.prompt_len));
-                seq.tokens.push(token);
+                state.consume(seq, token);
                 seq.computed += 1;
                 tokens.push(self.answer(state, seq, None));
             }
@@ -537,9 +544,27 @@ impl ScriptedRouter {
         }
         // A verification reaches no feed cell (the core truncates its rows).
         state.last_rows = rows.iter().map(|seq| (seq.id, None)).collect();
+        Ok(self.enqueue_step(state, 0, None, |ticket| StepResult {
+            ticket,
+            rows: outputs,
+            logits: None,
+            tokens,
+        }))
+    }
+
+    /// Enters a launched step under the next ticket: its logits (`token_rows` rows; the latest
+    /// `max_depth` steps' are held), when the simulated device finishes it, and its result, built
+    /// by `result` from the ticket.
+    fn enqueue_step(
+        &self,
+        state: &mut State,
+        token_rows: usize,
+        fed_from: Option<u64>,
+        result: impl FnOnce(Ticket) -> StepResult<u64>,
+    ) -> Ticket {
         let ticket = Ticket(state.next_ticket);
         state.next_ticket += 1;
-        state.logits.push_back((ticket.0, 0));
+        state.logits.push_back((ticket.0, token_rows));
         while state.logits.len() > self.config.max_depth.max(1) {
             state.logits.pop_front();
         }
@@ -554,17 +579,12 @@ impl ScriptedRouter {
         state.unsettled.insert(
             ticket.0,
             Unsettled {
-                result: StepResult {
-                    ticket,
-                    rows: outputs,
-                    logits: None,
-                    tokens,
-                },
+                result: result(ticket),
                 ready_at,
-                fed_from: None,
+                fed_from,
             },
         );
-        Ok(ticket)
+        ticket
     }
 
     fn check_masks(&self, masks: &[&[bool]], rows: usize, what: &'static str) -> Result<()> {
@@ -867,13 +887,7 @@ impl DeviceIo for ScriptedRouter {
                 }
             }
             if let Some(token) = input {
-                state
-                    .inputs
-                    .entry(seq.id)
-                    .or_default()
-                    .insert(seq.computed, token);
-                seq.tokens.truncate(seq.computed.max(seq.prompt_len));
-                seq.tokens.push(token);
+                state.consume(seq, token);
             }
             let was_prefill = !seq.prefill_done();
             seq.computed += add;
@@ -908,36 +922,15 @@ impl DeviceIo for ScriptedRouter {
             .iter()
             .filter(|(_, token)| token.is_some())
             .count();
-        let ticket = state.next_ticket;
-        state.logits.push_back((ticket, token_rows));
-        while state.logits.len() > self.config.max_depth.max(1) {
-            state.logits.pop_front();
-        }
         state.last_rows = last_rows;
-        let ticket = Ticket(state.next_ticket);
-        state.next_ticket += 1;
-        let ready_at = (!self.step_time.is_zero()).then(|| {
-            let now = Instant::now();
-            let start = state.device_free_at.map_or(now, |free| free.max(now));
-            start + self.step_time
-        });
-        if ready_at.is_some() {
-            state.device_free_at = ready_at;
-        }
-        state.unsettled.insert(
-            ticket.0,
-            Unsettled {
-                result: StepResult {
-                    ticket,
-                    rows: outputs,
-                    logits: Some(ticket.0),
-                    tokens: Vec::new(),
-                },
-                ready_at,
-                fed_from,
-            },
-        );
-        Ok(ticket)
+        Ok(
+            self.enqueue_step(&mut state, token_rows, fed_from, |ticket| StepResult {
+                ticket,
+                rows: outputs,
+                logits: Some(ticket.0),
+                tokens: Vec::new(),
+            }),
+        )
     }
 
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<u64>> {
