@@ -30,8 +30,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use device_cuda::{
-    CudaRuntime, DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime,
-    StepArgs, StepOutput, StepRun, Stream, WeightImage, Workspace,
+    CudaRuntime, DType, DeviceBuffer, DeviceModel, DeviceSlice, DeviceState, ForwardLimits,
+    Runtime, SimRuntime, StepArgs, StepOutput, StepRun, Stream, WeightImage, Workspace,
 };
 use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
@@ -111,6 +111,42 @@ impl Device {
         }
     }
 
+    /// `model` uploaded with `dtype` matrices, for one sequence of up to 128 tokens a step over
+    /// a pool of `blocks` blocks of `block_size` (the parity checks).
+    fn one_sequence(
+        rt: &dyn Runtime,
+        model: &Model,
+        dtype: DType,
+        blocks: usize,
+        block_size: usize,
+    ) -> Device {
+        let image = WeightImage::new(model, dtype).expect("image");
+        let device_model = DeviceModel::upload(rt, model, &image).expect("upload");
+        let limits = ForwardLimits {
+            max_rows: 128,
+            max_runs: 1,
+            max_table: blocks,
+        };
+        Device::new(rt, device_model, blocks, block_size, 1, limits)
+    }
+
+    /// The arguments of a step over `runs` on this device's workspace and state.
+    fn args<'a>(
+        &'a self,
+        runs: &'a [StepRun<'a>],
+        tokens: DeviceSlice,
+        out: StepOutput<'a>,
+    ) -> StepArgs<'a> {
+        StepArgs {
+            workspace: self.buffers[2].all(),
+            workspace_layout: &self.ws,
+            state: &self.state,
+            runs,
+            tokens,
+            out,
+        }
+    }
+
     /// One step; answers the logits of `logit_rows`.
     fn step(
         &self,
@@ -129,21 +165,12 @@ impl Device {
         let out = logits
             .range(0, logit_rows.len() * vocab * 4)
             .expect("logits");
+        let step_out = StepOutput {
+            logit_rows,
+            logits: out,
+        };
         self.model
-            .forward(
-                rt,
-                &StepArgs {
-                    workspace: self.buffers[2].all(),
-                    workspace_layout: &self.ws,
-                    state: &self.state,
-                    runs,
-                    tokens: token_buf.all(),
-                    out: StepOutput {
-                        logit_rows,
-                        logits: out,
-                    },
-                },
-            )
+            .forward(rt, &self.args(runs, token_buf.all(), step_out))
             .expect("forward");
         let mut bytes = vec![0u8; out.bytes()];
         rt.download(&mut bytes, out, S).expect("download");
@@ -168,22 +195,8 @@ impl Device {
 fn parity(rt: &dyn Runtime, name: &str, dtype: DType) -> (f32, bool) {
     let model = Model::load(&fixture(name).join("model")).expect("fixture");
     let config = model.config().clone();
-    let image = WeightImage::new(&model, dtype).expect("image");
-    let device_model = DeviceModel::upload(rt, &model, &image).expect("upload");
-    let block_size = 16;
-    let blocks = 8;
-    let device = Device::new(
-        rt,
-        device_model,
-        blocks,
-        block_size,
-        1,
-        ForwardLimits {
-            max_rows: 128,
-            max_runs: 1,
-            max_table: blocks,
-        },
-    );
+    let (block_size, blocks) = (16, 8);
+    let device = Device::one_sequence(rt, &model, dtype, blocks, block_size);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut worst = 0.0f32;
     let mut same = true;
@@ -240,21 +253,8 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
     let model = Model::load(&dir.join("model")).expect("MTP fixture");
     let config = model.config().clone();
     let (d, vocab) = (config.hidden_size, config.vocab_size);
-    let image = WeightImage::new(&model, DType::F32).expect("image");
-    let device_model = DeviceModel::upload(rt, &model, &image).expect("upload");
     let (block_size, blocks) = (16usize, 16usize);
-    let device = Device::new(
-        rt,
-        device_model,
-        blocks,
-        block_size,
-        1,
-        ForwardLimits {
-            max_rows: 128,
-            max_runs: 1,
-            max_table: blocks,
-        },
-    );
+    let device = Device::one_sequence(rt, &model, DType::F32, blocks, block_size);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut worst, mut same) = (0.0f32, true);
     let text = std::fs::read_to_string(dir.join("cases.json")).expect("cases.json");
@@ -329,38 +329,16 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
         };
         rt.upload(tokens.all(), bytemuck::cast_slice(&prompt), S)
             .expect("upload");
+        let args = device.args(&runs, tokens.all(), out);
         device
             .model
-            .forward_hidden(
-                rt,
-                &StepArgs {
-                    workspace: device.buffers[2].all(),
-                    workspace_layout: &device.ws,
-                    state: &device.state,
-                    runs: &runs,
-                    tokens: tokens.all(),
-                    out,
-                },
-                main_hidden.all(),
-            )
+            .forward_hidden(rt, &args, main_hidden.all())
             .expect("device main");
         rt.upload(tokens.all(), bytemuck::cast_slice(&next), S)
             .expect("upload");
         device
             .model
-            .mtp(
-                rt,
-                &StepArgs {
-                    workspace: device.buffers[2].all(),
-                    workspace_layout: &device.ws,
-                    state: &device.state,
-                    runs: &runs,
-                    tokens: tokens.all(),
-                    out,
-                },
-                main_hidden.all(),
-                mtp_hidden.all(),
-            )
+            .mtp(rt, &args, main_hidden.all(), mtp_hidden.all())
             .expect("device MTP");
         let mut bytes = vec![0u8; n * vocab * 4];
         rt.download(&mut bytes, device_logits.all(), S)
@@ -450,22 +428,13 @@ fn bench(rt: &dyn Runtime, config: &Config, big: bool) -> bool {
                     snapshots: &[],
                 })
                 .collect();
+            let out = StepOutput {
+                logit_rows: &rows,
+                logits: logits.all(),
+            };
             device
                 .model
-                .forward(
-                    rt,
-                    &StepArgs {
-                        workspace: device.buffers[2].all(),
-                        workspace_layout: &device.ws,
-                        state: &device.state,
-                        runs: &runs,
-                        tokens: token_buf.all(),
-                        out: StepOutput {
-                            logit_rows: &rows,
-                            logits: logits.all(),
-                        },
-                    },
-                )
+                .forward(rt, &device.args(&runs, token_buf.all(), out))
                 .expect("forward");
         };
         step_at(context); // warm-up

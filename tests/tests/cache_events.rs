@@ -15,7 +15,7 @@ use std::num::NonZeroUsize;
 use crossbeam_channel::{Receiver, TryRecvError};
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_io::{BlockKey, CacheEvent, DeviceIo};
-use model::{Config, LayerKind, Model};
+use model::{Config, Model};
 use scheduler::{Engine, EngineConfig, Request};
 
 const BLOCK: usize = 4;
@@ -25,15 +25,7 @@ fn hybrid() -> Model {
 }
 
 fn attention_only() -> Model {
-    let mut config = Config::tiny_demo();
-    config.layer_kinds = vec![
-        LayerKind::Attention,
-        LayerKind::Mlp,
-        LayerKind::Attention,
-        LayerKind::Mlp,
-    ];
-    config.num_hidden_layers = config.layer_kinds.len();
-    Model::random(config, 32).unwrap()
+    tests::models::attention_only(32)
 }
 
 /// What a stored key stands for.

@@ -12,7 +12,7 @@
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_io::{DeviceFacts, DeviceIo};
-use model::{Config, LayerKind, Model};
+use model::{Config, Model};
 use scheduler::{
     Completion, Engine, EngineConfig, FinishReason, PipelineFault, Preemption, RandomSampling,
     Request, Sampling, ShutdownMode, SpillTarget,
@@ -26,15 +26,7 @@ fn hybrid() -> Model {
 }
 
 fn attention_only() -> Model {
-    let mut config = Config::tiny_demo();
-    config.layer_kinds = vec![
-        LayerKind::Attention,
-        LayerKind::Mlp,
-        LayerKind::Attention,
-        LayerKind::Mlp,
-    ];
-    config.num_hidden_layers = config.layer_kinds.len();
-    Model::random(config, 22).unwrap()
+    tests::models::attention_only(22)
 }
 
 fn message(session: usize, turn: usize, len: usize) -> Vec<u32> {
