@@ -30,6 +30,17 @@ fn run(router: &CpuRouter, plan: StepPlan<'_>, rows: &mut [&mut CpuSeq]) {
 const CYCLE: usize = 256;
 
 /// Decode steps at batch `batch` after a 32-token prompt each, through the router and bare.
+/// Releases a finished sequence, offering its blocks to the prefix cache when `cache`.
+fn release(router: &CpuRouter, seq: &mut CpuSeq, cache: bool) {
+    router
+        .apply(Effect::ReleaseSeq {
+            seq,
+            cache,
+            what: "finish",
+        })
+        .unwrap();
+}
+
 fn decode(c: &mut Criterion, name: &str, model: Model) {
     let vocab = model.config().vocab_size as u32;
     let mut group = c.benchmark_group(format!("decode/{name}"));
@@ -70,13 +81,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
                     // Start over so positions stay in 32..32+CYCLE like the bare run's (a release
                     // and a 32-token prefill every CYCLE steps).
                     for s in rows.iter_mut() {
-                        router
-                            .apply(Effect::ReleaseSeq {
-                                seq: s,
-                                cache: false,
-                                what: "finish",
-                            })
-                            .unwrap();
+                        release(&router, s, false);
                         run(
                             &router,
                             StepPlan::Prefill {
@@ -98,13 +103,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
             })
         });
         for s in seqs.iter_mut() {
-            router
-                .apply(Effect::ReleaseSeq {
-                    seq: s,
-                    cache: false,
-                    what: "finish",
-                })
-                .unwrap();
+            release(&router, s, false);
         }
 
         // The same step on the bare model: one block table per row, positions cycling in
@@ -169,13 +168,7 @@ fn prefill(c: &mut Criterion, name: &str, model: Model) {
             .prefill
             .unwrap()
             .cached;
-        router
-            .apply(Effect::ReleaseSeq {
-                seq: &mut s,
-                cache,
-                what: "finish",
-            })
-            .unwrap();
+        release(router, &mut s, cache);
         cached
     };
     group.bench_function("computed", |b| {

@@ -681,10 +681,7 @@ fn compute(
         let inputs: Vec<u32> = job
             .decode
             .iter()
-            .map(|row| match row.input {
-                Input::Token(token) => token,
-                Input::Feed(source) => feed.get(source).copied().unwrap_or(u32::MAX),
-            })
+            .map(|row| input_token(row.input, feed))
             .collect();
         let runs: Vec<RunRow<'_>> = job
             .decode
@@ -717,10 +714,7 @@ fn compute(
             .decode
             .iter()
             .map(|row| DecodeRow {
-                token: match row.input {
-                    Input::Token(token) => token,
-                    Input::Feed(source) => feed.get(source).copied().unwrap_or(u32::MAX),
-                },
+                token: input_token(row.input, feed),
                 pos: row.pos,
                 blocks: &job.blocks[row.blocks.clone()],
                 slot: row.slot,
@@ -734,6 +728,15 @@ fn compute(
         model.decode_with_adapters(scratch, kv, states, &batch, &adapters, logits)?;
     }
     Ok(())
+}
+
+/// A decode row's input token: the one the host gave, or the one its feed cell holds (`u32::MAX`,
+/// which no vocabulary holds, where there is no such cell: the model refuses the row).
+fn input_token(input: Input, feed: &[u32]) -> u32 {
+    match input {
+        Input::Token(token) => token,
+        Input::Feed(source) => feed.get(source).copied().unwrap_or(u32::MAX),
+    }
 }
 
 /// A draft step: the catch-up of every drafting row in one batch of the MTP head, then `k - 1`

@@ -94,15 +94,7 @@ pub(crate) fn apply(
             let outcome = with_copies(inner, &dev, |book, copy| {
                 // A boundary a `Verify` passed comes from its snapshot: main layers only.
                 book::marconi_checkpoint_layered(shape, book, seq, &mut |from, to, main_only| {
-                    if main_only {
-                        copy(Op::CopyLayers {
-                            from,
-                            to,
-                            layers: 0..main_layers,
-                        })
-                    } else {
-                        copy(Op::CopySlot { from, to })
-                    }
+                    copy(state_copy(from, to, main_only, main_layers))
                 })
             })?;
             match seq.output_checkpoint {
@@ -124,15 +116,7 @@ pub(crate) fn apply(
             with_copies(inner, &dev, |book, copy| {
                 // A snapshot a `Verify` wrote holds the main model's Mamba layers only.
                 let mut copy_ring = |from: usize, to: usize, main_only: bool| {
-                    if main_only {
-                        copy(Op::CopyLayers {
-                            from,
-                            to,
-                            layers: 0..main_layers,
-                        })
-                    } else {
-                        copy(Op::CopySlot { from, to })
-                    }
+                    copy(state_copy(from, to, main_only, main_layers))
                 };
                 book::snapshot_restore(shape, book, seq, slot, &mut copy_ring)
             })
@@ -409,4 +393,18 @@ fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Resu
     // A full ring forgets its oldest position: the head skips it at its next catch-up.
     inner.mtp.entry(tenure).or_default().keep(pos, data);
     Ok(EffectOutcome::Unit)
+}
+
+/// The copy of state row `from` to `to`: the main model's first `main_layers` Mamba layers only
+/// where `main_only` (a row a `Verify` wrote holds no more), else the whole row.
+fn state_copy(from: usize, to: usize, main_only: bool, main_layers: usize) -> Op {
+    if main_only {
+        Op::CopyLayers {
+            from,
+            to,
+            layers: 0..main_layers,
+        }
+    } else {
+        Op::CopySlot { from, to }
+    }
 }

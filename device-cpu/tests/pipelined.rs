@@ -63,20 +63,27 @@ fn prompts() -> [Vec<u32>; 2] {
     [tokens(1, 21), tokens(2, 30)]
 }
 
-/// The synchronous reference: prefill both, `steps` greedy decode steps each reading host
-/// logits, checkpoints when due; then release (cached) and prefill a follow-up that extends the
-/// first sequence's history.
-fn synchronous(steps: usize) -> Outcome {
-    let r = router(1);
+/// Both prompts' sequences (ids 1 and 2) prefilled on `r` in chunks of 64: the sequences, each
+/// one's last prompt logits (as bits) and its first greedy token.
+fn prefill_both(r: &CpuRouter) -> ([CpuSeq; 2], Vec<Vec<u32>>, Vec<Vec<u32>>) {
     let [pa, pb] = prompts();
     let (mut a, mut b) = (seq(1, &pa), seq(2, &pb));
     let mut logits = vec![Vec::new(), Vec::new()];
     let mut out = vec![Vec::new(), Vec::new()];
     for (i, s) in [&mut a, &mut b].into_iter().enumerate() {
-        let (row, _) = prefill(&r, s, 64);
+        let (row, _) = prefill(r, s, 64);
         out[i].push(argmax(&row));
         logits[i].extend(row.iter().map(|x| x.to_bits()));
     }
+    ([a, b], logits, out)
+}
+
+/// The synchronous reference: prefill both, `steps` greedy decode steps each reading host
+/// logits, checkpoints when due; then release (cached) and prefill a follow-up that extends the
+/// first sequence's history.
+fn synchronous(steps: usize) -> Outcome {
+    let r = router(1);
+    let ([mut a, mut b], mut logits, mut out) = prefill_both(&r);
     for _ in 0..steps {
         let inputs = [*out[0].last().unwrap(), *out[1].last().unwrap()];
         let host = decode(&r, &mut [&mut a, &mut b], &inputs);
@@ -136,15 +143,7 @@ enum OverRun {
 fn pipelined(steps: usize, over_run: OverRun) -> Outcome {
     let overrun = over_run != OverRun::None;
     let r = router(2);
-    let [pa, pb] = prompts();
-    let (mut a, mut b) = (seq(1, &pa), seq(2, &pb));
-    let mut logits = vec![Vec::new(), Vec::new()];
-    let mut out = vec![Vec::new(), Vec::new()];
-    for (i, s) in [&mut a, &mut b].into_iter().enumerate() {
-        let (row, _) = prefill(&r, s, 64);
-        out[i].push(argmax(&row));
-        logits[i].extend(row.iter().map(|x| x.to_bits()));
-    }
+    let ([mut a, mut b], mut logits, mut out) = prefill_both(&r);
     let launches = steps + usize::from(overrun);
     let mut in_flight: Option<Ticket> = None;
     for k in 0..launches {

@@ -1216,6 +1216,16 @@ mod tests {
         pool.register(id.0, BlockHash(hash), parent, ExtraKey::NONE, &tokens);
     }
 
+    /// Three new blocks cached as one chain (hashes 10, 11, 12, each the parent of the next), still
+    /// held.
+    fn cached_chain(pool: &mut BlockPool) -> Vec<BlockId> {
+        let ids: Vec<BlockId> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+        cache(pool, ids[0], 10);
+        cache_under(pool, ids[1], 11, ids[0].0);
+        cache_under(pool, ids[2], 12, ids[1].0);
+        ids
+    }
+
     fn gauges(pool: &BlockPool) -> (usize, usize, usize) {
         (pool.free_blocks(), pool.cached_blocks(), pool.used_blocks())
     }
@@ -1430,10 +1440,7 @@ mod tests {
     #[test]
     fn a_chain_released_head_first_is_evicted_tail_first() {
         let mut p = pool(3, 2);
-        let ids: Vec<BlockId> = (0..3).map(|_| p.allocate().unwrap()).collect();
-        cache(&mut p, ids[0], 10);
-        cache_under(&mut p, ids[1], 11, ids[0].0);
-        cache_under(&mut p, ids[2], 12, ids[1].0);
+        let ids = cached_chain(&mut p);
         for &id in &ids {
             p.release(id).unwrap();
             p.check_consistency().unwrap();
@@ -1450,10 +1457,7 @@ mod tests {
     #[test]
     fn holding_a_descendant_pins_its_ancestors() {
         let mut p = pool(4, 2);
-        let ids: Vec<BlockId> = (0..3).map(|_| p.allocate().unwrap()).collect();
-        cache(&mut p, ids[0], 10);
-        cache_under(&mut p, ids[1], 11, ids[0].0);
-        cache_under(&mut p, ids[2], 12, ids[1].0);
+        let ids = cached_chain(&mut p);
         for &id in ids.iter().rev() {
             p.release(id).unwrap();
         }

@@ -246,16 +246,11 @@ fn a_step_lost_in_flight_fails_only_its_rows() {
     let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
     let a = engine.submit(Request::greedy(prompt(5, 1), 30)).unwrap();
     let b = engine.submit(Request::greedy(prompt(6, 2), 30)).unwrap();
-    while !engine.step_in_flight() {
-        engine.step();
-    }
+    step_until_in_flight(&mut engine);
     engine.step();
     assert!(engine.step_in_flight());
     // The next await fails: the step being read and the fed step after it are lost.
-    let failure = DeviceError::Failed {
-        phase: Phase::Forward,
-        message: "injected".into(),
-    };
+    let failure = injected_failure();
     engine.router().inject(FaultAt::Await, failure);
     let c = engine.submit(Request::greedy(prompt(7, 3), 4)).unwrap();
     engine.run_until_idle();
@@ -269,13 +264,8 @@ fn a_step_lost_in_flight_fails_only_its_rows() {
 
 #[test]
 fn a_device_lost_while_a_step_is_in_flight_ends_everything_and_stops_the_engine() {
-    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
-    let handles: Vec<_> = (1..=3)
-        .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
-        .collect();
-    while !engine.step_in_flight() {
-        engine.step();
-    }
+    let (mut engine, handles) = depth_two_with_mix(3);
+    step_until_in_flight(&mut engine);
     let lost = DeviceError::DeviceLost("injected".into());
     engine.router().inject(FaultAt::Await, lost.clone());
     engine.run_until_idle();
@@ -296,17 +286,11 @@ fn a_device_lost_while_a_step_is_in_flight_ends_everything_and_stops_the_engine(
 #[test]
 fn a_failed_fed_launch_fails_its_rows_after_their_last_real_token() {
     let reference = run(1, 64, Preemption::Recompute, None, &mix, &[]);
-    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
-    let handles: Vec<_> = (1..=8)
-        .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
-        .collect();
+    let (mut engine, handles) = depth_two_with_mix(8);
     while engine.metrics().fed_launches < 3 {
         engine.step();
     }
-    let failure = DeviceError::Failed {
-        phase: Phase::Forward,
-        message: "injected".into(),
-    };
+    let failure = injected_failure();
     engine.router().inject(FaultAt::Launch, failure);
     engine.run_until_idle();
     let mut failed = 0;
@@ -334,15 +318,35 @@ fn a_failed_fed_launch_fails_its_rows_after_their_last_real_token() {
 
 #[test]
 fn an_abort_with_a_step_in_flight_settles_it_first() {
-    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
-    let handles: Vec<_> = (1..=3)
-        .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
-        .collect();
-    while !engine.step_in_flight() {
-        engine.step();
-    }
+    let (mut engine, handles) = depth_two_with_mix(3);
+    step_until_in_flight(&mut engine);
     engine.shutdown(ShutdownMode::Abort).unwrap();
     for handle in handles {
         assert!(handle.wait().is_err());
+    }
+}
+
+/// The engine at depth 2 (64 blocks, recompute on preemption) with the `mix` requests of ids
+/// `1..=n` submitted.
+fn depth_two_with_mix(n: u64) -> (Engine<ScriptedRouter>, Vec<RequestHandle>) {
+    let mut engine = Engine::new(router_at_depth(2, 64, 4), config(Preemption::Recompute)).unwrap();
+    let handles = (1..=n)
+        .map(|id| engine.submit(mix(engine.router(), id).unwrap()).unwrap())
+        .collect();
+    (engine, handles)
+}
+
+/// Steps until a launched step is not yet read.
+fn step_until_in_flight(engine: &mut Engine<ScriptedRouter>) {
+    while !engine.step_in_flight() {
+        engine.step();
+    }
+}
+
+/// A forward failure the test injects.
+fn injected_failure() -> DeviceError {
+    DeviceError::Failed {
+        phase: Phase::Forward,
+        message: "injected".into(),
     }
 }
