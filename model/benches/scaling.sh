@@ -10,6 +10,9 @@
 # rates: what two cores give when nothing is shared but the machine (memory bandwidth, caches,
 # clock), the ceiling any 2-thread split of one forward pass can reach on this machine.
 #
+# A thread count written `TjJ` (e.g. `2j1`) runs T threads with J jobs per thread and parallel
+# region (`--jobs-per-thread J`; the default is 8), to compare the split of the regions.
+#
 # Run it on an idle machine (`uptime` load well under the core count): the per-core speed of a
 # shared machine varies by tens of percent between rounds, which interleaving and best-of only
 # partly absorb. Raw lines go to stderr, the table to stdout.
@@ -38,6 +41,12 @@ while [ "$round" -le "$ROUNDS" ]; do
                 { key = $1 " " $2; if (!(key in sum)) order[++n] = key; sum[key] += $4 }
                 END { for (j = 1; j <= n; j++) print t, order[j], sum[order[j]] }' >>"$LOG"
             rm -f "$pair" "$pair".*
+            ;;
+        *j*)
+            "$BIN" --threads "${t%j*}" --jobs-per-thread "${t#*j}" --work "$WORK" --repeat 2 |
+                while read -r kind n _ rate; do
+                    echo "$t $kind $n $rate"
+                done >>"$LOG"
             ;;
         *)
             "$BIN" --threads "$t" --work "$WORK" --repeat 2 | while read -r kind n _ rate; do

@@ -9,6 +9,8 @@
 //!                      seed 0, the replay's default)
 //!   --save DIR         write the model as a checkpoint (config.json + model.safetensors) and exit
 //!   --threads N        threads of the forward pass (default 1)
+//!   --jobs-per-thread J  jobs each parallel region is cut into per thread (default: the
+//!                      model's, 8; see `Scratch::set_jobs_per_thread`)
 //!   --work LIST        comma-separated `prefill:N`, `decode:B`, `chunk:S` and `step:B` items
 //!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32);
 //!                      `chunk:S` prefills one 128-token chunk at positions S..S+128 over a
@@ -24,6 +26,11 @@
 //!   --decode-logits FILE  also write every row's logits of the last decode step of the last
 //!                      `decode:B`/`step:B` item (f32 little-endian, row after row), to check that
 //!                      a change of the forward pass leaves their bits alone
+//!   --regions          after each item, one line per parallel region of the forward pass (build
+//!                      with `--features region-timing`; see `model::regions`): `region ITEM SITE
+//!                      SHAPE calls C wall_us W serial_us S`, then per pool thread `tT busy_us B
+//!                      delay_us D wait_us A` (totals over the item's timed forward calls, all
+//!                      repeats; `forward end` is the serial tail, its calls the forward calls)
 //! ```
 //!
 //! Output: one line per item, `prefill 2048 tok/s 1234.5` or `decode 32 tok/s 567.8`.
@@ -51,11 +58,13 @@ struct Args {
     model: Option<PathBuf>,
     save: Option<PathBuf>,
     threads: usize,
+    jobs_per_thread: Option<usize>,
     work: Vec<Item>,
     steps: usize,
     repeat: usize,
     logits: Option<PathBuf>,
     decode_logits: Option<PathBuf>,
+    regions: bool,
 }
 
 fn parse_work(text: &str) -> Result<Vec<Item>, String> {
@@ -88,11 +97,13 @@ fn parse_args() -> Result<Args, String> {
         model: None,
         save: None,
         threads: 1,
+        jobs_per_thread: None,
         work: parse_work("prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32")?,
         steps: 32,
         repeat: 3,
         logits: None,
         decode_logits: None,
+        regions: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -108,11 +119,16 @@ fn parse_args() -> Result<Args, String> {
             "--model" => args.model = Some(PathBuf::from(value()?)),
             "--save" => args.save = Some(PathBuf::from(value()?)),
             "--threads" => args.threads = count(value()?)?,
+            "--jobs-per-thread" => args.jobs_per_thread = Some(count(value()?)?),
             "--work" => args.work = parse_work(&value()?)?,
             "--steps" => args.steps = count(value()?)?,
             "--repeat" => args.repeat = count(value()?)?,
             "--logits" => args.logits = Some(PathBuf::from(value()?)),
             "--decode-logits" => args.decode_logits = Some(PathBuf::from(value()?)),
+            "--regions" if cfg!(feature = "region-timing") => args.regions = true,
+            "--regions" => {
+                return Err("--regions needs the build's `--features region-timing`".into())
+            }
             other => return Err(format!("unknown option {other:?}")),
         }
     }
@@ -139,6 +155,7 @@ fn prefill_rate(model: &Model, scratch: &mut Scratch, n: usize, logits: &mut Vec
         blocks: &table,
         slot: 0,
     };
+    discard_regions();
     let started = Instant::now();
     model
         .prefill(scratch, &mut kv, &mut states, row, false, logits)
@@ -161,6 +178,7 @@ fn chunk_rate(model: &Model, scratch: &mut Scratch, start: usize, logits: &mut V
         blocks: &table,
         slot: 0,
     };
+    discard_regions();
     let started = Instant::now();
     model
         .prefill(scratch, &mut kv, &mut states, row, false, logits)
@@ -205,6 +223,7 @@ fn decode_rate(
         next.push(model::parity::argmax(&logits));
     }
     let vocab = config.vocab_size;
+    discard_regions();
     let started = Instant::now();
     for step in 0..steps {
         let rows: Vec<DecodeRow<'_>> = tables
@@ -229,6 +248,72 @@ fn decode_rate(
     rate
 }
 
+/// Region totals of one item (all its repeats), by site and shape.
+#[cfg(feature = "region-timing")]
+type Regions = Vec<model::regions::RegionTotals>;
+#[cfg(not(feature = "region-timing"))]
+type Regions = Vec<()>;
+
+/// Forgets the regions recorded so far (the untimed set-up of a measurement).
+fn discard_regions() {
+    #[cfg(feature = "region-timing")]
+    model::regions::take();
+}
+
+/// Adds the regions recorded since the last call to `regions`.
+fn keep_regions(regions: &mut Regions) {
+    #[cfg(feature = "region-timing")]
+    for line in model::regions::take() {
+        match regions
+            .iter_mut()
+            .find(|r| r.site == line.site && r.shape == line.shape)
+        {
+            Some(total) => {
+                total.calls += line.calls;
+                total.wall_ns += line.wall_ns;
+                total.serial_before_ns += line.serial_before_ns;
+                for t in 0..model::regions::MAX_THREADS {
+                    total.busy_ns[t] += line.busy_ns[t];
+                    total.start_delay_ns[t] += line.start_delay_ns[t];
+                    total.end_wait_ns[t] += line.end_wait_ns[t];
+                    total.regions_worked[t] += line.regions_worked[t];
+                }
+            }
+            None => regions.push(line),
+        }
+    }
+    #[cfg(not(feature = "region-timing"))]
+    let _ = regions;
+}
+
+/// One line per region (see `--regions`).
+fn print_regions(item: &str, regions: &Regions, threads: usize) {
+    #[cfg(feature = "region-timing")]
+    for r in regions {
+        let us = |ns: u64| ns as f64 / 1e3;
+        let shape = if r.shape.is_empty() { "-" } else { &r.shape };
+        print!(
+            "region {item} {} {shape} calls {} wall_us {:.1} serial_us {:.1}",
+            r.site.replace(' ', "_"),
+            r.calls,
+            us(r.wall_ns),
+            us(r.serial_before_ns)
+        );
+        for t in 0..threads.min(model::regions::MAX_THREADS) {
+            print!(
+                " t{t} busy_us {:.1} delay_us {:.1} wait_us {:.1} worked {}",
+                us(r.busy_ns[t]),
+                us(r.start_delay_ns[t]),
+                us(r.end_wait_ns[t]),
+                r.regions_worked[t]
+            );
+        }
+        println!();
+    }
+    #[cfg(not(feature = "region-timing"))]
+    let _ = (item, regions, threads);
+}
+
 fn run() -> Result<(), String> {
     let args = parse_args()?;
     let model = match &args.model {
@@ -242,27 +327,37 @@ fn run() -> Result<(), String> {
     }
     let mut scratch =
         Scratch::with_threads(model.config(), args.threads).map_err(|e| e.to_string())?;
+    if let Some(jobs) = args.jobs_per_thread {
+        scratch
+            .set_jobs_per_thread(jobs)
+            .map_err(|e| e.to_string())?;
+    }
     let mut logits = Vec::new();
     let mut decode_logits = Vec::new();
     for item in &args.work {
+        let mut regions = Vec::new();
         let best = (0..args.repeat)
-            .map(|_| match *item {
-                Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
-                Item::Decode(b) => decode_rate(
-                    &model,
-                    &mut scratch,
-                    (b, args.steps),
-                    true,
-                    &mut decode_logits,
-                ),
-                Item::Step(b) => decode_rate(
-                    &model,
-                    &mut scratch,
-                    (b, args.steps),
-                    false,
-                    &mut decode_logits,
-                ),
-                Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
+            .map(|_| {
+                let rate = match *item {
+                    Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
+                    Item::Decode(b) => decode_rate(
+                        &model,
+                        &mut scratch,
+                        (b, args.steps),
+                        true,
+                        &mut decode_logits,
+                    ),
+                    Item::Step(b) => decode_rate(
+                        &model,
+                        &mut scratch,
+                        (b, args.steps),
+                        false,
+                        &mut decode_logits,
+                    ),
+                    Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
+                };
+                keep_regions(&mut regions);
+                rate
             })
             .fold(0.0f64, f64::max);
         match item {
@@ -270,6 +365,15 @@ fn run() -> Result<(), String> {
             Item::Decode(b) => println!("decode {b} tok/s {best:.1}"),
             Item::Chunk(s) => println!("chunk {s} tok/s {best:.1}"),
             Item::Step(b) => println!("step {b} tok/s {best:.1}"),
+        }
+        if args.regions {
+            let name = match item {
+                Item::Prefill(n) => format!("prefill:{n}"),
+                Item::Decode(b) => format!("decode:{b}"),
+                Item::Chunk(s) => format!("chunk:{s}"),
+                Item::Step(b) => format!("step:{b}"),
+            };
+            print_regions(&name, &regions, args.threads);
         }
     }
     for (path, values) in [

@@ -163,6 +163,28 @@ impl Scratch {
         self.mm.kernels.threads
     }
 
+    /// Sets how many jobs each parallel region is cut into per thread (default 8; ignored on
+    /// one thread). Threads take the jobs one at a time, so more, smaller jobs let a thread that
+    /// runs slower (a busier core, a later wake-up) do less of the region instead of holding up
+    /// its join, at the cost of one task hand-off per job; `1` cuts each region into about one
+    /// job per thread. A tuning knob for benchmarks: it never changes any output bit.
+    pub fn set_jobs_per_thread(&mut self, jobs: usize) -> Result<(), ModelError> {
+        if jobs == 0 {
+            return Err(ModelError::InvalidConfig {
+                field: "jobs_per_thread",
+                value: "0".into(),
+                reason: "a parallel region needs at least one job per thread".into(),
+            });
+        }
+        self.mm.kernels.jobs_per_thread = jobs;
+        Ok(())
+    }
+
+    /// Jobs per thread of each parallel region (see [`Scratch::set_jobs_per_thread`]).
+    pub fn jobs_per_thread(&self) -> usize {
+        self.mm.kernels.jobs_per_thread
+    }
+
     /// Runs the routed experts of MoE layers on `experts` (`None`: here, on the forward pass's
     /// threads). Outputs are the same bits either way.
     pub fn set_expert_pool(&mut self, experts: Option<Arc<ExpertPool>>) {
@@ -440,10 +462,15 @@ pub(crate) fn forward(
             config, weights, scratch, kv, states, rows, lora_rows, logit_rows, hidden_out,
         )
     };
-    match scratch.pool.clone() {
+    #[cfg(feature = "region-timing")]
+    crate::regions::forward_start();
+    let result = match scratch.pool.clone() {
         Some(pool) => pool.install(|| run(scratch)),
         None => run(scratch),
-    }
+    };
+    #[cfg(feature = "region-timing")]
+    crate::regions::forward_end();
+    result
 }
 
 #[allow(clippy::too_many_arguments)] // see `forward`
@@ -526,10 +553,15 @@ pub(crate) fn forward_mtp(
             config, weights, mtp, scratch, kv, states, rows, hidden_in, logit_rows, hidden_out,
         )
     };
-    match scratch.pool.clone() {
+    #[cfg(feature = "region-timing")]
+    crate::regions::forward_start();
+    let result = match scratch.pool.clone() {
         Some(pool) => pool.install(|| run(scratch)),
         None => run(scratch),
-    }
+    };
+    #[cfg(feature = "region-timing")]
+    crate::regions::forward_end();
+    result
 }
 
 #[allow(clippy::too_many_arguments)] // see `forward_mtp`

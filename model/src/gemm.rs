@@ -28,6 +28,9 @@ const KC: usize = 256;
 const MR: usize = 6;
 /// Panels a small row tile reads at once (more independent chains at one or two rows).
 const GROUP: usize = 4;
+/// Jobs per thread a parallel region is cut into by default (see [`Kernels::job_len`]); a
+/// product's column tasks are fewer when it is narrow (a task has at least `GROUP` panels).
+pub(crate) const JOBS_PER_THREAD: usize = 8;
 
 /// A `[in, out]` matrix packed as `ceil(out / 16)` panels, each `[in][16]` (the last one padded
 /// with zeros).
@@ -83,6 +86,8 @@ impl Packed {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Kernels {
     pub threads: usize,
+    /// Jobs per thread a region is cut into when `threads > 1` (see [`Kernels::job_len`]).
+    pub jobs_per_thread: usize,
     pub arch: pulp::Arch,
 }
 
@@ -91,14 +96,45 @@ impl Kernels {
     pub(crate) fn single() -> Self {
         Self {
             threads: 1,
+            jobs_per_thread: JOBS_PER_THREAD,
             arch: pulp::Arch::new(),
         }
+    }
+
+    /// Items per job when `items` items of about equal cost are spread over the threads: about
+    /// `jobs_per_thread` jobs per thread. Rayon's own split stops at four jobs for two threads
+    /// (it splits further only what another thread steals), so a thread that runs slower (a
+    /// busier core, a later wake-up) would hold up the join with up to a quarter of the work;
+    /// with smaller jobs the other thread takes over more of them instead.
+    fn job_len(&self, items: usize) -> usize {
+        items
+            .div_ceil(self.threads * self.jobs_per_thread.max(1))
+            .max(1)
     }
 
     /// Calls `f(index, chunk)` for each `chunk_len`-float chunk of `data` (the last may be
     /// shorter), spread over the threads when there are several. `f` must compute each chunk
     /// from its index alone; which thread runs it never matters.
+    ///
+    /// With the `region-timing` feature, the call is timed as one region (see `regions`).
+    #[track_caller]
     pub(crate) fn for_each_chunk<F>(&self, data: &mut [f32], chunk_len: usize, f: F)
+    where
+        F: Fn(usize, &mut [f32]) + Sync + Send,
+    {
+        #[cfg(feature = "region-timing")]
+        if let Some(probe) = crate::regions::open() {
+            self.for_each_chunk_here(data, chunk_len, |index, chunk| {
+                probe.task(|| f(index, chunk))
+            });
+            probe.close();
+            return;
+        }
+        self.for_each_chunk_here(data, chunk_len, f)
+    }
+
+    /// [`Kernels::for_each_chunk`] without its timing.
+    fn for_each_chunk_here<F>(&self, data: &mut [f32], chunk_len: usize, f: F)
     where
         F: Fn(usize, &mut [f32]) + Sync + Send,
     {
@@ -108,8 +144,10 @@ impl Kernels {
                 f(index, chunk);
             }
         } else {
+            let per_job = self.job_len(data.len().div_ceil(chunk_len));
             data.par_chunks_mut(chunk_len)
                 .enumerate()
+                .with_max_len(per_job)
                 .for_each(|(index, chunk)| f(index, chunk));
         }
     }
@@ -117,7 +155,33 @@ impl Kernels {
     /// Calls `f(index, a_chunk, b_chunk)` for the chunks of `a` (`a_len` floats) and `b`
     /// (`b_len` floats) with the same index, like [`Kernels::for_each_chunk`] (`a` and `b` have
     /// as many chunks).
+    ///
+    /// With the `region-timing` feature, the call is timed as one region (see `regions`).
+    #[track_caller]
     pub(crate) fn for_each_chunk_pair<F>(
+        &self,
+        a: &mut [f32],
+        a_len: usize,
+        b: &mut [f32],
+        b_len: usize,
+        f: F,
+    ) where
+        F: Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
+    {
+        #[cfg(feature = "region-timing")]
+        if let Some(probe) = crate::regions::open() {
+            let timed = &probe;
+            self.for_each_chunk_pair_here(a, a_len, b, b_len, |index, a, b| {
+                timed.task(|| f(index, a, b))
+            });
+            probe.close();
+            return;
+        }
+        self.for_each_chunk_pair_here(a, a_len, b, b_len, f)
+    }
+
+    /// [`Kernels::for_each_chunk_pair`] without its timing.
+    fn for_each_chunk_pair_here<F>(
         &self,
         a: &mut [f32],
         a_len: usize,
@@ -133,16 +197,36 @@ impl Kernels {
                 f(index, a, b);
             }
         } else {
+            let per_job = self.job_len(a.len().div_ceil(a_len));
             a.par_chunks_mut(a_len)
                 .zip(b.par_chunks_mut(b_len))
                 .enumerate()
+                .with_max_len(per_job)
                 .for_each(|(index, (a, b))| f(index, a, b));
         }
     }
 
     /// Calls `f(task)` for each task, spread over the threads like [`Kernels::for_each_chunk`].
     /// `f` must compute each task from the task alone; which thread runs it never matters.
+    ///
+    /// With the `region-timing` feature, the call is timed as one region (see `regions`).
+    #[track_caller]
     pub(crate) fn for_each_task<T, F>(&self, tasks: &mut [T], f: F)
+    where
+        T: Send,
+        F: Fn(&mut T) + Sync + Send,
+    {
+        #[cfg(feature = "region-timing")]
+        if let Some(probe) = crate::regions::open() {
+            self.for_each_task_here(tasks, |task| probe.task(|| f(task)));
+            probe.close();
+            return;
+        }
+        self.for_each_task_here(tasks, f)
+    }
+
+    /// [`Kernels::for_each_task`] without its timing.
+    fn for_each_task_here<T, F>(&self, tasks: &mut [T], f: F)
     where
         T: Send,
         F: Fn(&mut T) + Sync + Send,
@@ -150,7 +234,8 @@ impl Kernels {
         if self.threads <= 1 || tasks.len() <= 1 {
             tasks.iter_mut().for_each(f);
         } else {
-            tasks.par_iter_mut().for_each(f);
+            let per_job = self.job_len(tasks.len());
+            tasks.par_iter_mut().with_max_len(per_job).for_each(f);
         }
     }
 
@@ -158,7 +243,25 @@ impl Kernels {
     /// its own (rayon's adaptive split would run runs of neighbouring tasks on one thread, so a
     /// thread left idle at the end could find nothing to take), and the threads take them about
     /// in list order, so listing the costliest first balances the threads best.
+    ///
+    /// With the `region-timing` feature, the call is timed as one region (see `regions`).
+    #[track_caller]
     pub(crate) fn for_each_uneven_task<T, F>(&self, tasks: &mut [T], f: F)
+    where
+        T: Send,
+        F: Fn(&mut T) + Sync + Send,
+    {
+        #[cfg(feature = "region-timing")]
+        if let Some(probe) = crate::regions::open() {
+            self.for_each_uneven_task_here(tasks, |task| probe.task(|| f(task)));
+            probe.close();
+            return;
+        }
+        self.for_each_uneven_task_here(tasks, f)
+    }
+
+    /// [`Kernels::for_each_uneven_task`] without its timing.
+    fn for_each_uneven_task_here<T, F>(&self, tasks: &mut [T], f: F)
     where
         T: Send,
         F: Fn(&mut T) + Sync + Send,
@@ -173,6 +276,7 @@ impl Kernels {
 
 /// `out[rows, out_dim] = x[rows, in_dim] · W (+ bias)` with `w` packed; `tmp` is panel-major
 /// scratch (`panels * rows * 16` floats). See the module docs for the evaluation order.
+#[track_caller]
 pub(crate) fn matmul(
     kernels: &Kernels,
     x: &[f32],
@@ -194,10 +298,19 @@ pub(crate) fn matmul(
         tmp.resize(len, 0.0);
     }
     let tmp = &mut tmp[..len];
-    // Panels per task: an even split between the threads (each task re-reads all of `x`, which is
-    // small next to the weights it streams). A task also copies its columns of every row into
-    // `out` (and adds their bias), so no part of the product runs on one thread alone.
-    let per_task = w.panels.div_ceil(kernels.threads.max(1));
+    // Panels per task: one task on one thread; with several threads, about `jobs_per_thread`
+    // tasks per thread of at least `GROUP` panels, taken one at a time (see `for_each_uneven_task`),
+    // so a thread that runs slower (a busier core, a later wake-up) takes fewer of them instead of
+    // holding up the join with a fixed half. Each task re-reads all of `x`, which is small next to
+    // the weights it streams. A task also copies its columns of every row into `out` (and adds
+    // their bias), so no part of the product runs on one thread alone.
+    let per_task = if kernels.threads <= 1 {
+        w.panels
+    } else {
+        w.panels
+            .div_ceil(kernels.threads * kernels.jobs_per_thread.max(1))
+            .max(GROUP)
+    };
     let mut tasks: Vec<PanelTask<'_>> = tmp
         .chunks_mut(per_task * panel_floats)
         .enumerate()
@@ -212,7 +325,9 @@ pub(crate) fn matmul(
             task.columns.push(columns);
         }
     }
-    kernels.for_each_task(&mut tasks, |task| {
+    #[cfg(feature = "region-timing")]
+    crate::regions::set_shape(rows, k, n);
+    kernels.for_each_uneven_task(&mut tasks, |task| {
         kernels.arch.dispatch(ProductPanels {
             x,
             rows,
@@ -442,9 +557,10 @@ mod tests {
             .collect()
     }
 
-    /// Every row count (crossing the 6-row tile and the 1-3 row wide tiles), every thread count
-    /// and every k-blocking give exactly the plain fused chain. Shapes cross the 16-column panel,
-    /// the 4-panel groups and the 256-deep k-blocks.
+    /// Every row count (crossing the 6-row tile and the 1-3 row wide tiles), every thread count,
+    /// every split into column tasks and every k-blocking give exactly the plain fused chain.
+    /// Shapes cross the 16-column panel, the 4-panel groups and the 256-deep k-blocks; 196
+    /// columns (13 panels) on 2 or 3 threads make several tasks, the last one shorter.
     #[test]
     fn product_is_the_plain_chain_for_any_rows_and_threads() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
@@ -463,20 +579,25 @@ mod tests {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                let kernels = Kernels {
-                    threads,
-                    ..Kernels::single()
-                };
-                for m in [1usize, 2, 3, 4, 5, 6, 7, 13, 14] {
-                    let mut out = vec![0.0; m * n];
-                    let mut tmp = Vec::new();
-                    pool.install(|| matmul(&kernels, &x, m, &w, Some(&bias), &mut tmp, &mut out));
-                    assert!(
-                        out.iter()
-                            .zip(&expected)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "k={k} n={n} rows={m} threads={threads}"
-                    );
+                for jobs_per_thread in [1, 2, JOBS_PER_THREAD] {
+                    let kernels = Kernels {
+                        threads,
+                        jobs_per_thread,
+                        ..Kernels::single()
+                    };
+                    for m in [1usize, 2, 3, 4, 5, 6, 7, 13, 14] {
+                        let mut out = vec![0.0; m * n];
+                        let mut tmp = Vec::new();
+                        pool.install(|| {
+                            matmul(&kernels, &x, m, &w, Some(&bias), &mut tmp, &mut out)
+                        });
+                        assert!(
+                            out.iter()
+                                .zip(&expected)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "k={k} n={n} rows={m} threads={threads} jobs={jobs_per_thread}"
+                        );
+                    }
                 }
             }
         }

@@ -71,6 +71,8 @@ mod gemm;
 mod lora;
 mod math;
 pub mod parity;
+#[cfg(feature = "region-timing")]
+pub mod regions;
 mod state;
 mod weights;
 

@@ -32,6 +32,7 @@ impl Matmul {
 }
 
 /// `out[m, lin.out_dim] = x[m, lin.in_dim] · Wᵀ (+ bias)`; see [`gemm`] for the evaluation order.
+#[track_caller]
 pub(crate) fn matmul(mm: &mut Matmul, x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
     gemm::matmul(
         &mm.kernels,

@@ -555,3 +555,21 @@ fn pools_built_for_another_config_are_rejected() {
         "{err}"
     );
 }
+
+/// No threads and no jobs per thread are named errors; a refused setting leaves the scratch as it
+/// was.
+#[test]
+fn zero_threads_or_zero_jobs_per_thread_is_a_named_error() {
+    let config = Config::tiny_demo();
+    match Scratch::with_threads(&config, 0) {
+        Err(ModelError::InvalidConfig { field, .. }) => assert_eq!(field, "threads"),
+        other => panic!("expected an InvalidConfig error, got {other:?}"),
+    }
+    let mut scratch = Scratch::with_threads(&config, 2).unwrap();
+    scratch.set_jobs_per_thread(3).unwrap();
+    match scratch.set_jobs_per_thread(0) {
+        Err(ModelError::InvalidConfig { field, .. }) => assert_eq!(field, "jobs_per_thread"),
+        other => panic!("expected an InvalidConfig error, got {other:?}"),
+    }
+    assert_eq!((scratch.threads(), scratch.jobs_per_thread()), (2, 3));
+}
