@@ -345,9 +345,12 @@ pub(crate) struct Shape {
     /// Mamba layers of the main stack (the first ones of a slot).
     pub main_mamba_layers: usize,
     pub hidden_size: usize,
-    /// The MTP head is rerun at a prefix hit (`router_book::spec`'s rule): a head without
-    /// Mamba layers on a model with a prefix cache of checkpoints.
+    /// The MTP head is rerun at a prefix hit (`router_book::spec`'s rule): a model with a head
+    /// and checkpoint slots.
     pub head_rerun: bool,
+    /// The head has Mamba layers: it lags one position at a prefill checkpoint
+    /// (`router_book::BookShape::head_lags`).
+    pub head_lags: bool,
 }
 
 impl Shape {
@@ -363,6 +366,7 @@ impl Shape {
             hybrid: self.hybrid,
             layout: self.layout,
             head_rerun: self.head_rerun,
+            head_lags: self.head_lags,
         }
     }
 
@@ -504,9 +508,9 @@ impl CpuRouter {
             mtp: model.has_mtp(),
             main_mamba_layers: mc.count(model::LayerKind::Mamba),
             hidden_size: mc.hidden_size,
-            head_rerun: model.has_mtp()
-                && checkpoint_slots > 0
-                && mc.stored_count(model::LayerKind::Mamba) == mc.count(model::LayerKind::Mamba),
+            head_rerun: model.has_mtp() && checkpoint_slots > 0,
+            head_lags: mc.stored_count(model::LayerKind::Mamba)
+                != mc.count(model::LayerKind::Mamba),
         };
         let cache = Caches::new(
             &model,

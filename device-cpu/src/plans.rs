@@ -93,6 +93,7 @@ pub(crate) fn prefill<'a>(
                 emit,
                 lead,
                 stash,
+                lag,
             } => {
                 let seq = &*rows[row];
                 let tokens = job.tokens.len()..job.tokens.len() + (stop - start);
@@ -102,9 +103,13 @@ pub(crate) fn prefill<'a>(
                     // a hit on a marked checkpoint, from the rerun's first).
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = mtp.entry(tenure).or_default();
-                    let head = router_book::spec::prefill_head(track, seq, (start, stop), lead);
+                    let head =
+                        router_book::spec::prefill_head(track, seq, (start, stop), lead, lag);
+                    // A lagging run stores its last hidden state for the row's next run even
+                    // where the head does not mark the checkpoint.
                     let stash = stash.filter(|&slot| {
                         router_book::spec::prefill_checkpoint_head(track, book.cache, slot, stop)
+                            || lag
                     });
                     let next = job.tokens.len()..job.tokens.len() + (head.known - head.from);
                     job.tokens

@@ -429,8 +429,9 @@ fn caching_router(fixture: &str, prefix_cache: bool) -> CpuRouter {
 }
 
 /// Prefills `s`, drafts `k` tokens after the greedy next token, and answers the drafts, the
-/// K/V of every attention layer (the MTP head's last) at the positions `s` has computed, from
-/// its spill image, and the tokens it had cached.
+/// K/V of every attention layer (the MTP head's last) at the positions `s` has computed and its
+/// Mamba state (main layers, then the head's), from its spill image, and the tokens it had
+/// cached.
 fn draft_after_prefill(
     fixture: &str,
     r: &CpuRouter,
@@ -484,6 +485,8 @@ fn draft_after_prefill(
             }
         }
     }
+    // And the Mamba state (the main model's layers, then the head's).
+    kv.extend(image.state.iter().map(|x| x.to_bits()));
     (drafts, kv, report.cached)
 }
 
@@ -493,12 +496,15 @@ fn draft_after_prefill(
 /// every computed position and its drafts equal those of the same prompt on a router with no
 /// cache. Without the rerun the K/V at the position before the hit were the caching sequence's
 /// in all 4 cases (this test failed there), and 2 of the 16 drafts differed from the cold run's.
+/// The alt fixture's head has a Mamba layer, whose state the checkpoint holds: there the head
+/// lags one position at the checkpoint (`router_book::BookShape::head_lags`); without the lag
+/// and rerun its K/V and Mamba state differed from the cold run's in 4 of 4 cases and 3 of its 16
+/// drafts differed.
 #[test]
 fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
     let mut drafts_compared = 0;
-    // The tiny fixture's head is attention + MLP; the alt fixture's has a Mamba layer, whose
-    // state a checkpoint holds past the rerun's position (no rerun there: see `router_book::spec`).
-    for fixture in ["nemotron-h-tiny"] {
+    // The tiny fixture's head is attention + MLP; the alt fixture's has a Mamba layer (`M*-`).
+    for fixture in ["nemotron-h-tiny", "nemotron-h-alt"] {
         for seed in 0..4u32 {
             let shared = common::tokens(seed, 24);
             let mut caching = shared.clone();
@@ -533,7 +539,7 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
             assert_eq!(facts.live_slots_used, 0);
         }
     }
-    assert_eq!(drafts_compared, 16);
+    assert_eq!(drafts_compared, 32);
 }
 
 /// Drafts `k` tokens after `token` for `s` (the MTP head's catch-up first).

@@ -421,11 +421,10 @@ impl MemoryPlan {
 }
 
 /// Whether the router reruns the MTP head at a prefix hit (`router_book::BookShape::head_rerun`):
-/// the model has a head without Mamba layers (a checkpoint holds a Mamba layer's state after the
-/// position the rerun computes again, so such a head is not rerun).
+/// the model has a head (one with Mamba layers lags at prefill checkpoints,
+/// `router_book::BookShape::head_lags`).
 pub fn head_reruns(config: &Config) -> bool {
-    let kinds = config.mtp_kinds();
-    !kinds.is_empty() && !kinds.contains(&LayerKind::Mamba)
+    !config.mtp_kinds().is_empty()
 }
 
 /// Byte offsets of the MTP head's regions, one buffer (a model with an MTP head; all zero

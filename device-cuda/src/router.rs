@@ -119,6 +119,10 @@ impl CudaRouter {
             // The MTP head's rerun at a prefix hit (`router_book::spec`): the hidden rows stored
             // with each checkpoint are the `marks` buffer's (`MemoryPlan::mark_bytes`).
             head_rerun: plan.mark_bytes > 0 && plan.checkpoint_slots > 0,
+            head_lags: model
+                .config()
+                .mtp_kinds()
+                .contains(&model::LayerKind::Mamba),
         };
         let cache = Caches::new(
             model,

@@ -270,6 +270,7 @@ fn prefill_work(
                 emit,
                 lead,
                 stash,
+                lag,
             } => {
                 let seq = &*rows[row];
                 let tokens = &seq.tokens;
@@ -282,17 +283,20 @@ fn prefill_work(
                 if let Some(book) = mtp.as_mut() {
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = book.tracks.entry(tenure).or_default();
-                    known = router_book::spec::prefill_head(track, seq, (start, stop), lead).known;
+                    known =
+                        router_book::spec::prefill_head(track, seq, (start, stop), lead, lag).known;
                     rerun = lead.map(|lead| Lead {
                         checkpoint: lead.checkpoint.index(),
                         from: lead.from,
                         next: tokens[lead.from + 1..start + 1].to_vec(),
                     });
+                    // A lagging run stores its last hidden state for the row's next run even
+                    // where the head does not mark the checkpoint.
                     stash_slot = stash
                         .filter(|&checkpoint| {
                             router_book::spec::prefill_checkpoint_head(
                                 track, book.cache, checkpoint, stop,
-                            )
+                            ) || lag
                         })
                         .map(|checkpoint| checkpoint.index());
                     if stop == seq.prompt_len {

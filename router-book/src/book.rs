@@ -84,9 +84,14 @@ pub struct BookShape {
     /// Whether the router reruns the MTP head at a prefix hit (`router_book::spec`'s rule):
     /// it stores the main model's hidden state before each checkpoint it takes, and a hit on a
     /// checkpoint so marked ([`crate::HeadMark`]) copies the hit's blocks the head rewrites and
-    /// names the rerun in its first prefill run. Only for a head without Mamba layers (a
-    /// checkpoint holds the head's state after the position the rerun computes again).
+    /// names the rerun in its first prefill run. A head with Mamba layers needs `head_lags` too.
     pub head_rerun: bool,
+    /// Whether the MTP head has Mamba layers: a checkpoint holds the head's state, so a prefill
+    /// run ending at a checkpoint the head marks stops the head one position short (the
+    /// checkpoint then holds its state before `L - 1`, which a rerun computes) and the row's
+    /// next run leads with that position (`PrefillOp::Run::lag`); a checkpoint where the row's
+    /// prefill plan ends is not marked (its head state is past `L - 1`).
+    pub head_lags: bool,
     /// What a spill image must match.
     pub layout: Layout,
 }

@@ -159,6 +159,11 @@ pub enum PrefillOp {
         /// state at `stop - 1` with (`crate::spec::prefill_head` decides; only when
         /// [`BookShape::head_rerun`]).
         stash: Option<CheckpointSlot>,
+        /// The MTP head consumes no further than `stop - 2` ([`BookShape::head_lags`]: the
+        /// checkpoint at `stop` then holds the head's state before `stop - 1`); the row's next
+        /// run, in the same plan, leads with `stop - 1` from the hidden state stored with
+        /// `stash`, which the router stores whether or not the head marks the checkpoint.
+        lag: bool,
     },
 }
 
@@ -167,10 +172,13 @@ pub enum PrefillOp {
 /// states stored with checkpoint `checkpoint`, before the first run's own positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadLead {
-    /// The checkpoint the hit restored.
+    /// The checkpoint the hit restored (or the row's own, for a lag).
     pub checkpoint: CheckpointSlot,
     /// The rerun's first position.
     pub from: usize,
+    /// The row's own lagged position (`PrefillOp::Run::lag`), not a hit: the head's K/V and
+    /// state are the row's own through `from`.
+    pub own: bool,
 }
 
 /// A committed prefill.
@@ -211,6 +219,7 @@ fn head_lead(
         HeadLead {
             checkpoint,
             from: mark.from,
+            own: false,
         },
         blocks,
     ))
@@ -452,6 +461,7 @@ pub fn prefill(
                 emit: stop == seq.prompt_len,
                 lead: lead.take(),
                 stash: None,
+                lag: false,
             });
             pos = stop;
             seq.computed_len = pos;
@@ -465,8 +475,24 @@ pub fn prefill(
                     taken = Some(checkpoint);
                 }
             }
-            if let PrefillOp::Run { stash, .. } = &mut plan.ops[run] {
-                *stash = taken.filter(|_| shape.head_rerun);
+            let taken = taken.filter(|_| shape.head_rerun);
+            // A head with Mamba layers lags one position at a checkpoint it may mark, when the
+            // row continues in this plan; where the plan ends there, the checkpoint stays
+            // unmarked (see `BookShape::head_lags`).
+            let lags = shape.head_lags && taken.is_some() && pos < end;
+            if let PrefillOp::Run {
+                stash, lag, stop, ..
+            } = &mut plan.ops[run]
+            {
+                *stash = taken.filter(|_| !shape.head_lags || lags);
+                *lag = lags;
+                if let (true, Some(checkpoint)) = (lags, taken) {
+                    lead = Some(HeadLead {
+                        checkpoint,
+                        from: *stop - 1,
+                        own: true,
+                    });
+                }
             }
         }
         report.computed = end - start;

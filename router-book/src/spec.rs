@@ -331,16 +331,18 @@ pub fn restored_track<H, E>(
 /// hit's blocks that hold those positions (never writing a block another sequence shares) and
 /// reruns the head there with this sequence's tokens before its first prefill run, so its
 /// K/V at `0..L` and its drafts are a cold run's. A hit on an unmarked checkpoint leaves the
-/// head as the cache served it (drafts may differ from a cold run's; the output never does), and
-/// so does a head with Mamba layers (the checkpoint holds their state after `L - 1`, consumed
-/// with the caching sequence's token: rerunning would apply that position twice; it would need
-/// the head to lag one position behind at every checkpoint).
+/// head as the cache served it (drafts may differ from a cold run's; the output never does).
+/// A head with Mamba layers ([`BookShape::head_lags`]) keeps its state in the checkpoint too,
+/// so at a prefill checkpoint it lags: the run ending at `L` consumes through `L - 2`, the
+/// checkpoint holds the head's state before `L - 1`, and the row's next run leads with `L - 1`
+/// (`lag`, an `own` [`crate::plans::HeadLead`]); a rerun at a hit then consumes `L - 1` once.
+/// At a `MarconiCheckpoint` the head's state is already before the ring's first position.
 ///
 /// What a prefill run of positions `start..stop` of `seq` asks of the MTP head: it consumes
 /// `from..known`, `from` being the rerun's first position after a hit on a marked checkpoint
 /// (`lead`) and else `start`, and `known` one past the last position whose next token the
 /// prompt holds (the run's last position, when it ends the prompt, is the one the ring keeps:
-/// its next token is not known yet).
+/// its next token is not known yet), or `stop - 1` when the run `lag`s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadRun {
     /// The first position the head consumes.
@@ -355,8 +357,11 @@ pub fn prefill_head<H>(
     seq: &RouterSeq,
     (start, stop): (usize, usize),
     lead: Option<crate::plans::HeadLead>,
+    lag: bool,
 ) -> HeadRun {
     let from = match lead {
+        // The row's own lagged position: the head consumed through `lead.from - 1`.
+        Some(lead) if lead.own => lead.from,
         Some(lead) => {
             // The cached K/V before `lead.from` are the caching sequence's, exact by its mark.
             track.consumed = lead.from;
@@ -365,7 +370,11 @@ pub fn prefill_head<H>(
         }
         None => start,
     };
-    let known = stop.min(seq.prompt_len.saturating_sub(1));
+    let known = if lag {
+        stop - 1
+    } else {
+        stop.min(seq.prompt_len.saturating_sub(1))
+    };
     track.consumed_exactly(from, known);
     HeadRun { from, known }
 }

@@ -952,8 +952,8 @@ fn draft_matches_the_host_router_on_both_mtp_fixtures() {
     }
 }
 
-/// The K/V of every attention layer (the MTP head's last) at each position `s` has computed, as
-/// bits, from its spill image (block layout `model::state`: per layer K then V, each
+/// The K/V of every attention layer (the MTP head's last) at each position `s` has computed, then
+/// its Mamba state (main layers, then the head's), as bits, from its spill image (block layout `model::state`: per layer K then V, each
 /// `[block, kv heads, dim]`).
 fn kv_bits<D: Router>(
     router: &D,
@@ -994,6 +994,8 @@ fn kv_bits<D: Router>(
             }
         }
     }
+    // And the Mamba state (the main model's layers, then the head's).
+    kv.extend(image.state.iter().map(|x| x.to_bits()));
     kv
 }
 
@@ -1005,71 +1007,77 @@ fn kv_bits<D: Router>(
 /// cache, and its drafts equal the cold run's and the host router's. Without the rerun
 /// (`head_rerun` false, as before) the K/V at the position before the hit were the caching
 /// sequence's in 4 of 4 cases (this test failed there), and 5 of the 16 drafts differed from
-/// the cold run's.
+/// the cold run's. On the alt fixture (a head with a Mamba layer, which lags one position at a
+/// prefill checkpoint) the K/V and Mamba state differed in 4 of 4 cases without the lag and
+/// rerun, and 7 of its 16 drafts differed.
 #[test]
 fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
-    let dir = fixture_dir("nemotron-h-tiny").join("mtp");
-    let model = Model::load(&dir.join("model")).unwrap();
-    let hot = cuda(&model, DType::F32, true, 64);
-    let cold = cuda(&model, DType::F32, false, 64);
-    let host = host_like(&model, &hot, true);
-    let plan = *hot.plan();
-    assert_eq!(plan.block_size, 16);
-    let vocab = host.facts().vocab_size;
-    let initial = hot.facts();
-    let mut drafts_compared = 0;
-    for case in 0..4u32 {
-        let shared: Vec<u32> = (0..32u32)
-            .map(|i| (i.wrapping_mul(97).wrapping_add(case * 31) ^ (i >> 2)) % 256)
-            .collect();
-        let mut caching = shared.clone();
-        caching.extend([(case * 7 + 1) % 256, 5]);
-        let mut prompt = shared.clone();
-        prompt.extend([(case * 7 + 2) % 256, 9, 17]);
-        let id = 2 * u64::from(case);
-        let mut first = [seq(id + 1, &caching), seq(id + 1, &caching)];
-        prefill(&hot, &[CONTEXT], &mut [&mut first[0]]);
-        prefill(&host, &[CONTEXT], &mut [&mut first[1]]);
-        release(&hot, &mut first[0], true);
-        release(&host, &mut first[1], true);
-        let mut on_hot = seq(id + 2, &prompt);
-        let mut on_cold = seq(id + 2, &prompt);
-        let mut on_host = seq(id + 2, &prompt);
-        let (hot_reports, hot_logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
-        let (cold_reports, _) = prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
-        let (host_reports, _) = prefill(&host, &[CONTEXT], &mut [&mut on_host]);
-        assert_eq!(
-            hot_reports[0].cached, 32,
-            "case {case}: a hit at the shared blocks"
-        );
-        assert_eq!(host_reports[0].cached, 32, "case {case}");
-        assert_eq!(cold_reports[0].cached, 0, "case {case}");
-        let next = argmax_rows(&hot_logits, vocab);
-        let hot_drafts = draft(&hot, &next, 4, &mut [&mut on_hot]);
-        let cold_drafts = draft(&cold, &next, 4, &mut [&mut on_cold]);
-        let host_drafts = draft(&host, &next, 4, &mut [&mut on_host]);
-        assert!(
-            kv_bits(&hot, &model, &plan, &mut on_hot)
-                == kv_bits(&cold, &model, &plan, &mut on_cold),
-            "case {case}: the K/V differ"
-        );
-        assert_eq!(hot_drafts, cold_drafts, "case {case}");
-        assert_eq!(hot_drafts, host_drafts, "case {case}");
-        drafts_compared += hot_drafts[0].len();
-        release(&hot, &mut on_hot, true);
-        release(&cold, &mut on_cold, false);
-        release(&host, &mut on_host, true);
-        // Every block the hit copied went back or is cached; no slot is held.
-        let facts = hot.facts();
-        assert_eq!(
-            facts.kv_blocks_free + facts.kv_blocks_cached,
-            facts.kv_blocks_total
-        );
-        assert_eq!(facts.live_slots_used, initial.live_slots_used);
+    // The tiny fixture's head is attention + MLP; the alt fixture's has a Mamba layer (`M*-`),
+    // which lags one position at a prefill checkpoint (`router_book::BookShape::head_lags`).
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let dir = fixture_dir(name).join("mtp");
+        let model = Model::load(&dir.join("model")).unwrap();
+        let hot = cuda(&model, DType::F32, true, 64);
+        let cold = cuda(&model, DType::F32, false, 64);
+        let host = host_like(&model, &hot, true);
+        let plan = *hot.plan();
+        assert_eq!(plan.block_size, 16);
+        let vocab = host.facts().vocab_size;
+        let initial = hot.facts();
+        let mut drafts_compared = 0;
+        for case in 0..4u32 {
+            let shared: Vec<u32> = (0..32u32)
+                .map(|i| (i.wrapping_mul(97).wrapping_add(case * 31) ^ (i >> 2)) % 256)
+                .collect();
+            let mut caching = shared.clone();
+            caching.extend([(case * 7 + 1) % 256, 5]);
+            let mut prompt = shared.clone();
+            prompt.extend([(case * 7 + 2) % 256, 9, 17]);
+            let id = 2 * u64::from(case);
+            let mut first = [seq(id + 1, &caching), seq(id + 1, &caching)];
+            prefill(&hot, &[CONTEXT], &mut [&mut first[0]]);
+            prefill(&host, &[CONTEXT], &mut [&mut first[1]]);
+            release(&hot, &mut first[0], true);
+            release(&host, &mut first[1], true);
+            let mut on_hot = seq(id + 2, &prompt);
+            let mut on_cold = seq(id + 2, &prompt);
+            let mut on_host = seq(id + 2, &prompt);
+            let (hot_reports, hot_logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
+            let (cold_reports, _) = prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
+            let (host_reports, _) = prefill(&host, &[CONTEXT], &mut [&mut on_host]);
+            assert_eq!(
+                hot_reports[0].cached, 32,
+                "{name} case {case}: a hit at the shared blocks"
+            );
+            assert_eq!(host_reports[0].cached, 32, "{name} case {case}");
+            assert_eq!(cold_reports[0].cached, 0, "{name} case {case}");
+            let next = argmax_rows(&hot_logits, vocab);
+            let hot_drafts = draft(&hot, &next, 4, &mut [&mut on_hot]);
+            let cold_drafts = draft(&cold, &next, 4, &mut [&mut on_cold]);
+            let host_drafts = draft(&host, &next, 4, &mut [&mut on_host]);
+            assert!(
+                kv_bits(&hot, &model, &plan, &mut on_hot)
+                    == kv_bits(&cold, &model, &plan, &mut on_cold),
+                "{name} case {case}: the K/V differ"
+            );
+            assert_eq!(hot_drafts, cold_drafts, "{name} case {case}");
+            assert_eq!(hot_drafts, host_drafts, "{name} case {case}");
+            drafts_compared += hot_drafts[0].len();
+            release(&hot, &mut on_hot, true);
+            release(&cold, &mut on_cold, false);
+            release(&host, &mut on_host, true);
+            // Every block the hit copied went back or is cached; no slot is held.
+            let facts = hot.facts();
+            assert_eq!(
+                facts.kv_blocks_free + facts.kv_blocks_cached,
+                facts.kv_blocks_total
+            );
+            assert_eq!(facts.live_slots_used, initial.live_slots_used);
+        }
+        assert_eq!(drafts_compared, 16);
+        Box::new(hot).teardown().unwrap();
+        Box::new(cold).teardown().unwrap();
     }
-    assert_eq!(drafts_compared, 16);
-    Box::new(hot).teardown().unwrap();
-    Box::new(cold).teardown().unwrap();
 }
 
 /// A checkpoint a `MarconiCheckpoint` takes on the CUDA router during speculative decoding
