@@ -28,10 +28,11 @@
 //! model's hidden states before it (`router_book::spec`'s rerun: the router stores them with
 //! every checkpoint it takes at the end of a prefill run, and with a `MarconiCheckpoint` whose
 //! positions the catch-up ring still holds; the prefill reruns the head over them on copies of
-//! the shared blocks). Elsewhere it is the head the cache served: on a head with Mamba layers
-//! (a checkpoint holds their state past the rerun's position), on an unmarked checkpoint, and
-//! on the hash-chain cache of an attention-only model (no checkpoints). Only drafts depend on
-//! it, never a verified token.
+//! the shared blocks; a head with Mamba layers lags one position at such a prefill checkpoint,
+//! so the checkpoint holds its state before the rerun's position). Elsewhere it is the head the
+//! cache served: on an unmarked checkpoint (for a head with Mamba layers, one where the row's
+//! prefill plan ended), and on the hash-chain cache of an attention-only model (no
+//! checkpoints). Only drafts depend on it, never a verified token.
 
 use device_io::{Readback, Result};
 

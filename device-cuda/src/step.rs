@@ -31,7 +31,8 @@
 //! On a model with an MTP head, a prefill call keeps every row's hidden state and runs the head
 //! over the positions whose next token the prompt holds (`prefill_head`), keeping the prompt's
 //! last position in the row's catch-up ring. After a prefix hit on a checkpoint the head marked
-//! (`router_book::spec`; a head without Mamba layers), the head first reruns the positions the
+//! (`router_book::spec`; a head with Mamba layers lags one position at a prefill checkpoint,
+//! leading the row's next run with it), the head first reruns the positions the
 //! mark names from the main model's hidden rows stored with the checkpoint (the `marks`
 //! buffer, `MemoryPlan::mark_bytes` per checkpoint slot), on copies of the shared blocks it
 //! rewrites; a run that ends at a checkpoint stores its last hidden row there (a
