@@ -167,7 +167,6 @@ fn forget_catchup(inner: &mut Inner, seq: &CpuSeq, len: usize) {
     }
 }
 
-/// Runs a shared effect whose state-row copies are queued behind the launched steps.
 /// A checkpoint a sequence just took at `pos`: the hidden states its MTP head's rerun at a hit
 /// needs, when its catch-up ring holds them (`router_book::spec::checkpoint_head`), stored with
 /// the checkpoint behind the work queued before.
@@ -194,6 +193,7 @@ fn stash_head(
         .submit(dev.model, dev.device, device::Work::Copies(vec![op]))
 }
 
+/// Runs a shared effect whose state-row copies are queued behind the launched steps.
 fn with_copies<T>(
     inner: &mut Inner,
     dev: &Dev<'_>,

@@ -209,3 +209,80 @@ pub fn take() -> Vec<RegionTotals> {
         lines
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::{matmul, Kernels, Packed};
+
+    /// The lines of this file in a report (other tests of the crate may record regions of their
+    /// own at the same time; they are never at this file's lines).
+    fn this_files(lines: Vec<RegionTotals>) -> Vec<RegionTotals> {
+        let prefix = format!("{}:", file!());
+        lines
+            .into_iter()
+            .filter(|line| line.site.starts_with(&prefix))
+            .collect()
+    }
+
+    /// Each outermost fork/join is one call of the line that asked for it, with its product's
+    /// shape; a region opened inside a task is part of that task, never a line of its own.
+    #[test]
+    fn each_outermost_region_is_one_call_of_its_line_and_shape() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let kernels = Kernels {
+            threads: 2,
+            ..Kernels::single()
+        };
+        let (k, n) = (8, 40);
+        let weight: Vec<f32> = (0..n * k).map(|i| (i % 7) as f32).collect();
+        let w = Packed::from_rows(&weight, n, k);
+        let x = vec![1.0f32; 3 * k];
+        let mut out = vec![0.0; 3 * n];
+        let mut tmp = Vec::new();
+        let mut tasks = vec![0u64; 10];
+        let mut here = 0;
+        pool.install(|| {
+            for _ in 0..3 {
+                here = line!();
+                kernels.for_each_task(&mut tasks, |task| {
+                    let mut inner = [1u64; 4];
+                    kernels.for_each_task(&mut inner, |x| *x += 1);
+                    *task += inner.iter().sum::<u64>();
+                });
+                matmul(&kernels, &x, 3, &w, None, &mut tmp, &mut out);
+            }
+        });
+        assert_eq!(tasks, vec![24; 10]);
+        assert_eq!(
+            out[..n],
+            (0..n)
+                .map(|o| weight[o * k..][..k].iter().sum())
+                .collect::<Vec<f32>>()
+        );
+        // The two calls are on the first and the sixth line after `here`.
+        let (task_line, product_line) = (here + 1, here + 6);
+        let lines = this_files(take());
+        let sites: Vec<(String, &str, u64)> = lines
+            .iter()
+            .map(|line| (line.site.clone(), line.shape.as_str(), line.calls))
+            .collect();
+        assert_eq!(
+            sites,
+            [
+                (format!("{}:{task_line}", file!()), "", 3),
+                (format!("{}:{product_line}", file!()), "3x8->40", 3),
+            ]
+        );
+        for line in &lines {
+            // Every region ran its tasks on one or both of the two threads.
+            let worked: u64 = line.regions_worked.iter().sum();
+            assert!((3..=6).contains(&worked), "{line:?}");
+            assert_eq!(line.regions_worked[2..], [0; MAX_THREADS - 2], "{line:?}");
+        }
+        assert!(this_files(take()).is_empty(), "take clears the totals");
+    }
+}

@@ -8,7 +8,9 @@
 //!    `cargo test` runs them too;
 //! 3. `clippy`: `cargo clippy --workspace --all-targets -- -D warnings`;
 //! 4. `test`: `cargo test --workspace`, then `test replay plot`: the replay's tests again with
-//!    its `plot` feature (off by default), which only adds the plot module and plotters;
+//!    its `plot` feature (off by default), which only adds the plot module and plotters, and
+//!    `test model region-timing`: the model's unit tests and examples with its `region-timing`
+//!    feature (off by default: the per-region timing of `throughput --regions`);
 //! 5. `check <crate>`: `cargo check -p <crate> --no-default-features` for each library crate
 //!    in [`ALONE`], so a crate that compiles only thanks to features another crate turns on in
 //!    the unified build is caught;
@@ -116,6 +118,18 @@ fn stages() -> Vec<Stage> {
             "test replay plot",
             &["test", "-p", "replay", "--features", "plot"],
         ),
+        Stage::cargo(
+            "test model region-timing",
+            &[
+                "test",
+                "-p",
+                "model",
+                "--features",
+                "region-timing",
+                "--lib",
+                "--examples",
+            ],
+        ),
     ];
     for krate in ALONE {
         stages.push(Stage::cargo(
@@ -211,9 +225,16 @@ mod tests {
     #[test]
     fn stages_in_order() {
         let names: Vec<String> = stages().into_iter().map(|s| s.name).collect();
-        let mut expected: Vec<String> = ["fmt", "tidy", "clippy", "test", "test replay plot"]
-            .map(String::from)
-            .to_vec();
+        let mut expected: Vec<String> = [
+            "fmt",
+            "tidy",
+            "clippy",
+            "test",
+            "test replay plot",
+            "test model region-timing",
+        ]
+        .map(String::from)
+        .to_vec();
         expected.extend(ALONE.iter().map(|c| format!("check {c}")));
         expected
             .extend(["check replay cuda", "doc", "readme example", "codegen"].map(String::from));
