@@ -66,7 +66,10 @@ pub(crate) fn apply(
         Effect::ReleaseSeq { seq, cache, what } => {
             inner.sync(seq);
             let tenure = seq.tenure;
-            book::release(shape, &mut inner.book(), seq, cache, what)?;
+            let head_exact = tenure
+                .and_then(|tenure| inner.mtp.get(&tenure))
+                .map(|track| track.exact);
+            book::release(shape, &mut inner.book(), seq, cache, what, head_exact)?;
             if let Some(tenure) = tenure {
                 inner.mtp.remove(&tenure);
             }

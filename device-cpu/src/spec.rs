@@ -29,10 +29,14 @@
 //! every checkpoint it takes at the end of a prefill run, and with a `MarconiCheckpoint` whose
 //! positions the catch-up ring still holds; the prefill reruns the head over them on copies of
 //! the shared blocks; a head with Mamba layers lags one position at such a prefill checkpoint,
-//! so the checkpoint holds its state before the rerun's position). Elsewhere it is the head the
-//! cache served: on an unmarked checkpoint (for a head with Mamba layers, one where the row's
-//! prefill plan ended), and on the hash-chain cache of an attention-only model (no
-//! checkpoints). Only drafts depend on it, never a verified token.
+//! so the checkpoint holds its state before the rerun's position), and when the blocks the tree
+//! serves before the rerun hold head K/V their writers computed for this path
+//! (`router_book::Caches::head_vouched`; the tree may keep another sequence's blocks under a
+//! marked checkpoint). Elsewhere it is the head the cache served: on an unmarked checkpoint (for
+//! a head with Mamba layers, one where the row's prefill plan ended), on blocks not vouched for
+//! (the rerun still runs), and on the hash-chain cache of an attention-only model (no
+//! checkpoints). `CacheStats` counts the checkpoint hits of each kind. Only drafts depend on
+//! it, never a verified token.
 
 use device_io::{Readback, Result};
 

@@ -428,16 +428,32 @@ fn caching_router(fixture: &str, prefix_cache: bool) -> CpuRouter {
     CpuRouter::new(model, config).unwrap()
 }
 
-/// Prefills `s`, drafts `k` tokens after the greedy next token, and answers the drafts, the
-/// K/V of every attention layer (the MTP head's last) at the positions `s` has computed and its
-/// Mamba state (main layers, then the head's), from its spill image, and the tokens it had
-/// cached.
-fn draft_after_prefill(
-    fixture: &str,
-    r: &CpuRouter,
-    s: &mut CpuSeq,
-    k: usize,
-) -> (Vec<u32>, Vec<u32>, usize) {
+/// What a sequence's MTP head holds after its prefill, read from its spill image.
+#[derive(Debug, PartialEq)]
+struct HeadView {
+    /// The `k` drafts after the greedy next token.
+    drafts: Vec<u32>,
+    /// Per computed position: the K/V bits of every attention layer (the MTP head's last).
+    kv: Vec<Vec<u32>>,
+    /// The Mamba state's bits (main layers, then the head's).
+    state: Vec<u32>,
+    /// The tokens the prefill had cached.
+    cached: usize,
+}
+
+impl HeadView {
+    /// The positions whose K/V differ from `cold`'s.
+    fn kv_differ(&self, cold: &HeadView) -> Vec<usize> {
+        assert_eq!(self.kv.len(), cold.kv.len());
+        (0..self.kv.len())
+            .filter(|&pos| self.kv[pos] != cold.kv[pos])
+            .collect()
+    }
+}
+
+/// Prefills `s`, drafts `k` tokens after the greedy next token, and answers what its head holds
+/// ([`HeadView`]).
+fn draft_after_prefill(fixture: &str, r: &CpuRouter, s: &mut CpuSeq, k: usize) -> HeadView {
     let (logits, report) = prefill(r, s, 64);
     let ticket = r
         .launch(
@@ -478,16 +494,21 @@ fn draft_after_prefill(
     let mut kv = Vec::new();
     for pos in 0..s.computed_len() {
         let block = &image.kv[pos / block_size * layout.floats_per_block..];
+        let mut at_pos = Vec::new();
         for layer in 0..pool.attention_layers() {
             let keys = layer * 2 * block_size * width + pos % block_size * width;
             for at in [keys, keys + block_size * width] {
-                kv.extend(block[at..at + width].iter().map(|x| x.to_bits()));
+                at_pos.extend(block[at..at + width].iter().map(|x| x.to_bits()));
             }
         }
+        kv.push(at_pos);
     }
-    // And the Mamba state (the main model's layers, then the head's).
-    kv.extend(image.state.iter().map(|x| x.to_bits()));
-    (drafts, kv, report.cached)
+    HeadView {
+        drafts,
+        kv,
+        state: image.state.iter().map(|x| x.to_bits()).collect(),
+        cached: report.cached,
+    }
 }
 
 /// After a prefix hit the MTP head is a cold run's: the hit's checkpoint carries the main
@@ -516,20 +537,23 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
             prefill(&hot, &mut first, 64);
             release(&hot, &mut first, true);
             let mut s = seq(2, &prompt);
-            let (hot_drafts, hot_kv, cached) = draft_after_prefill(fixture, &hot, &mut s, 4);
+            let hot_view = draft_after_prefill(fixture, &hot, &mut s, 4);
             assert_eq!(
-                cached, 24,
+                hot_view.cached, 24,
                 "{fixture} seed {seed}: a hit at the shared blocks"
             );
             release(&hot, &mut s, true);
             let cold = caching_router(fixture, false);
             let mut c = seq(2, &prompt);
-            let (cold_drafts, cold_kv, cached) = draft_after_prefill(fixture, &cold, &mut c, 4);
-            assert_eq!(cached, 0);
+            let cold_view = draft_after_prefill(fixture, &cold, &mut c, 4);
+            assert_eq!(cold_view.cached, 0);
             release(&cold, &mut c, false);
-            assert!(hot_kv == cold_kv, "{fixture} seed {seed}: the K/V differ");
-            assert_eq!(hot_drafts, cold_drafts, "{fixture} seed {seed}");
-            drafts_compared += hot_drafts.len();
+            assert!(
+                hot_view.kv == cold_view.kv && hot_view.state == cold_view.state,
+                "{fixture} seed {seed}: the K/V or state differ"
+            );
+            assert_eq!(hot_view.drafts, cold_view.drafts, "{fixture} seed {seed}");
+            drafts_compared += hot_view.drafts.len();
             // Every block the hit copied went back or is cached; no slot is held.
             let facts = hot.facts();
             assert_eq!(
@@ -589,18 +613,192 @@ fn the_mtp_head_after_a_hit_on_an_output_checkpoint_is_a_cold_runs() {
     let mut prompt2 = first_tokens(&prompt, &greedy, 24);
     prompt2.extend([(greedy[4] + 1) % 256, 3, 4]);
     let mut s = seq(2, &prompt2);
-    let (hot_drafts, hot_kv, cached) = draft_after_prefill(fixture, &hot, &mut s, 3);
-    assert_eq!(cached, 24);
+    let hot_view = draft_after_prefill(fixture, &hot, &mut s, 3);
+    assert_eq!(hot_view.cached, 24);
     release(&hot, &mut s, true);
     let cold = caching_router(fixture, false);
     let mut c = seq(2, &prompt2);
-    let (cold_drafts, cold_kv, _) = draft_after_prefill(fixture, &cold, &mut c, 3);
+    let cold_view = draft_after_prefill(fixture, &cold, &mut c, 3);
     release(&cold, &mut c, false);
-    assert!(hot_kv == cold_kv, "the K/V differ");
-    assert_eq!(hot_drafts, cold_drafts);
+    assert!(
+        hot_view.kv == cold_view.kv && hot_view.state == cold_view.state,
+        "the K/V or state differ"
+    );
+    assert_eq!(hot_view.drafts, cold_view.drafts);
 }
 
 /// The first `n` tokens of a prompt followed by its greedy continuation.
 fn first_tokens(prompt: &[u32], greedy: &[u32], n: usize) -> Vec<u32> {
     prompt.iter().chain(greedy).take(n).copied().collect()
+}
+
+/// One sequence of a prefix-hit scenario: its prompt, how many tokens it decodes greedily
+/// without drafting (so its head never consumes them), and whether its head after the prefill
+/// is compared with a cold run's (it then drafts once).
+struct Turn {
+    prompt: Vec<u32>,
+    decode: usize,
+    compare: bool,
+}
+
+/// What a compared turn's hit made of its head: the router's count
+/// (`router_book::CacheStats::head_exact_hits` and the next two; `None`: no count moved), the
+/// positions whose head K/V differ from a cold run's, and whether its head's Mamba state and
+/// drafts equal the cold run's.
+#[derive(Debug, PartialEq)]
+struct HitOutcome {
+    cached: usize,
+    counted: Option<router_book::HeadHit>,
+    kv_differ: Vec<usize>,
+    state_equal: bool,
+    drafts_equal: bool,
+}
+
+/// Runs `turns` one after another on a caching router, each released to the cache; answers,
+/// per compared turn, what its hit made of its head ([`HitOutcome`]).
+fn head_scenario(fixture: &str, turns: &[Turn]) -> Vec<HitOutcome> {
+    let hot = caching_router(fixture, true);
+    let mut outcomes = Vec::new();
+    for (id, turn) in turns.iter().enumerate() {
+        let mut s = seq(id as u64 + 1, &turn.prompt);
+        if turn.compare {
+            let before = hot.cache_stats().unwrap();
+            let hot_view = draft_after_prefill(fixture, &hot, &mut s, 3);
+            let after = hot.cache_stats().unwrap();
+            let moved = [
+                after.head_exact_hits - before.head_exact_hits,
+                after.head_unvouched_hits - before.head_unvouched_hits,
+                after.head_unmarked_hits - before.head_unmarked_hits,
+            ];
+            let counted = match moved {
+                [0, 0, 0] => None,
+                [1, 0, 0] => Some(router_book::HeadHit::Exact),
+                [0, 1, 0] => Some(router_book::HeadHit::Unvouched),
+                [0, 0, 1] => Some(router_book::HeadHit::Unmarked),
+                other => panic!("one hit counted {other:?}"),
+            };
+            let cold = caching_router(fixture, false);
+            let mut c = seq(1, &turn.prompt);
+            let cold_view = draft_after_prefill(fixture, &cold, &mut c, 3);
+            release(&cold, &mut c, false);
+            outcomes.push(HitOutcome {
+                cached: hot_view.cached,
+                counted,
+                kv_differ: hot_view.kv_differ(&cold_view),
+                state_equal: hot_view.state == cold_view.state,
+                drafts_equal: hot_view.drafts == cold_view.drafts,
+            });
+        } else {
+            let (logits, _) = prefill(&hot, &mut s, 64);
+            common::generate(&hot, &mut s, logits, turn.decode);
+        }
+        release(&hot, &mut s, true);
+    }
+    outcomes
+}
+
+fn turn(prompt: Vec<u32>, decode: usize, compare: bool) -> Turn {
+    Turn {
+        prompt,
+        decode,
+        compare,
+    }
+}
+
+fn concat(a: &[u32], b: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    a.iter().copied().chain(b).collect()
+}
+
+/// The MTP head after a prefix hit is counted a cold run's only when it is one, also when the
+/// Marconi tree serves the hit's checkpoint with blocks another sequence wrote: the tree keeps
+/// the blocks it adopted first, so a checkpoint a sequence marked may sit on blocks whose head
+/// K/V their writer computed with another next token (the original of a block the marking
+/// sequence copied for its own rerun) or never (a writer that did not draft). Before the
+/// router checked the blocks (`router_book::Caches::head_vouched`), such hits reran only the
+/// marked positions and left the head inexact at the positions listed below (tiny and alt
+/// fixtures alike; 3 of the 6 inexact hits' drafts differed), and the sequence then marked its
+/// own checkpoint, so the next hit on it was inexact too.
+#[test]
+fn the_mtp_head_after_a_hit_on_blocks_another_sequence_wrote_is_counted_as_it_is() {
+    use router_book::HeadHit::{Exact, Unmarked, Unvouched};
+    let outcome = |cached, counted, kv_differ: &[usize]| HitOutcome {
+        cached,
+        counted: Some(counted),
+        kv_differ: kv_differ.to_vec(),
+        state_equal: true,
+        drafts_equal: kv_differ.is_empty(),
+    };
+    for fixture in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let shared = common::tokens(3, 16);
+        let z = concat(&shared, [201, 1, 2, 3]);
+        // A hits Z's checkpoint at 16 with another token at 16: its rerun rewrites position 15
+        // on a copy of Z's block 1, which the tree does not keep. C hits A's checkpoint at 24
+        // (on Z's block 1, A's block 2); D hits C's at 32 (on A's block 2, whose position 23 A
+        // computed with its own token at 24, not C's).
+        let a = concat(&shared, [202, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+        let c = concat(&a[..24], 20..32);
+        let d = concat(&c[..32], [30, 31, 32]);
+        let mut outcomes = head_scenario(
+            fixture,
+            &[
+                turn(z.clone(), 0, false),
+                turn(a, 0, false),
+                turn(c, 0, true),
+                turn(d, 0, true),
+            ],
+        );
+        // B decodes 13 tokens without drafting: its head never consumed positions 19.. of its
+        // blocks. A hits B's checkpoint at 16 and takes one at 24, which the tree puts on B's
+        // block 2; C hits it.
+        let hot = caching_router(fixture, true);
+        let mut b = seq(1, &z);
+        let (logits, _) = prefill(&hot, &mut b, 64);
+        common::generate(&hot, &mut b, logits, 13);
+        let b_tokens = b.tokens().to_vec();
+        release(&hot, &mut b, false);
+        outcomes.extend(head_scenario(
+            fixture,
+            &[
+                turn(z.clone(), 13, false),
+                turn(concat(&b_tokens[..26], [40]), 0, false),
+                turn(concat(&b_tokens[..24], [41, 42, 43]), 0, true),
+            ],
+        ));
+        // The control: A continues Z's prompt, so every cached position is vouched for.
+        let a = concat(&z, [4, 5, 6, 7, 8, 9, 10]);
+        outcomes.extend(head_scenario(
+            fixture,
+            &[
+                turn(z.clone(), 0, false),
+                turn(a.clone(), 0, false),
+                turn(concat(&a[..24], [50, 51, 52]), 0, true),
+            ],
+        ));
+        for outcome in &mut outcomes {
+            // The drafts of an inexact head may or may not differ; an exact one's never do.
+            if !outcome.kv_differ.is_empty() {
+                outcome.drafts_equal = false;
+            }
+        }
+        // C is not a cold run's, so it marks no checkpoint: D's hit reruns nothing. On the alt
+        // fixture C's head lagged at 32 (its checkpoint holds the head's state before 31), so
+        // D's head skips 31: its Mamba state, and the K/V after it, differ too.
+        let d = match fixture {
+            "nemotron-h-alt" => HitOutcome {
+                state_equal: false,
+                ..outcome(32, Unmarked, &[15, 23, 31, 32, 33, 34])
+            },
+            _ => outcome(32, Unmarked, &[15, 23, 31]),
+        };
+        assert_eq!(
+            outcomes,
+            [
+                outcome(24, Unvouched, &[15]),
+                d,
+                outcome(24, Unvouched, &[19, 20, 21, 22]),
+                outcome(24, Exact, &[]),
+            ],
+            "{fixture}"
+        );
+    }
 }

@@ -833,7 +833,10 @@ impl DeviceIo for CudaRouter {
             Effect::ReleaseSeq { seq, cache, what } => {
                 book::sync(&mut inner.book(), seq);
                 let tenure = seq.tenure;
-                book::release(&shape, &mut inner.book(), seq, cache, what)?;
+                let head_exact = tenure
+                    .and_then(|tenure| inner.mtp.get(&tenure))
+                    .map(|track| track.exact);
+                book::release(&shape, &mut inner.book(), seq, cache, what, head_exact)?;
                 inner.drop_track(tenure);
                 Ok(EffectOutcome::Unit)
             }

@@ -233,6 +233,9 @@ pub fn print(title: &str, report: &ReplayReport, adapters: &[std::path::PathBuf]
         if let Some(line) = eviction_line(cache) {
             println!("eviction            {line}");
         }
+        if let Some(line) = head_line(cache) {
+            println!("MTP head at hits    {line}");
+        }
     }
     println!(
         "TTFT                p50 {:.1} ms, p95 {:.1} ms",
@@ -312,6 +315,22 @@ pub fn eviction_line(cache: &CacheStats) -> Option<String> {
             "Marconi, tuned: {switches} setting change(s) during the pass; at the end {setting}"
         ),
         None => format!("by recency, no tuner (--no-marconi): {setting}"),
+    })
+}
+
+/// What the checkpoint hits made of the MTP head (`None` when the router counted none: no head,
+/// or no rerun at a hit).
+pub fn head_line(cache: &CacheStats) -> Option<String> {
+    let (exact, unvouched, unmarked) = (
+        cache.head_exact_hits,
+        cache.head_unvouched_hits,
+        cache.head_unmarked_hits,
+    );
+    (exact + unvouched + unmarked > 0).then(|| {
+        format!(
+            "{exact} hits left a cold run's head; not so after {unvouched} on blocks whose head \
+             K/V another path wrote and {unmarked} on unmarked checkpoints"
+        )
     })
 }
 
@@ -444,6 +463,22 @@ mod tests {
              guarded admission off"
         );
         assert_eq!(eviction_line(&CacheStats::default()), None);
+    }
+
+    #[test]
+    fn the_head_line_counts_each_kind_of_hit() {
+        let counted = CacheStats {
+            head_exact_hits: 5,
+            head_unvouched_hits: 2,
+            head_unmarked_hits: 1,
+            ..CacheStats::default()
+        };
+        assert_eq!(
+            head_line(&counted).unwrap(),
+            "5 hits left a cold run's head; not so after 2 on blocks whose head K/V another path \
+             wrote and 1 on unmarked checkpoints"
+        );
+        assert_eq!(head_line(&CacheStats::default()), None);
     }
 
     #[test]

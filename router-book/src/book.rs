@@ -224,13 +224,16 @@ pub fn owned_slot(book: &BookMut<'_>, seq: &RouterSeq, what: &'static str) -> Re
 
 /// `ReleaseSeq`: offers the sequence to the prefix cache (when asked, and when it did not fail),
 /// then frees its blocks, its slot, its pinned path, its ring entries and its pending
-/// checkpoints. Releasing a sequence that holds nothing does nothing.
+/// checkpoints. Releasing a sequence that holds nothing does nothing. `head_exact`: on a model
+/// with an MTP head, how many positions from the first the sequence's head consumed exactly
+/// (`crate::spec::MtpTrack::exact`), which the cache records with the blocks it adopts.
 pub fn release(
     shape: &BookShape,
     book: &mut BookMut<'_>,
     seq: &mut RouterSeq,
     cache: bool,
     what: &'static str,
+    head_exact: Option<usize>,
 ) -> Result<()> {
     let Some(tenure) = seq.tenure else {
         return Ok(());
@@ -266,6 +269,14 @@ pub fn release(
         // checkpoints sit at block boundaries at or below `computed_len`, inside the full blocks.
         let full = full_blocks * shape.block_size;
         let looked_up = &seq.tokens[..seq.prompt_len.saturating_sub(1)];
+        let head = head_exact.map(|exact| crate::HeadOffer {
+            exact,
+            next: seq
+                .tokens
+                .get(full)
+                .copied()
+                .filter(|&token| token != FED_PLACEHOLDER),
+        });
         book.cache.insert_finished(
             seq.cache_namespace(),
             seq.pin.take(),
@@ -273,6 +284,7 @@ pub fn release(
             &seq.tokens[..full],
             &seq.blocks[..full_blocks],
             &checkpoints,
+            head,
         );
     } else {
         for (_, slot) in checkpoints {

@@ -75,6 +75,81 @@ pub struct CacheStats {
     /// How many times the tuner changed the eviction setting (`None` when no tuner runs:
     /// `marconi: false`, or no Marconi store).
     pub tuner_switches: Option<u64>,
+    /// Checkpoint hits after which the MTP head is a cold run's: the checkpoint is marked
+    /// ([`HeadMark`]) and every cached position before the rerun holds head K/V its writer
+    /// computed exactly for this path ([`Caches::head_vouched`]). Counted on a router that reruns
+    /// the head at a hit (`BookShape::head_rerun`), as are the next two.
+    pub head_exact_hits: u64,
+    /// Checkpoint hits on a marked checkpoint where a cached position before the rerun holds head
+    /// K/V written for another path (its writer's next token differed) or never computed
+    /// exactly: the head reruns over the marked positions, but it is not a cold run's (drafts
+    /// may differ; the output never does), and the sequence marks none of its own checkpoints.
+    pub head_unvouched_hits: u64,
+    /// Checkpoint hits on an unmarked checkpoint (its taker's head was not exact there, its ring
+    /// lacked the positions, or a head with Mamba layers did not lag there): no rerun; the head
+    /// is not a cold run's.
+    pub head_unmarked_hits: u64,
+}
+
+/// What a checkpoint hit made of the MTP head (see [`CacheStats::head_exact_hits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadHit {
+    /// A rerun over a marked checkpoint whose cached K/V are vouched for: a cold run's head.
+    Exact,
+    /// A rerun over a marked checkpoint with cached K/V not vouched for.
+    Unvouched,
+    /// No rerun (the checkpoint is unmarked).
+    Unmarked,
+}
+
+/// The MTP head's part of a finished sequence's offer to the prefix cache: its head consumed
+/// positions `0..exact` with the sequence's own next tokens (`MtpTrack::exact`), and `next` is
+/// the sequence's token after the offered ones, when known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadOffer {
+    /// Positions the head consumed exactly, from the first.
+    pub exact: usize,
+    /// The token after the offered tokens.
+    pub next: Option<u32>,
+}
+
+/// What the writer of a cached block vouches for about the MTP head's K/V in it: the first
+/// `exact` positions of the block were consumed with the writer's own next tokens, and `next`
+/// is the writer's token after the block (the one the block's last position was consumed with).
+/// Every position but the last has its next token inside the block, which any path through
+/// the block shares; the last one's is right for a path only when that path continues with
+/// `next`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockHead {
+    exact: usize,
+    next: Option<u32>,
+}
+
+/// [`Caches::head_vouched`] over the records `heads` (per block id) of blocks of `size` tokens.
+fn vouched(
+    heads: &[Option<BlockHead>],
+    size: usize,
+    blocks: &[u32],
+    tokens: &[u32],
+    upto: usize,
+) -> usize {
+    for (index, &block) in blocks.iter().enumerate() {
+        let start = index * size;
+        if start >= upto {
+            break;
+        }
+        let Some(Some(head)) = heads.get(block as usize) else {
+            return start;
+        };
+        if head.exact < size {
+            return upto.min(start + head.exact);
+        }
+        let last = start + size - 1;
+        if last < upto && tokens.get(last + 1) != head.next.as_ref() {
+            return last;
+        }
+    }
+    upto.min(blocks.len() * size)
 }
 
 fn recency_name(recency: ssm_snapshot::Recency) -> &'static str {
@@ -131,13 +206,25 @@ pub struct Caches {
     /// Per checkpoint slot index: the MTP head's mark on the checkpoint it holds
     /// ([`HeadMark`]); cleared whenever the slot is handed out again.
     head_marks: std::collections::BTreeMap<usize, HeadMark>,
+    /// Per block id, on a model with an MTP head: what the writer of a block the Marconi tree
+    /// adopted vouches for ([`BlockHead`]); written whenever the tree adopts the block (`None`
+    /// when its writer had no head track), so every block the tree holds has its writer's.
+    head_blocks: Vec<Option<BlockHead>>,
+    /// Tokens per block.
+    block_size: usize,
+    /// Checkpoint hits by what they made of the MTP head: exact, unvouched, unmarked.
+    head_hits: [u64; 3],
 }
 
 /// What a router stored with a checkpoint for the MTP head (`router_book::spec`'s prefix-hit
 /// rule): the main model's hidden states at positions `from..pos` (`pos` the checkpoint's
 /// position), and the promise that the head's K/V before `from` in the sequence's blocks were
-/// computed with the sequence's own next tokens. A hit at `pos` then reruns the head over
-/// `from..pos` with the new sequence's tokens instead of trusting the K/V there.
+/// computed with the sequence's own next tokens (and that its state in the checkpoint is its
+/// state before `from`). A hit at `pos` then reruns the head over `from..pos` with the new
+/// sequence's tokens instead of trusting the K/V there. The promise is about the marking
+/// sequence's blocks: the tree may keep other blocks for `0..from` (another sequence's, which
+/// it adopted first, or the originals of blocks the marking sequence copied for its own rerun),
+/// so a hit also checks the blocks it is served ([`Caches::head_vouched`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadMark {
     /// The checkpoint's position.
@@ -294,6 +381,13 @@ impl Caches {
             hit_tokens: 0,
             events,
             head_marks: std::collections::BTreeMap::new(),
+            head_blocks: if model.has_mtp() {
+                vec![None; config.num_blocks]
+            } else {
+                Vec::new()
+            },
+            block_size: config.block_size,
+            head_hits: [0; 3],
         })
     }
 
@@ -337,6 +431,9 @@ impl Caches {
                 Index::Marconi(store, _) => u64::from(store.slots().cached_count()),
                 _ => 0,
             },
+            head_exact_hits: self.head_hits[0],
+            head_unvouched_hits: self.head_hits[1],
+            head_unmarked_hits: self.head_hits[2],
             ..self.marconi_counts()
         }
     }
@@ -508,6 +605,27 @@ impl Caches {
         self.head_marks.get(&slot.index()).copied()
     }
 
+    /// How far the MTP head's K/V in cached blocks are right for a path: the first position
+    /// below `upto` in `blocks` (a hit's blocks, tree blocks in position order) whose head K/V
+    /// the block's writer did not compute exactly with the token `tokens` (the path's, at least
+    /// `upto` of them) hold after it, or `upto` when there is none. A position is vouched for
+    /// when the writer consumed it exactly ([`HeadOffer::exact`]) and, for a block's last
+    /// position, continued with the path's token after the block; the writer's tokens before
+    /// that are the path's, since the tree keys blocks by every token before their end.
+    pub fn head_vouched(&self, blocks: &[u32], tokens: &[u32], upto: usize) -> usize {
+        vouched(&self.head_blocks, self.block_size, blocks, tokens, upto)
+    }
+
+    /// Counts a checkpoint hit by what it made of the MTP head ([`CacheStats::head_exact_hits`]).
+    pub fn count_head_hit(&mut self, hit: HeadHit) {
+        let at = match hit {
+            HeadHit::Exact => 0,
+            HeadHit::Unvouched => 1,
+            HeadHit::Unmarked => 2,
+        };
+        self.head_hits[at] += 1;
+    }
+
     /// Gives back a checkpoint slot that will not be offered to the tree.
     pub fn free_checkpoint_slot(&mut self, slot: SlotId) {
         if let Index::Marconi(store, _) = &mut self.index {
@@ -534,7 +652,9 @@ impl Caches {
 
     /// Offers a finished sequence's full blocks (and, on a hybrid model, its checkpoints, at
     /// increasing block boundaries `<= tokens.len()`) to the prefix cache; consumes the pin. The caller still
-    /// holds every block and releases its own references afterwards.
+    /// holds every block and releases its own references afterwards. `head` is what the
+    /// sequence's MTP head vouches for, recorded with each block the Marconi tree adopts.
+    #[allow(clippy::too_many_arguments)] // One offer, described field by field.
     pub fn insert_finished(
         &mut self,
         ns: Namespace,
@@ -543,6 +663,7 @@ impl Caches {
         tokens: &[u32],
         blocks: &[u32],
         checkpoints: &[(usize, SlotId)],
+        head: Option<HeadOffer>,
     ) {
         match &mut self.index {
             Index::Off => {}
@@ -580,6 +701,14 @@ impl Caches {
                         let _ = store.cancel_checkpoint(slot);
                     }
                 }
+                Self::record_heads(
+                    &mut self.head_blocks,
+                    self.block_size,
+                    &self.delta.retain_blocks,
+                    tokens,
+                    blocks,
+                    head,
+                );
                 let adoption = Adoption {
                     tokens,
                     blocks,
@@ -606,6 +735,40 @@ impl Caches {
                         Err(err) => tracing::error!(%err, "alpha tuning failed; alpha unchanged"),
                     }
                 }
+            }
+        }
+    }
+
+    /// Records, for each of `blocks` the tree just adopted (`adopted`), what its writer's head
+    /// vouches for (`head`; nothing when `None`). Block `i` holds `tokens[i * size..]`; the
+    /// token after the last block is `head.next`.
+    fn record_heads(
+        head_blocks: &mut [Option<BlockHead>],
+        size: usize,
+        adopted: &[BlockId],
+        tokens: &[u32],
+        blocks: &[u32],
+        head: Option<HeadOffer>,
+    ) {
+        if head_blocks.is_empty() || adopted.is_empty() {
+            return;
+        }
+        let adopted: std::collections::HashSet<u32> = adopted.iter().map(|b| b.0).collect();
+        for (index, &block) in blocks.iter().enumerate() {
+            if !adopted.contains(&block) {
+                continue;
+            }
+            let end = (index + 1) * size;
+            let record = head.map(|head| BlockHead {
+                exact: head.exact.saturating_sub(index * size).min(size),
+                next: if end < tokens.len() {
+                    Some(tokens[end])
+                } else {
+                    head.next
+                },
+            });
+            if let Some(slot) = head_blocks.get_mut(block as usize) {
+                *slot = record;
             }
         }
     }
@@ -659,5 +822,133 @@ impl Caches {
                 crate::events::contents(&self.kv, Some(store), self.events.tree_extra())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A finished sequence's offer: its tokens, its blocks, those the tree adopts, its head's.
+    type Offer<'a> = (&'a [u32], &'a [u32], &'a [u32], Option<HeadOffer>);
+
+    /// Records each offer in turn, then answers how far `path` (served by `served`) is vouched
+    /// for below `upto`.
+    fn check(offers: &[Offer<'_>], served: &[u32], path: &[u32], upto: usize) -> usize {
+        let mut heads = vec![None; 16];
+        for &(tokens, blocks, adopted, head) in offers {
+            let adopted: Vec<BlockId> = adopted.iter().map(|&b| BlockId(b)).collect();
+            Caches::record_heads(&mut heads, 4, &adopted, tokens, blocks, head);
+        }
+        vouched(&heads, 4, served, path, upto)
+    }
+
+    fn offer(exact: usize, next: Option<u32>) -> Option<HeadOffer> {
+        Some(HeadOffer { exact, next })
+    }
+
+    #[test]
+    fn a_hit_is_vouched_for_as_far_as_its_blocks_writers_say() {
+        let w: Vec<u32> = (0..12).collect();
+        let mut other = w.clone();
+        other[8] = 99;
+        // The writer's own path: every position before the rerun.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, Some(8)))],
+                &[3, 5],
+                &w,
+                7
+            ),
+            7
+        );
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, Some(8)))],
+                &[3, 5],
+                &w,
+                8
+            ),
+            8
+        );
+        // Another path after the blocks: the last position's next token differs.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, Some(8)))],
+                &[3, 5],
+                &other,
+                8
+            ),
+            7
+        );
+        // ... which a rerun from 7 covers.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, Some(8)))],
+                &[3, 5],
+                &other,
+                7
+            ),
+            7
+        );
+        // A head that consumed 6 positions vouches for 6.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(6, Some(8)))],
+                &[3, 5],
+                &w,
+                7
+            ),
+            6
+        );
+        // A block the tree did not adopt from this offer, or adopted with no head, vouches
+        // for nothing.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3], offer(12, Some(8)))],
+                &[3, 5],
+                &w,
+                7
+            ),
+            4
+        );
+        assert_eq!(
+            check(&[(&w[..8], &[3, 5], &[3, 5], None)], &[3, 5], &w, 7),
+            0
+        );
+        // A later offer that adopts a block again replaces its record.
+        assert_eq!(
+            check(
+                &[
+                    (&w[..8], &[3, 5], &[3, 5], offer(12, Some(8))),
+                    (&w[..4], &[5], &[5], offer(2, Some(4))),
+                ],
+                &[3, 5],
+                &w,
+                7
+            ),
+            6
+        );
+        // The token after a block inside the offer is the sequence's own.
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, None))],
+                &[3, 5],
+                &other[..],
+                7
+            ),
+            7
+        );
+        let mut early = w.clone();
+        early[4] = 77;
+        assert_eq!(
+            check(
+                &[(&w[..8], &[3, 5], &[3, 5], offer(12, Some(8)))],
+                &[3, 5],
+                &early,
+                7
+            ),
+            3
+        );
     }
 }

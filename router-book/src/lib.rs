@@ -31,7 +31,10 @@ pub mod seq;
 pub mod spec;
 
 pub use book::{BookMut, BookShape, PendingFeed, RingEntry, SlotOwner, Tenure, FED_PLACEHOLDER};
-pub use cache::{Attach, CacheConfig, CacheStats, Caches, CheckpointSlot, HeadMark, PinHandle};
+pub use cache::{
+    Attach, CacheConfig, CacheStats, Caches, CheckpointSlot, HeadHit, HeadMark, HeadOffer,
+    PinHandle,
+};
 pub use seq::{new_tenure, LogitsHandle, LoraBinding, Namespace, Reservation, RouterSeq};
 
 /// Why the bookkeeping could not be built.

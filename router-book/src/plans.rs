@@ -179,6 +179,10 @@ pub struct HeadLead {
     /// The row's own lagged position (`PrefillOp::Run::lag`), not a hit: the head's K/V and
     /// state are the row's own through `from`.
     pub own: bool,
+    /// After a hit: the positions `0..vouched` hold head K/V that are right for this sequence
+    /// ([`Caches::head_vouched`]); when that falls short of `from` the rerun still runs, but
+    /// the head is not a cold run's.
+    pub vouched: usize,
 }
 
 /// A committed prefill.
@@ -202,12 +206,13 @@ struct NewRow {
     lead: Option<(HeadLead, Range<usize>)>,
 }
 
-/// The MTP head's rerun after a hit (`attach`) on a checkpoint the router marked, with the
-/// indexes of the hit's blocks holding the rerun's positions.
+/// The MTP head's rerun after a hit (`attach`, for a sequence of `tokens`) on a checkpoint the
+/// router marked, with the indexes of the hit's blocks holding the rerun's positions.
 fn head_lead(
     shape: &BookShape,
     cache: &Caches,
     attach: &Attach,
+    tokens: &[u32],
 ) -> Option<(HeadLead, Range<usize>)> {
     let checkpoint = attach.checkpoint.filter(|_| shape.head_rerun)?;
     let mark = cache.head_mark(checkpoint)?;
@@ -220,6 +225,7 @@ fn head_lead(
             checkpoint,
             from: mark.from,
             own: false,
+            vouched: cache.head_vouched(&attach.blocks, tokens, mark.from),
         },
         blocks,
     ))
@@ -341,7 +347,7 @@ pub fn prefill(
             };
             let attach = book.cache.lookup(namespace, lookup);
             let slot = next_free.next().expect("counted above");
-            let lead = head_lead(shape, book.cache, &attach);
+            let lead = head_lead(shape, book.cache, &attach, &seq.tokens);
             // The blocks the head's rerun rewrites are copied: one more block each.
             let copies = lead.as_ref().map_or(0, |(_, blocks)| blocks.len());
             (
@@ -415,6 +421,13 @@ pub fn prefill(
                     from: shape.checkpoint_row(checkpoint.index()),
                     to: slot,
                 });
+                if shape.head_rerun {
+                    book.cache.count_head_hit(match &head {
+                        Some((lead, _)) if lead.vouched >= lead.from => crate::HeadHit::Exact,
+                        Some(_) => crate::HeadHit::Unvouched,
+                        None => crate::HeadHit::Unmarked,
+                    });
+                }
             }
             if let Some((head, copied)) = head {
                 for index in copied {
@@ -491,6 +504,7 @@ pub fn prefill(
                         checkpoint,
                         from: *stop - 1,
                         own: true,
+                        vouched: *stop - 1,
                     });
                 }
             }

@@ -332,6 +332,17 @@ pub fn restored_track<H, E>(
 /// reruns the head there with this sequence's tokens before its first prefill run, so its
 /// K/V at `0..L` and its drafts are a cold run's. A hit on an unmarked checkpoint leaves the
 /// head as the cache served it (drafts may differ from a cold run's; the output never does).
+/// A mark vouches for the marking sequence's own blocks, but the tree serves `0..from` with the
+/// blocks it adopted first: another sequence's, or the originals of blocks the marking sequence
+/// copied for its own rerun, whose head K/V at a block's last position were computed with their
+/// writer's next token, and at positions a writer's head never consumed, not at all. So the
+/// cache records with every block it adopts what its writer's head vouches for (its exact
+/// positions and the token after the block, [`crate::HeadOffer`]), and a hit checks the blocks
+/// it is served ([`crate::Caches::head_vouched`], [`crate::plans::HeadLead::vouched`]): the
+/// rerun runs either way, but only when every cached position before `from` is vouched for is
+/// the head a cold run's (counted in `CacheStats::head_exact_hits`; otherwise in
+/// `head_unvouched_hits`, and the sequence's head counts as inexact from the first position not
+/// vouched for, so it marks none of its own checkpoints).
 /// A head with Mamba layers ([`BookShape::head_lags`]) keeps its state in the checkpoint too,
 /// so at a prefill checkpoint it lags: the run ending at `L` consumes through `L - 2`, the
 /// checkpoint holds the head's state before `L - 1`, and the row's next run leads with `L - 1`
@@ -363,9 +374,11 @@ pub fn prefill_head<H>(
         // The row's own lagged position: the head consumed through `lead.from - 1`.
         Some(lead) if lead.own => lead.from,
         Some(lead) => {
-            // The cached K/V before `lead.from` are the caching sequence's, exact by its mark.
+            // The cached K/V before `lead.from` are exact for this sequence as far as their
+            // writers vouch for them (`HeadLead::vouched`); past that the head is not a cold
+            // run's, so this sequence marks none of its checkpoints.
             track.consumed = lead.from;
-            track.exact = lead.from;
+            track.exact = lead.vouched.min(lead.from);
             lead.from
         }
         None => start,

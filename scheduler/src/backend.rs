@@ -417,6 +417,9 @@ mod cpu {
             marconi_flop_basis: stats.flop_basis,
             marconi_guard: stats.guard,
             tuner_switches: stats.tuner_switches,
+            head_exact_hits: stats.head_exact_hits,
+            head_unvouched_hits: stats.head_unvouched_hits,
+            head_unmarked_hits: stats.head_unmarked_hits,
         })
     }
 

@@ -113,6 +113,17 @@ pub struct CacheStats {
     /// How many times the Marconi tuner changed the setting during the run; `None` when no
     /// tuner ran (the Marconi policy off: eviction by recency, or no Marconi store).
     pub tuner_switches: Option<u64>,
+    /// Checkpoint hits after which the router's MTP head is a cold run's (the head reran over
+    /// positions the checkpoint marks, and every cached position before them is vouched for).
+    /// This and the next two count only on a router that reruns the head at a hit.
+    pub head_exact_hits: u64,
+    /// Checkpoint hits on a marked checkpoint whose cached head K/V are not all right for the
+    /// new sequence (the Marconi tree keeps blocks another sequence wrote): its drafts may
+    /// differ from a cold run's (its output never does).
+    pub head_unvouched_hits: u64,
+    /// Checkpoint hits on a checkpoint the head did not mark: no rerun; the head is not a cold
+    /// run's.
+    pub head_unmarked_hits: u64,
 }
 
 /// The replay's report (the `--json` output of the `replay` example).

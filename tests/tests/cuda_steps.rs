@@ -961,6 +961,17 @@ fn kv_bits<D: Router>(
     plan: &device_cuda::MemoryPlan,
     s: &mut RouterSeq,
 ) -> Vec<u32> {
+    let (kv, state) = head_bits(router, model, plan, s);
+    kv.into_iter().flatten().chain(state).collect()
+}
+
+/// [`kv_bits`] by position (the K/V bits at each computed position) and the Mamba state's bits.
+fn head_bits<D: Router>(
+    router: &D,
+    model: &Model,
+    plan: &device_cuda::MemoryPlan,
+    s: &mut RouterSeq,
+) -> (Vec<Vec<u32>>, Vec<u32>) {
     let mut bytes = Vec::new();
     router
         .apply(Effect::SaveSequenceState {
@@ -987,16 +998,16 @@ fn kv_bits<D: Router>(
     let mut kv = Vec::new();
     for pos in 0..s.computed_len {
         let block = &image.kv[pos / block_size * layout.floats_per_block..];
+        let mut at_pos = Vec::new();
         for layer in 0..layers {
             let keys = layer * 2 * block_size * width + pos % block_size * width;
             for at in [keys, keys + block_size * width] {
-                kv.extend(block[at..at + width].iter().map(|x| x.to_bits()));
+                at_pos.extend(block[at..at + width].iter().map(|x| x.to_bits()));
             }
         }
+        kv.push(at_pos);
     }
-    // And the Mamba state (the main model's layers, then the head's).
-    kv.extend(image.state.iter().map(|x| x.to_bits()));
-    kv
+    (kv, image.state.iter().map(|x| x.to_bits()).collect())
 }
 
 /// After a prefix hit the CUDA router's MTP head is a cold run's, as the host router's is: the
@@ -1077,6 +1088,95 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
         assert_eq!(drafts_compared, 16);
         Box::new(hot).teardown().unwrap();
         Box::new(cold).teardown().unwrap();
+    }
+}
+
+/// The CUDA router counts a prefix hit's MTP head a cold run's only when it is one, as the host
+/// router does (`router_book::Caches::head_vouched`, shared): A hits Z's checkpoint at 32 with
+/// another token at 32 and takes its own at 48, which the Marconi tree puts on Z's blocks (it
+/// keeps Z's block 1, whose head K/V at 31 Z computed with its own token at 32, not the copy A
+/// reran). C's hit on it reruns 47 but leaves 31 as Z's: counted as not vouched for, on both
+/// routers, with the K/V differing from a cold run's at 31 alone. Where A continues Z's prompt
+/// the hit is counted exact, and C's K/V, Mamba state and drafts are the cold run's and the
+/// host router's. Before the check, the first hit counted as exact (and C went on to mark its
+/// own checkpoints) with the K/V at 31 differing.
+#[test]
+fn a_hit_on_blocks_another_sequence_wrote_is_counted_on_the_device() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let dir = fixture_dir(name).join("mtp");
+        let model = Model::load(&dir.join("model")).unwrap();
+        let probe = cuda(&model, DType::F32, true, 64);
+        let plan = *probe.plan();
+        assert_eq!(plan.block_size, 16);
+        Box::new(probe).teardown().unwrap();
+        let vocab = model.config().vocab_size;
+        let shared: Vec<u32> = (0..32u32)
+            .map(|i| (i.wrapping_mul(97).wrapping_add(3 * 31) ^ (i >> 2)) % 256)
+            .collect();
+        let z: Vec<u32> = shared.iter().copied().chain([201, 1, 2, 3]).collect();
+        for (continues, counted, differ) in
+            [(false, [0, 1, 0], vec![31]), (true, [1, 0, 0], vec![])]
+        {
+            let a: Vec<u32> = match continues {
+                true => z.iter().copied().chain(4..19).collect(),
+                false => shared.iter().copied().chain([202]).chain(4..22).collect(),
+            };
+            assert_eq!(a.len(), 51);
+            let c: Vec<u32> = a[..48].iter().copied().chain([20, 21, 22]).collect();
+            let hot = cuda(&model, DType::F32, true, 64);
+            let cold = cuda(&model, DType::F32, false, 64);
+            let host = host_like(&model, &hot, true);
+            for (id, prompt) in [(1, &z), (2, &a)] {
+                let mut on = [seq(id, prompt), seq(id, prompt)];
+                prefill(&hot, &[CONTEXT], &mut [&mut on[0]]);
+                prefill(&host, &[CONTEXT], &mut [&mut on[1]]);
+                release(&hot, &mut on[0], true);
+                release(&host, &mut on[1], true);
+            }
+            let moved = |router: &dyn Fn() -> router_book::CacheStats, run: &mut dyn FnMut()| {
+                let before = router();
+                run();
+                let after = router();
+                [
+                    after.head_exact_hits - before.head_exact_hits,
+                    after.head_unvouched_hits - before.head_unvouched_hits,
+                    after.head_unmarked_hits - before.head_unmarked_hits,
+                ]
+            };
+            let (mut on_hot, mut on_cold, mut on_host) = (seq(3, &c), seq(3, &c), seq(3, &c));
+            let mut hot_logits = Vec::new();
+            let hot_counted = moved(&|| hot.cache_stats().unwrap(), &mut || {
+                let (reports, logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
+                assert_eq!(reports[0].cached, 48, "{name}");
+                hot_logits = logits;
+            });
+            let host_counted = moved(&|| host.cache_stats().unwrap(), &mut || {
+                prefill(&host, &[CONTEXT], &mut [&mut on_host]);
+            });
+            prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
+            assert_eq!(hot_counted, counted, "{name} continues {continues}");
+            assert_eq!(host_counted, counted, "{name} continues {continues}");
+            let next = argmax_rows(&hot_logits, vocab);
+            let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
+            let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
+            let host_drafts = draft(&host, &next, 3, &mut [&mut on_host]);
+            assert_eq!(hot_drafts, host_drafts, "{name} continues {continues}");
+            let (hot_kv, hot_state) = head_bits(&hot, &model, &plan, &mut on_hot);
+            let (cold_kv, cold_state) = head_bits(&cold, &model, &plan, &mut on_cold);
+            let differs: Vec<usize> = (0..hot_kv.len())
+                .filter(|&pos| hot_kv[pos] != cold_kv[pos])
+                .collect();
+            assert_eq!(differs, differ, "{name} continues {continues}");
+            assert!(hot_state == cold_state, "{name} continues {continues}");
+            if continues {
+                assert_eq!(hot_drafts, cold_drafts, "{name}");
+            }
+            release(&hot, &mut on_hot, true);
+            release(&cold, &mut on_cold, false);
+            release(&host, &mut on_host, true);
+            Box::new(hot).teardown().unwrap();
+            Box::new(cold).teardown().unwrap();
+        }
     }
 }
 
