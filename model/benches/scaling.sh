@@ -13,6 +13,11 @@
 # A thread count written `TjJ` (e.g. `2j1`) runs T threads with J jobs per thread and parallel
 # region (`--jobs-per-thread J`; the default is 8), to compare the split of the regions.
 #
+# For a ratio that the machine's drift between rounds hurts less, use the example's in-process
+# `--compare` (e.g. `throughput --compare 1,2,2x1 --rounds 15 --work prefill:2048,decode:32`:
+# the settings alternate over the same inputs in one process, with the median and quartiles of
+# the per-round ratios, and it checks that every setting gives the same logits bits).
+#
 # Run it on an idle machine (`uptime` load well under the core count): the per-core speed of a
 # shared machine varies by tens of percent between rounds, which interleaving and best-of only
 # partly absorb. Raw lines go to stderr, the table to stdout.

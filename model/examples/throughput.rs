@@ -21,6 +21,20 @@
 //!                      without the 128 x B prefill tokens first: for profilers)
 //!   --steps S          decode steps per measurement (default 32)
 //!   --repeat R         measurements per item; the best is reported (default 3)
+//!   --compare LIST     instead of one thread count, compare comma-separated settings in one
+//!                      process: `T` (T threads), `TjJ` (T threads, J jobs per thread), `Nx1`
+//!                      (N one-thread passes at once, each on its own copy of the inputs, rates
+//!                      added: what N cores give when nothing is shared but the machine, the
+//!                      ceiling of any N-thread split). Each round measures every item once per
+//!                      setting, back to back over the same inputs (the order reversed every
+//!                      other round), so the machine's drift in per-core speed hits all settings
+//!                      alike; the report gives each round's rates and load, then per item and
+//!                      setting the median rate and the per-round ratio to the first setting
+//!                      (median, quartiles, extremes). Every measurement's logits must be the
+//!                      first one's bits, or the run fails (so it also checks that the settings
+//!                      leave the output alone). `--threads`, `--jobs-per-thread` and
+//!                      `--repeat` are not used; `--regions` is refused
+//!   --rounds R         rounds of `--compare` (default 10)
 //!   --logits FILE      also write the last prefill's final-position logits (f32 little-endian),
 //!                      for a parity check against another implementation
 //!   --decode-logits FILE  also write every row's logits of the last decode step of the last
@@ -33,7 +47,12 @@
 //!                      repeats; `forward end` is the serial tail, its calls the forward calls)
 //! ```
 //!
-//! Output: one line per item, `prefill 2048 tok/s 1234.5` or `decode 32 tok/s 567.8`.
+//! Every measurement of an item starts from the same state, built once (a `decode:B` item's
+//! prompts are prefilled then, untimed).
+//!
+//! Output: one line per item, `prefill 2048 tok/s 1234.5` or `decode 32 tok/s 567.8`; with
+//! `--compare 1,2`, lines `round 3 prefill 2048 1 901.2 2 1650.3 load 0.52`, then
+//! `median prefill 2048 2 tok/s 1640.1 ratio 1.812 iqr 1.790-1.830 min 1.700 max 1.880 rounds 10`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -65,6 +84,8 @@ struct Args {
     logits: Option<PathBuf>,
     decode_logits: Option<PathBuf>,
     regions: bool,
+    compare: Option<Vec<String>>,
+    rounds: usize,
 }
 
 fn parse_work(text: &str) -> Result<Vec<Item>, String> {
@@ -104,6 +125,8 @@ fn parse_args() -> Result<Args, String> {
         logits: None,
         decode_logits: None,
         regions: false,
+        compare: None,
+        rounds: 10,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -125,12 +148,17 @@ fn parse_args() -> Result<Args, String> {
             "--repeat" => args.repeat = count(value()?)?,
             "--logits" => args.logits = Some(PathBuf::from(value()?)),
             "--decode-logits" => args.decode_logits = Some(PathBuf::from(value()?)),
+            "--compare" => args.compare = Some(value()?.split(',').map(str::to_string).collect()),
+            "--rounds" => args.rounds = count(value()?)?,
             "--regions" if cfg!(feature = "region-timing") => args.regions = true,
             "--regions" => {
                 return Err("--regions needs the build's `--features region-timing`".into())
             }
             other => return Err(format!("unknown option {other:?}")),
         }
+    }
+    if args.compare.is_some() && args.regions {
+        return Err("--regions times one setting: it does not go with --compare".into());
     }
     Ok(args)
 }
@@ -142,72 +170,56 @@ fn prompt(len: usize, seed: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn prefill_rate(model: &Model, scratch: &mut Scratch, n: usize, logits: &mut Vec<f32>) -> f64 {
-    let config = model.config();
-    let blocks = n.div_ceil(BLOCK_SIZE);
-    let mut kv = KvPool::new(config, blocks, BLOCK_SIZE).expect("pool");
-    let mut states = MambaStates::new(config, 1).expect("states");
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let tokens = prompt(n, 0, config.vocab_size);
-    let row = PrefillRow {
-        tokens: &tokens,
-        start_pos: 0,
-        blocks: &table,
-        slot: 0,
-    };
-    discard_regions();
-    let started = Instant::now();
-    model
-        .prefill(scratch, &mut kv, &mut states, row, false, logits)
-        .expect("prefill");
-    n as f64 / started.elapsed().as_secs_f64()
+/// The inputs of one item, built once: every measurement starts from a copy of its KV cache and
+/// Mamba state, so each one does the same work from the same state (and gives the same bits).
+struct Prepared {
+    item: Item,
+    kv: KvPool,
+    states: MambaStates,
+    /// Each sequence's block table (one for a prefill or chunk).
+    tables: Vec<Vec<u32>>,
+    /// The prompt of a prefill or chunk; each sequence's first decode token of a decode or step.
+    tokens: Vec<u32>,
+    steps: usize,
 }
 
-/// Tokens per second of one `CHUNK`-token prefill chunk at positions `start..start + CHUNK`, the
-/// earlier positions' keys and values and the Mamba state being zeros.
-fn chunk_rate(model: &Model, scratch: &mut Scratch, start: usize, logits: &mut Vec<f32>) -> f64 {
-    let config = model.config();
-    let blocks = (start + CHUNK).div_ceil(BLOCK_SIZE);
-    let mut kv = KvPool::new(config, blocks, BLOCK_SIZE).expect("pool");
-    let mut states = MambaStates::new(config, 1).expect("states");
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let tokens = prompt(CHUNK, 0, config.vocab_size);
-    let row = PrefillRow {
-        tokens: &tokens,
-        start_pos: start,
-        blocks: &table,
-        slot: 0,
-    };
-    discard_regions();
-    let started = Instant::now();
-    model
-        .prefill(scratch, &mut kv, &mut states, row, false, logits)
-        .expect("prefill");
-    CHUNK as f64 / started.elapsed().as_secs_f64()
-}
-
-/// Tokens per second of `steps` greedy decode steps of `batch` sequences at positions 128 on; each
-/// sequence's 128 prompt tokens are prefilled first when `warm`, else the steps run over a zeroed
-/// KV cache and Mamba state from the prompt's last token. `last` receives the last step's logits.
-fn decode_rate(
+/// The state `item` starts from: an empty KV cache and Mamba state, but for `decode:B`, whose
+/// sequences' 128-token prompts are prefilled here (untimed) on `scratch`.
+fn prepare(
     model: &Model,
     scratch: &mut Scratch,
-    (batch, steps): (usize, usize),
-    warm: bool,
-    last: &mut Vec<f32>,
-) -> f64 {
+    item: Item,
+    steps: usize,
+) -> Result<Prepared, String> {
     let config = model.config();
+    let vocab = config.vocab_size;
+    let error = |e: model::ModelError| e.to_string();
+    let single = |blocks: usize, tokens: Vec<u32>| -> Result<Prepared, String> {
+        Ok(Prepared {
+            item,
+            kv: KvPool::new(config, blocks, BLOCK_SIZE).map_err(error)?,
+            states: MambaStates::new(config, 1).map_err(error)?,
+            tables: vec![(0..blocks as u32).collect()],
+            tokens,
+            steps,
+        })
+    };
+    let batch = match item {
+        Item::Prefill(n) => return single(n.div_ceil(BLOCK_SIZE), prompt(n, 0, vocab)),
+        Item::Chunk(s) => return single((s + CHUNK).div_ceil(BLOCK_SIZE), prompt(CHUNK, 0, vocab)),
+        Item::Decode(b) | Item::Step(b) => b,
+    };
     let per_seq = (DECODE_CONTEXT + steps).div_ceil(BLOCK_SIZE);
-    let mut kv = KvPool::new(config, batch * per_seq, BLOCK_SIZE).expect("pool");
-    let mut states = MambaStates::new(config, batch).expect("states");
+    let mut kv = KvPool::new(config, batch * per_seq, BLOCK_SIZE).map_err(error)?;
+    let mut states = MambaStates::new(config, batch).map_err(error)?;
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
     let mut logits = Vec::new();
     let mut next = Vec::with_capacity(batch);
     for (slot, table) in tables.iter().enumerate() {
-        let tokens = prompt(DECODE_CONTEXT, slot + 1, config.vocab_size);
-        if !warm {
+        let tokens = prompt(DECODE_CONTEXT, slot + 1, vocab);
+        if matches!(item, Item::Step(_)) {
             next.push(tokens[DECODE_CONTEXT - 1]);
             continue;
         }
@@ -219,14 +231,67 @@ fn decode_rate(
         };
         model
             .prefill(scratch, &mut kv, &mut states, row, false, &mut logits)
-            .expect("prefill");
+            .map_err(error)?;
         next.push(model::parity::argmax(&logits));
     }
-    let vocab = config.vocab_size;
+    Ok(Prepared {
+        item,
+        kv,
+        states,
+        tables,
+        tokens: next,
+        steps,
+    })
+}
+
+/// One timed measurement of `prepared`'s item on `scratch`, in tokens per second: the prefill
+/// of its prompt (`logits`: the last position's), or its `steps` greedy decode steps (`logits`:
+/// every row's logits of the last step).
+fn measure(
+    model: &Model,
+    scratch: &mut Scratch,
+    prepared: &Prepared,
+    logits: &mut Vec<f32>,
+) -> Result<f64, String> {
+    let error = |e: model::ModelError| e.to_string();
+    let mut kv = prepared.kv.clone();
+    let mut states = prepared.states.clone();
+    let start_pos = match prepared.item {
+        Item::Chunk(s) => s,
+        Item::Prefill(_) => 0,
+        Item::Decode(_) | Item::Step(_) => {
+            return decode_steps(model, scratch, prepared, (&mut kv, &mut states), logits);
+        }
+    };
+    let row = PrefillRow {
+        tokens: &prepared.tokens,
+        start_pos,
+        blocks: &prepared.tables[0],
+        slot: 0,
+    };
     discard_regions();
     let started = Instant::now();
-    for step in 0..steps {
-        let rows: Vec<DecodeRow<'_>> = tables
+    model
+        .prefill(scratch, &mut kv, &mut states, row, false, logits)
+        .map_err(error)?;
+    Ok(prepared.tokens.len() as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The decode steps of [`measure`], at positions 128 on.
+fn decode_steps(
+    model: &Model,
+    scratch: &mut Scratch,
+    prepared: &Prepared,
+    (kv, states): (&mut KvPool, &mut MambaStates),
+    last: &mut Vec<f32>,
+) -> Result<f64, String> {
+    let vocab = model.config().vocab_size;
+    let mut next = prepared.tokens.clone();
+    discard_regions();
+    let started = Instant::now();
+    for step in 0..prepared.steps {
+        let rows: Vec<DecodeRow<'_>> = prepared
+            .tables
             .iter()
             .enumerate()
             .map(|(slot, table)| DecodeRow {
@@ -237,15 +302,13 @@ fn decode_rate(
             })
             .collect();
         model
-            .decode(scratch, &mut kv, &mut states, &rows, &mut logits)
-            .expect("decode");
+            .decode(scratch, kv, states, &rows, last)
+            .map_err(|e| e.to_string())?;
         for (slot, token) in next.iter_mut().enumerate() {
-            *token = model::parity::argmax(&logits[slot * vocab..(slot + 1) * vocab]);
+            *token = model::parity::argmax(&last[slot * vocab..(slot + 1) * vocab]);
         }
     }
-    let rate = (batch * steps) as f64 / started.elapsed().as_secs_f64();
-    *last = logits;
-    rate
+    Ok((next.len() * prepared.steps) as f64 / started.elapsed().as_secs_f64())
 }
 
 /// Region totals of one item (all its repeats), by site and shape.
@@ -314,6 +377,18 @@ fn print_regions(item: &str, regions: &Regions, threads: usize) {
     let _ = (item, regions, threads);
 }
 
+impl Item {
+    /// `prefill 2048`: how a report line names the item.
+    fn label(self) -> String {
+        match self {
+            Item::Prefill(n) => format!("prefill {n}"),
+            Item::Decode(b) => format!("decode {b}"),
+            Item::Chunk(s) => format!("chunk {s}"),
+            Item::Step(b) => format!("step {b}"),
+        }
+    }
+}
+
 fn run() -> Result<(), String> {
     let args = parse_args()?;
     let model = match &args.model {
@@ -325,55 +400,27 @@ fn run() -> Result<(), String> {
         println!("saved {}", dir.display());
         return Ok(());
     }
-    let mut scratch =
-        Scratch::with_threads(model.config(), args.threads).map_err(|e| e.to_string())?;
-    if let Some(jobs) = args.jobs_per_thread {
-        scratch
-            .set_jobs_per_thread(jobs)
-            .map_err(|e| e.to_string())?;
+    if let Some(settings) = &args.compare {
+        return compare(&model, &args, settings);
     }
+    let mut scratch = scratch_for(&model, args.threads, args.jobs_per_thread)?;
     let mut logits = Vec::new();
     let mut decode_logits = Vec::new();
-    for item in &args.work {
+    for &item in &args.work {
+        let prepared = prepare(&model, &mut scratch, item, args.steps)?;
+        let out = match item {
+            Item::Prefill(_) | Item::Chunk(_) => &mut logits,
+            Item::Decode(_) | Item::Step(_) => &mut decode_logits,
+        };
         let mut regions = Vec::new();
-        let best = (0..args.repeat)
-            .map(|_| {
-                let rate = match *item {
-                    Item::Prefill(n) => prefill_rate(&model, &mut scratch, n, &mut logits),
-                    Item::Decode(b) => decode_rate(
-                        &model,
-                        &mut scratch,
-                        (b, args.steps),
-                        true,
-                        &mut decode_logits,
-                    ),
-                    Item::Step(b) => decode_rate(
-                        &model,
-                        &mut scratch,
-                        (b, args.steps),
-                        false,
-                        &mut decode_logits,
-                    ),
-                    Item::Chunk(s) => chunk_rate(&model, &mut scratch, s, &mut logits),
-                };
-                keep_regions(&mut regions);
-                rate
-            })
-            .fold(0.0f64, f64::max);
-        match item {
-            Item::Prefill(n) => println!("prefill {n} tok/s {best:.1}"),
-            Item::Decode(b) => println!("decode {b} tok/s {best:.1}"),
-            Item::Chunk(s) => println!("chunk {s} tok/s {best:.1}"),
-            Item::Step(b) => println!("step {b} tok/s {best:.1}"),
+        let mut best = 0.0f64;
+        for _ in 0..args.repeat {
+            best = best.max(measure(&model, &mut scratch, &prepared, out)?);
+            keep_regions(&mut regions);
         }
+        println!("{} tok/s {best:.1}", item.label());
         if args.regions {
-            let name = match item {
-                Item::Prefill(n) => format!("prefill:{n}"),
-                Item::Decode(b) => format!("decode:{b}"),
-                Item::Chunk(s) => format!("chunk:{s}"),
-                Item::Step(b) => format!("step:{b}"),
-            };
-            print_regions(&name, &regions, args.threads);
+            print_regions(&item.label().replace(' ', ":"), &regions, args.threads);
         }
     }
     for (path, values) in [
@@ -386,6 +433,193 @@ fn run() -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A scratch on `threads` threads, cut into `jobs` jobs per thread when given.
+fn scratch_for(model: &Model, threads: usize, jobs: Option<usize>) -> Result<Scratch, String> {
+    let mut scratch = Scratch::with_threads(model.config(), threads).map_err(|e| e.to_string())?;
+    if let Some(jobs) = jobs {
+        scratch
+            .set_jobs_per_thread(jobs)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(scratch)
+}
+
+/// One setting of `--compare`: its name as given, and the scratches it runs on (one, or one
+/// per process-like pass for `Nx1`).
+struct Contender {
+    name: String,
+    scratches: Vec<Scratch>,
+}
+
+/// Parses `T`, `TjJ` or `Nx1` (see `--compare`).
+fn contender(model: &Model, name: &str) -> Result<Contender, String> {
+    let number = |text: &str| -> Result<usize, String> {
+        match text.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!(
+                "--compare setting {name:?}: expected T, TjJ or Nx1 with counts of at least 1"
+            )),
+        }
+    };
+    let scratches = if let Some(apart) = name.strip_suffix("x1") {
+        (0..number(apart)?)
+            .map(|_| scratch_for(model, 1, None))
+            .collect::<Result<_, _>>()?
+    } else if let Some((threads, jobs)) = name.split_once('j') {
+        vec![scratch_for(model, number(threads)?, Some(number(jobs)?))?]
+    } else {
+        vec![scratch_for(model, number(name)?, None)?]
+    };
+    Ok(Contender {
+        name: name.to_string(),
+        scratches,
+    })
+}
+
+/// One measurement of `prepared` by `contender`: its scratches' passes run at the same time
+/// (one OS thread each), and their rates add up. Each pass's logits must be `expected`'s bits
+/// (the first measurement of the item sets them).
+fn measure_contender(
+    model: &Model,
+    contender: &mut Contender,
+    prepared: &Prepared,
+    expected: &mut Option<Vec<f32>>,
+) -> Result<f64, String> {
+    let outcomes: Vec<Result<(f64, Vec<f32>), String>> = if contender.scratches.len() == 1 {
+        let mut logits = Vec::new();
+        let rate = measure(model, &mut contender.scratches[0], prepared, &mut logits);
+        vec![rate.map(|rate| (rate, logits))]
+    } else {
+        let barrier = std::sync::Barrier::new(contender.scratches.len());
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = contender
+                .scratches
+                .iter_mut()
+                .map(|scratch| {
+                    let barrier = &barrier;
+                    scope.spawn(move || {
+                        let mut logits = Vec::new();
+                        barrier.wait();
+                        measure(model, scratch, prepared, &mut logits).map(|rate| (rate, logits))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a pass panicked".into())))
+                .collect()
+        })
+    };
+    let mut total = 0.0;
+    for outcome in outcomes {
+        let (rate, logits) = outcome?;
+        match expected {
+            None => *expected = Some(logits),
+            Some(bits) => {
+                let same = bits.len() == logits.len()
+                    && bits
+                        .iter()
+                        .zip(&logits)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                if !same {
+                    return Err(format!(
+                        "{}: the logits of setting {} differ from the first measurement's bits",
+                        prepared.item.label(),
+                        contender.name
+                    ));
+                }
+            }
+        }
+        total += rate;
+    }
+    Ok(total)
+}
+
+/// `--compare`: every round measures each item once per setting, back to back (the order
+/// reversed every other round), so a drift of the machine's speed hits all settings alike;
+/// then per item and setting the median rate, and the per-round ratio to the first setting
+/// (median, quartiles, extremes).
+fn compare(model: &Model, args: &Args, names: &[String]) -> Result<(), String> {
+    let mut contenders = names
+        .iter()
+        .map(|name| contender(model, name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut setup = Scratch::new(model.config());
+    let prepared = args
+        .work
+        .iter()
+        .map(|&item| prepare(model, &mut setup, item, args.steps))
+        .collect::<Result<Vec<_>, _>>()?;
+    // rates[item][setting][round]
+    let mut rates = vec![vec![Vec::with_capacity(args.rounds); names.len()]; prepared.len()];
+    let mut expected = vec![None; prepared.len()];
+    for round in 1..=args.rounds {
+        let mut order: Vec<usize> = (0..names.len()).collect();
+        if round % 2 == 0 {
+            order.reverse();
+        }
+        for (i, prepared) in prepared.iter().enumerate() {
+            for &c in &order {
+                let rate =
+                    measure_contender(model, &mut contenders[c], prepared, &mut expected[i])?;
+                rates[i][c].push(rate);
+            }
+            print!("round {round} {}", prepared.item.label());
+            for (c, name) in names.iter().enumerate() {
+                print!(" {name} {:.1}", rates[i][c][round - 1]);
+            }
+            println!(" load {}", load());
+        }
+    }
+    for (i, prepared) in prepared.iter().enumerate() {
+        for (c, name) in names.iter().enumerate() {
+            let mut own = rates[i][c].clone();
+            print!(
+                "median {} {name} tok/s {:.1}",
+                prepared.item.label(),
+                quantile(&mut own, 0.5)
+            );
+            if c > 0 {
+                let mut ratios: Vec<f64> = rates[i][c]
+                    .iter()
+                    .zip(&rates[i][0])
+                    .map(|(r, base)| r / base)
+                    .collect();
+                print!(
+                    " ratio {:.3} iqr {:.3}-{:.3} min {:.3} max {:.3}",
+                    quantile(&mut ratios, 0.5),
+                    quantile(&mut ratios, 0.25),
+                    quantile(&mut ratios, 0.75),
+                    quantile(&mut ratios, 0.0),
+                    quantile(&mut ratios, 1.0)
+                );
+            }
+            println!(" rounds {}", args.rounds);
+        }
+    }
+    println!("bits equal in every measurement");
+    Ok(())
+}
+
+/// The `p` quantile of `values` (linear between the two nearest ranks).
+fn quantile(values: &mut [f64], p: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let Some(last) = values.len().checked_sub(1) else {
+        return f64::NAN;
+    };
+    let at = p * last as f64;
+    let (low, high) = (at.floor() as usize, at.ceil() as usize);
+    values[low] + (values[high] - values[low]) * (at - low as f64)
+}
+
+/// The one-minute load average, or `-` where the system does not say.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "-".into())
 }
 
 fn main() -> ExitCode {
