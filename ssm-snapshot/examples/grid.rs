@@ -23,8 +23,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    families, held_out, other_session_counts, run_cell_with, run_references, trace_of, CellFigures,
-    Family, References, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
+    families, held_out, other_session_counts, parse_byte_count, read_figures, run_cell_with,
+    run_references, trace_of, write_figures, CellFigures, Family, References, CAPACITIES,
+    LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
 };
 use ssm_snapshot::CostModel;
 
@@ -51,15 +52,7 @@ struct Args {
 
 /// A byte count: an integer or exact scientific notation (`2e10`).
 fn byte_count(text: &str) -> Result<u64, String> {
-    text.parse::<u64>()
-        .ok()
-        .or_else(|| {
-            text.parse::<f64>()
-                .ok()
-                .filter(|v| v.fract() == 0.0 && *v >= 1.0 && *v < 1.8e19)
-                .map(|v| v as u64)
-        })
-        .ok_or_else(|| format!("`{text}` is not a byte count"))
+    parse_byte_count(text).ok_or_else(|| format!("`{text}` is not a byte count"))
 }
 
 struct Row {
@@ -110,24 +103,13 @@ fn main() -> ExitCode {
     let cells: Vec<(usize, u64)> = (0..traces.len())
         .flat_map(|t| capacities.iter().map(move |&c| (t, c)))
         .collect();
-    let known: HashMap<String, References> = match &args.references {
-        Some(path) if path.exists() => {
-            let text = match std::fs::read_to_string(path) {
-                Ok(text) => text,
-                Err(e) => {
-                    eprintln!("error: {}: {e}", path.display());
-                    return ExitCode::FAILURE;
-                }
-            };
-            match serde_json::from_str(&text) {
-                Ok(map) => map,
-                Err(e) => {
-                    eprintln!("error: {}: {e}", path.display());
-                    return ExitCode::FAILURE;
-                }
-            }
+    let known: HashMap<String, References> = match args.references.as_deref().map(read_figures) {
+        Some(Ok(map)) => map,
+        Some(Err(e)) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
         }
-        _ => HashMap::new(),
+        None => HashMap::new(),
     };
     let known = Mutex::new(known);
     let next = AtomicUsize::new(0);
@@ -177,9 +159,8 @@ fn main() -> ExitCode {
     }
     if let Some(path) = &args.references {
         let map = known.into_inner().expect("no panics");
-        let text = serde_json::to_string_pretty(&map).expect("figures serialise");
-        if let Err(e) = std::fs::write(path, text) {
-            eprintln!("error: {}: {e}", path.display());
+        if let Err(e) = write_figures(path, &map) {
+            eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     }

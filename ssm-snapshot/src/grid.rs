@@ -6,6 +6,10 @@
 //! The `grid` example runs the full grid (the report in the crate's MEASUREMENTS.md); the
 //! crate's tests run a small one.
 
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::CostModel;
@@ -112,6 +116,43 @@ pub const CAPACITIES: &[u64] = &[
     20_000_000_000,
     40_000_000_000,
 ];
+
+/// A byte count as the examples take it: an integer or exact scientific notation (`2e10`).
+pub fn parse_byte_count(text: &str) -> Option<u64> {
+    text.parse::<u64>().ok().or_else(|| {
+        text.parse::<f64>()
+            .ok()
+            .filter(|v| v.fract() == 0.0 && *v >= 1.0 && *v < 1.8e19)
+            .map(|v| v as u64)
+    })
+}
+
+/// Reads a JSON file of figures by cell name (the examples' caches of the reference policies,
+/// which do not depend on the `marconi` policy); a file that does not exist is an empty cache.
+pub fn read_figures<T: DeserializeOwned>(path: &Path) -> Result<HashMap<String, T>, SnapshotError> {
+    if !path.exists() {
+        return Ok(HashMap::new());
+    }
+    let io = |message: String| SnapshotError::Io {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| io(e.to_string()))
+}
+
+/// Writes `figures` to `path` as JSON (read back by [`read_figures`]).
+pub fn write_figures<T: Serialize>(
+    path: &Path,
+    figures: &HashMap<String, T>,
+) -> Result<(), SnapshotError> {
+    let io = |message: String| SnapshotError::Io {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = serde_json::to_string_pretty(figures).map_err(|e| io(e.to_string()))?;
+    std::fs::write(path, text).map_err(|e| io(e.to_string()))
+}
 
 /// One cell's figures: the references and the default `marconi` policy.
 #[derive(Debug, Clone, PartialEq)]
@@ -287,4 +328,77 @@ pub fn held_out(family: Family, seed: u64, capacity_bytes: u64) -> bool {
         && TUNING_FAMILIES.contains(&family.name)
         && TUNING_SEEDS.contains(&seed)
         && TUNING_CAPACITIES.contains(&capacity_bytes))
+}
+
+/// The families of the short-trace scan (`examples/short_grid.rs`): the full grid's generators
+/// with few sessions, at the engine's block size, where a trace is a few hundred requests and
+/// ends with its sessions draining (the regime of the crate's test and of the engine).
+pub const SHORT_KINDS: &[(&str, TraceKind)] = &[
+    ("sharegpt", TraceKind::ShareGpt),
+    ("longchat", TraceKind::LongChat),
+    ("chat", TraceKind::Chat),
+    ("mix", TraceKind::Mix),
+    ("agentic", TraceKind::Agentic),
+];
+/// Session counts of the short-trace scan.
+pub const SHORT_SESSIONS: &[usize] = &[20, 30, 40, 60];
+/// Capacities of the short-trace scan, in bytes.
+pub const SHORT_CAPACITIES: &[u64] = &[500_000_000, 1_000_000_000, 2_000_000_000];
+/// The engine's block size, at which the short-trace scan runs.
+pub const SHORT_BLOCK_SIZE: u32 = 16;
+/// Seeds of the short-trace scan the policy was tuned on; seeds 7 and 8 are held out.
+pub const SHORT_TUNING_SEEDS: &[u64] = &[1, 2, 3, 4, 5, 6];
+
+/// One short-trace cell: `lru` against the default `marconi` at one block size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShortCell {
+    /// The store's `lru` policy: token hit rate.
+    pub lru: f64,
+    /// The default `marconi` policy: token hit rate.
+    pub marconi: f64,
+    /// The most bytes `marconi` held after any call (at most the capacity).
+    pub marconi_max_bytes: u64,
+    /// Requests in the trace.
+    pub requests: usize,
+    /// `(request count, setting)` for every switch the tuner made.
+    pub switches: Vec<(usize, crate::tuning::Setting)>,
+}
+
+/// `marconi` on `trace` at `capacity_bytes` and `block_size` (its `lru` figure given, or run
+/// when `None`), with the switches its tuner made.
+pub fn run_short_cell(
+    trace: &[TraceRecord],
+    capacity_bytes: u64,
+    block_size: u32,
+    lru: Option<f64>,
+    cost: &CostModel,
+) -> Result<ShortCell, SnapshotError> {
+    let lru = match lru {
+        Some(lru) => lru,
+        None => {
+            run_store(
+                SimConfig::new(Policy::Lru, capacity_bytes, block_size, cost.clone()),
+                trace,
+            )?
+            .token_hit_rate
+        }
+    };
+    let mut sim = Simulation::new(SimConfig::new(
+        Policy::Marconi,
+        capacity_bytes,
+        block_size,
+        cost.clone(),
+    ))?;
+    for record in trace {
+        sim.step(record)?;
+    }
+    let switches = sim.tuner().history().to_vec();
+    let report = sim.finish()?;
+    Ok(ShortCell {
+        lru,
+        marconi: report.token_hit_rate,
+        marconi_max_bytes: report.max_bytes,
+        requests: trace.len(),
+        switches,
+    })
 }

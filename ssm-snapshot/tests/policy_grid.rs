@@ -13,8 +13,8 @@
 //! agentic (12 sessions, seed 2) at 1 GB, 0.4406 against 0.4582.
 #![forbid(unsafe_code)]
 
-use ssm_snapshot::grid::{run_store, LRU_TOLERANCE};
-use ssm_snapshot::sim::{generate, Policy, SimConfig, TraceKind};
+use ssm_snapshot::grid::{run_short_cell, LRU_TOLERANCE};
+use ssm_snapshot::sim::{generate, TraceKind};
 use ssm_snapshot::CostModel;
 
 const BLOCK: u32 = 16;
@@ -24,18 +24,12 @@ const BLOCK: u32 = 16;
 fn cell(kind: TraceKind, sessions: usize, seed: u64, capacity: u64) -> (f64, f64) {
     let trace = generate(kind, sessions, seed);
     let cost = CostModel::nvidia_hybrid_7b();
-    let lru = run_store(
-        SimConfig::new(Policy::Lru, capacity, BLOCK, cost.clone()),
-        &trace,
-    )
-    .expect("lru replays");
-    let marconi = run_store(
-        SimConfig::new(Policy::Marconi, capacity, BLOCK, cost),
-        &trace,
-    )
-    .expect("marconi replays");
-    assert!(marconi.max_bytes <= capacity, "{kind:?} {seed} {capacity}");
-    (lru.token_hit_rate, marconi.token_hit_rate)
+    let figures = run_short_cell(&trace, capacity, BLOCK, None, &cost).expect("replays");
+    assert!(
+        figures.marconi_max_bytes <= capacity,
+        "{kind:?} {seed} {capacity}"
+    );
+    (figures.lru, figures.marconi)
 }
 
 #[test]

@@ -1,0 +1,215 @@
+//! The short-trace scan: the full grid's generators with few sessions (a few hundred requests
+//! each, ending as their sessions drain) at the engine's block size, `lru` against the default
+//! `marconi` on every cell, with the switches the tuner made. One markdown row per cell and a
+//! summary per family; exits with status 2 when `marconi` falls below `lru` by more than
+//! [`LRU_TOLERANCE`] on any cell.
+//!
+//! ```text
+//! cargo run --release -p ssm-snapshot --example short_grid -- [--threads N]
+//!     [--families sharegpt,longchat,chat,mix,agentic] [--sessions 20,30,40,60]
+//!     [--seeds 1,2,3,4,5,6] [--capacities 5e8,1e9,2e9] [--block-size 16] [--lru FILE.json]
+//! ```
+//!
+//! The default seeds are the ones the policy was tuned on ([`SHORT_TUNING_SEEDS`]); seeds 7
+//! and 8 are held out.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use clap::Parser;
+use ssm_snapshot::grid::{
+    parse_byte_count, read_figures, run_short_cell, write_figures, ShortCell, LRU_TOLERANCE,
+    SHORT_BLOCK_SIZE, SHORT_CAPACITIES, SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
+};
+use ssm_snapshot::sim::generate;
+use ssm_snapshot::CostModel;
+
+/// Runs the short-trace scan and prints the report.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Families (default: all five).
+    #[arg(long, value_delimiter = ',')]
+    families: Vec<String>,
+    /// Sessions per trace.
+    #[arg(long, value_delimiter = ',', default_values_t = SHORT_SESSIONS.to_vec())]
+    sessions: Vec<usize>,
+    /// Cells replayed at once, one per thread.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Seeds (default: the tuning seeds, 1-6).
+    #[arg(long, value_delimiter = ',', default_values_t = SHORT_TUNING_SEEDS.to_vec())]
+    seeds: Vec<u64>,
+    /// Capacities in bytes (`5e8` accepted).
+    #[arg(long, value_delimiter = ',', value_parser = byte_count,
+          default_values_t = SHORT_CAPACITIES.to_vec())]
+    capacities: Vec<u64>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = SHORT_BLOCK_SIZE)]
+    block_size: u32,
+    /// A JSON file of `lru` figures (which do not depend on the `marconi` policy): cells found
+    /// there are not rerun, new ones are added.
+    #[arg(long)]
+    lru: Option<std::path::PathBuf>,
+}
+
+fn byte_count(text: &str) -> Result<u64, String> {
+    parse_byte_count(text).ok_or_else(|| format!("`{text}` is not a byte count"))
+}
+
+struct Cell {
+    family: &'static str,
+    sessions: usize,
+    seed: u64,
+    capacity: u64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let mut kinds = Vec::new();
+    for name in &args.families {
+        match SHORT_KINDS.iter().find(|(n, _)| n == name) {
+            Some(&kind) => kinds.push(kind),
+            None => {
+                let names: Vec<&str> = SHORT_KINDS.iter().map(|(n, _)| *n).collect();
+                eprintln!("error: unknown family `{name}` (expected one of {names:?})");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if kinds.is_empty() {
+        kinds = SHORT_KINDS.to_vec();
+    }
+    if args.threads == 0 || args.block_size == 0 {
+        eprintln!("error: --threads and --block-size must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let mut cells = Vec::new();
+    for &(family, _) in &kinds {
+        for &sessions in &args.sessions {
+            for &seed in &args.seeds {
+                for &capacity in &args.capacities {
+                    cells.push(Cell {
+                        family,
+                        sessions,
+                        seed,
+                        capacity,
+                    });
+                }
+            }
+        }
+    }
+    let known: HashMap<String, f64> = match args.lru.as_deref().map(read_figures) {
+        Some(Ok(map)) => map,
+        Some(Err(e)) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+        None => HashMap::new(),
+    };
+    let key = |c: &Cell| {
+        format!(
+            "{}/{}/{}/{}/{}",
+            c.family, c.sessions, c.seed, c.capacity, args.block_size
+        )
+    };
+    let known = Mutex::new(known);
+    let next = AtomicUsize::new(0);
+    let results = Mutex::new(Vec::new());
+    let failed = Mutex::new(None);
+    let cost = CostModel::nvidia_hybrid_7b();
+    std::thread::scope(|scope| {
+        for _ in 0..args.threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(cell) = cells.get(i) else {
+                    break;
+                };
+                let kind = kinds.iter().find(|(n, _)| *n == cell.family).map(|k| k.1);
+                let trace = generate(kind.expect("chosen above"), cell.sessions, cell.seed);
+                let lru = known.lock().expect("no panics").get(&key(cell)).copied();
+                match run_short_cell(&trace, cell.capacity, args.block_size, lru, &cost) {
+                    Ok(figures) => {
+                        known
+                            .lock()
+                            .expect("no panics")
+                            .insert(key(cell), figures.lru);
+                        eprintln!("{}", row(cell, &figures));
+                        results.lock().expect("no panics").push((i, figures));
+                    }
+                    Err(e) => {
+                        *failed.lock().expect("no panics") = Some(format!("{}: {e}", key(cell)))
+                    }
+                }
+            });
+        }
+    });
+    // The lru figures are saved even when a cell failed: they are right either way.
+    let saved = args.lru.as_deref().map_or(Ok(()), |path| {
+        write_figures(path, &known.into_inner().expect("no panics"))
+    });
+    let failed = failed.into_inner().expect("no panics");
+    if let Some(message) = failed.or(saved.err().map(|e| e.to_string())) {
+        eprintln!("error: {message}");
+        return ExitCode::FAILURE;
+    }
+    let mut results = results.into_inner().expect("no panics");
+    results.sort_by_key(|(i, _)| *i);
+    println!("| family | sessions | seed | capacity | requests | lru | **marconi** | − lru | switches (request: α, recency, FLOP basis, guard) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (i, figures) in &results {
+        println!("{}", row(&cells[*i], figures));
+    }
+    println!();
+    let mut failing = false;
+    for &(family, _) in kinds.iter().chain([&("all", kinds[0].1)]) {
+        let part: Vec<&ShortCell> = results
+            .iter()
+            .filter(|(i, _)| family == "all" || cells[*i].family == family)
+            .map(|(_, f)| f)
+            .collect();
+        let diff = |f: &ShortCell| f.marconi - f.lru;
+        let below = part.iter().filter(|f| diff(f) < -LRU_TOLERANCE).count();
+        let above = part.iter().filter(|f| diff(f) > LRU_TOLERANCE).count();
+        let mean = part.iter().map(|f| diff(f)).sum::<f64>() / part.len().max(1) as f64;
+        let worst = part.iter().map(|f| diff(f)).fold(f64::INFINITY, f64::min);
+        println!(
+            "{family}: {} cells, {below} below lru by > {LRU_TOLERANCE}, {above} above by > {LRU_TOLERANCE}; mean {mean:+.4}, worst {worst:+.4}",
+            part.len()
+        );
+        failing |= below > 0;
+    }
+    if failing {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn row(cell: &Cell, f: &ShortCell) -> String {
+    let switches: Vec<String> = f
+        .switches
+        .iter()
+        .map(|(at, s)| {
+            let guard = if s.guard { ", guard" } else { "" };
+            format!(
+                "{at}: {} {:?} {:?}{guard}",
+                s.alpha, s.recency, s.flop_basis
+            )
+        })
+        .collect();
+    format!(
+        "| {} | {} | {} | {} GB | {} | {:.4} | {:.4} | {:+.4} | {} |",
+        cell.family,
+        cell.sessions,
+        cell.seed,
+        cell.capacity as f64 / 1e9,
+        f.requests,
+        f.lru,
+        f.marconi,
+        f.marconi - f.lru,
+        switches.join("; "),
+    )
+}
