@@ -108,8 +108,15 @@ pub(crate) fn prefill<'a>(
                     // A lagging run stores its last hidden state for the row's next run even
                     // where the head does not mark the checkpoint.
                     let stash = stash.filter(|&slot| {
-                        router_book::spec::prefill_checkpoint_head(track, book.cache, slot, stop)
-                            || lag
+                        let consumed_past = shape.head_lags && !lag;
+                        router_book::spec::prefill_checkpoint_head(
+                            track,
+                            book.cache,
+                            slot,
+                            seq,
+                            stop,
+                            consumed_past,
+                        ) || lag
                     });
                     let next = job.tokens.len()..job.tokens.len() + (head.known - head.from);
                     job.tokens
@@ -117,7 +124,10 @@ pub(crate) fn prefill<'a>(
                     MtpChunk {
                         next,
                         keep: (stop == seq.prompt_len).then_some(tenure),
-                        lead: lead.map(|lead| (lead.checkpoint.index(), start - lead.from)),
+                        // A mark that needs no rerun (`from == start`) leads with nothing.
+                        lead: lead
+                            .filter(|lead| lead.from < start)
+                            .map(|lead| (lead.checkpoint.index(), start - lead.from)),
                         stash: stash.map(|slot| slot.index()),
                     }
                 });

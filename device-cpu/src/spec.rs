@@ -32,10 +32,11 @@
 //! so the checkpoint holds its state before the rerun's position), and when the blocks the tree
 //! serves before the rerun hold head K/V their writers computed for this path
 //! (`router_book::Caches::head_vouched`; the tree may keep another sequence's blocks under a
-//! marked checkpoint). Elsewhere it is the head the cache served: on an unmarked checkpoint (for
-//! a head with Mamba layers, one where the row's prefill plan ended), on blocks not vouched for
-//! (the rerun still runs), and on the hash-chain cache of an attention-only model (no
-//! checkpoints). `CacheStats` counts the checkpoint hits of each kind. Only drafts depend on
+//! marked checkpoint; a head with Mamba layers whose prefill plan ended at the checkpoint is
+//! not rerun, and is a cold run's when the hit's token after the checkpoint is the one its mark
+//! names). Elsewhere it is the head the cache served: on an unmarked checkpoint, on a mark that
+//! does not vouch for the hit (the rerun still runs), and on the hash-chain cache of an
+//! attention-only model (no checkpoints). `CacheStats` counts the checkpoint hits of each kind. Only drafts depend on
 //! it, never a verified token.
 
 use device_io::{Readback, Result};

@@ -639,6 +639,8 @@ struct Turn {
     prompt: Vec<u32>,
     decode: usize,
     compare: bool,
+    /// The prefill's chunk (a plan per chunk).
+    chunk: usize,
 }
 
 /// What a compared turn's hit made of its head: the router's count
@@ -689,7 +691,7 @@ fn head_scenario(fixture: &str, turns: &[Turn]) -> Vec<HitOutcome> {
                 drafts_equal: hot_view.drafts == cold_view.drafts,
             });
         } else {
-            let (logits, _) = prefill(&hot, &mut s, 64);
+            let (logits, _) = prefill(&hot, &mut s, turn.chunk);
             common::generate(&hot, &mut s, logits, turn.decode);
         }
         release(&hot, &mut s, true);
@@ -702,6 +704,7 @@ fn turn(prompt: Vec<u32>, decode: usize, compare: bool) -> Turn {
         prompt,
         decode,
         compare,
+        chunk: 64,
     }
 }
 
@@ -800,5 +803,62 @@ fn the_mtp_head_after_a_hit_on_blocks_another_sequence_wrote_is_counted_as_it_is
             ],
             "{fixture}"
         );
+    }
+}
+
+/// A checkpoint where a row's prefill plan ends is marked on a head with Mamba layers too: the
+/// head consumed the position before it (it cannot lag into a plan that does not follow), so
+/// the mark names the token after the checkpoint instead of a rerun (`router_book::HeadMark::next`).
+/// A hit with that token there finds the head a cold run's (K/V, Mamba state and drafts); one
+/// with another token is counted as not vouched for. On the tiny fixture (an attention head) the
+/// mark is a rerun as anywhere, and both hits are a cold run's. Before, the alt fixture's
+/// checkpoint stayed unmarked: both hits counted unmarked, though the first was exact.
+#[test]
+fn a_mamba_heads_checkpoint_where_the_prefill_plan_ended_is_marked() {
+    use router_book::HeadHit::{Exact, Unvouched};
+    let z = common::tokens(5, 27);
+    // The first plan ends at the checkpoint at 24 (the last block boundary before the prompt's
+    // last token).
+    let cached = Turn {
+        chunk: 24,
+        ..turn(z.clone(), 0, false)
+    };
+    let same = concat(&z[..25], [60, 61]);
+    let other = concat(&z[..24], [(z[24] + 1) % 256, 62, 63]);
+    for fixture in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let mut outcomes = Vec::new();
+        for prompt in [&same, &other] {
+            let cached = Turn {
+                prompt: cached.prompt.clone(),
+                ..cached
+            };
+            outcomes.extend(head_scenario(
+                fixture,
+                &[cached, turn(prompt.clone(), 0, true)],
+            ));
+        }
+        let exact = || HitOutcome {
+            cached: 24,
+            counted: Some(Exact),
+            kv_differ: Vec::new(),
+            state_equal: true,
+            drafts_equal: true,
+        };
+        let expected = match fixture {
+            // The head consumed 23 with the caching sequence's token at 24: its K/V there, its
+            // Mamba state, and so the K/V of the positions after differ.
+            "nemotron-h-alt" => vec![
+                exact(),
+                HitOutcome {
+                    cached: 24,
+                    counted: Some(Unvouched),
+                    kv_differ: vec![23, 24, 25, 26],
+                    state_equal: false,
+                    drafts_equal: false,
+                },
+            ],
+            _ => vec![exact(), exact()],
+        };
+        assert_eq!(outcomes, expected, "{fixture}");
     }
 }

@@ -178,6 +178,8 @@ struct MtpBook<'a> {
     tracks: &'a mut std::collections::BTreeMap<u64, MtpTrack<u32>>,
     free_cells: &'a mut Vec<u32>,
     cache: &'a mut Caches,
+    /// The head has Mamba layers (`router_book::BookShape::head_lags`).
+    head_lags: bool,
 }
 
 /// Where a forward call's tokens come from.
@@ -286,17 +288,24 @@ fn prefill_work(
                     let track = book.tracks.entry(tenure).or_default();
                     known =
                         router_book::spec::prefill_head(track, seq, (start, stop), lead, lag).known;
-                    rerun = lead.map(|lead| Lead {
+                    // A mark that needs no rerun (`from == start`) leads with nothing.
+                    rerun = lead.filter(|lead| lead.from < start).map(|lead| Lead {
                         checkpoint: lead.checkpoint.index(),
                         from: lead.from,
                         next: tokens[lead.from + 1..start + 1].to_vec(),
                     });
                     // A lagging run stores its last hidden state for the row's next run even
                     // where the head does not mark the checkpoint.
+                    let consumed_past = book.head_lags && !lag;
                     stash_slot = stash
                         .filter(|&checkpoint| {
                             router_book::spec::prefill_checkpoint_head(
-                                track, book.cache, checkpoint, stop,
+                                track,
+                                book.cache,
+                                checkpoint,
+                                seq,
+                                stop,
+                                consumed_past,
                             ) || lag
                         })
                         .map(|checkpoint| checkpoint.index());
@@ -509,6 +518,7 @@ impl CudaRouter {
                     tracks: &mut inner.mtp,
                     free_cells: &mut inner.free_cells,
                     cache: &mut inner.cache,
+                    head_lags: shape.head_lags,
                 });
                 let work = prefill_work(plan.ops, rows, max_rows, book);
                 (

@@ -82,8 +82,10 @@ pub struct CacheStats {
     pub head_exact_hits: u64,
     /// Checkpoint hits on a marked checkpoint where a cached position before the rerun holds head
     /// K/V written for another path (its writer's next token differed) or never computed
-    /// exactly: the head reruns over the marked positions, but it is not a cold run's (drafts
-    /// may differ; the output never does), and the sequence marks none of its own checkpoints.
+    /// exactly, or whose mark needs no rerun but was made with another token at the checkpoint
+    /// ([`HeadMark::next`]): the head reruns over the marked positions, if any, but it is not a
+    /// cold run's (drafts may differ; the output never does), and the sequence marks none of
+    /// its own checkpoints.
     pub head_unvouched_hits: u64,
     /// Checkpoint hits on an unmarked checkpoint (its taker's head was not exact there, its ring
     /// lacked the positions, or a head with Mamba layers did not lag there): no rerun; the head
@@ -225,12 +227,20 @@ pub struct Caches {
 /// sequence's blocks: the tree may keep other blocks for `0..from` (another sequence's, which
 /// it adopted first, or the originals of blocks the marking sequence copied for its own rerun),
 /// so a hit also checks the blocks it is served ([`Caches::head_vouched`]).
+///
+/// A mark with `from == pos` stores nothing: a head with Mamba layers whose prefill plan ended at
+/// the checkpoint consumed `pos - 1` already (its state in the checkpoint is past it, so a rerun
+/// there would consume it twice), with the marking sequence's token `next` at `pos`; a hit whose
+/// token at `pos` is `next` needs no rerun, and any other finds the head not a cold run's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadMark {
     /// The checkpoint's position.
     pub pos: usize,
     /// The first position whose hidden state is stored.
     pub from: usize,
+    /// For a mark with `from == pos`: the marking sequence's token at `pos`, with which its head
+    /// consumed `pos - 1`; `None` for a mark the hit reruns.
+    pub next: Option<u32>,
 }
 
 impl std::fmt::Debug for Caches {

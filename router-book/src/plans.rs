@@ -156,8 +156,9 @@ pub enum PrefillOp {
         /// checkpoint (only when [`BookShape::head_rerun`]).
         lead: Option<HeadLead>,
         /// The checkpoint taken at `stop`, for the router to store the main model's hidden
-        /// state at `stop - 1` with (`crate::spec::prefill_head` decides; only when
-        /// [`BookShape::head_rerun`]).
+        /// state at `stop - 1` with (`crate::spec::prefill_checkpoint_head` decides, and marks
+        /// it; only when [`BookShape::head_rerun`]). For a head with Mamba layers that does not
+        /// `lag` here (the row's plan ends at `stop`), the mark needs no hidden state.
         stash: Option<CheckpointSlot>,
         /// The MTP head consumes no further than `stop - 2` ([`BookShape::head_lags`]: the
         /// checkpoint at `stop` then holds the head's state before `stop - 1`); the row's next
@@ -216,16 +217,23 @@ fn head_lead(
 ) -> Option<(HeadLead, Range<usize>)> {
     let checkpoint = attach.checkpoint.filter(|_| shape.head_rerun)?;
     let mark = cache.head_mark(checkpoint)?;
-    if mark.pos != attach.len || mark.from >= mark.pos {
+    if mark.pos != attach.len || mark.from > mark.pos || mark.pos == 0 {
         return None;
     }
+    // A mark with `from == pos` reruns nothing (an empty range of blocks to copy); its head
+    // consumed `pos - 1` with its own token at `pos`, which must be this sequence's.
+    let mut vouched = cache.head_vouched(&attach.blocks, tokens, mark.from);
+    if mark.next.is_some() && tokens.get(mark.pos) != mark.next.as_ref() {
+        vouched = vouched.min(mark.pos - 1);
+    }
     let blocks = mark.from / shape.block_size..(mark.pos - 1) / shape.block_size + 1;
+    let blocks = blocks.start.min(blocks.end)..blocks.end;
     (blocks.end <= attach.blocks.len()).then_some((
         HeadLead {
             checkpoint,
             from: mark.from,
             own: false,
-            vouched: cache.head_vouched(&attach.blocks, tokens, mark.from),
+            vouched,
         },
         blocks,
     ))
@@ -490,14 +498,14 @@ pub fn prefill(
             }
             let taken = taken.filter(|_| shape.head_rerun);
             // A head with Mamba layers lags one position at a checkpoint it may mark, when the
-            // row continues in this plan; where the plan ends there, the checkpoint stays
-            // unmarked (see `BookShape::head_lags`).
+            // row continues in this plan; where the plan ends there, its mark names the token
+            // after the checkpoint instead of a rerun (see `BookShape::head_lags`).
             let lags = shape.head_lags && taken.is_some() && pos < end;
             if let PrefillOp::Run {
                 stash, lag, stop, ..
             } = &mut plan.ops[run]
             {
-                *stash = taken.filter(|_| !shape.head_lags || lags);
+                *stash = taken;
                 *lag = lags;
                 if let (true, Some(checkpoint)) = (lags, taken) {
                     lead = Some(HeadLead {

@@ -392,15 +392,38 @@ pub fn prefill_head<H>(
     HeadRun { from, known }
 }
 
-/// A prefill run ending at `stop` took checkpoint `slot` there: when the head is exact through
-/// `stop - 1`, marks it (the router stores the main model's hidden state at `stop - 1` with it)
-/// and answers `true`.
+/// A prefill run of `seq` ending at `stop` took checkpoint `slot` there: when the head is exact
+/// through `stop - 1`, marks it and answers whether the router stores the main model's hidden
+/// state at `stop - 1` with it (for the rerun at a hit). `consumed_past`: the head has Mamba
+/// layers and did not lag here (the row's prefill plan ends at `stop`), so it consumed `stop - 1`
+/// already with the sequence's token at `stop`: the mark names that token instead of a rerun
+/// ([`crate::HeadMark::next`]) and needs no hidden state.
 pub fn prefill_checkpoint_head<H>(
     track: &MtpTrack<H>,
     cache: &mut crate::Caches,
     slot: crate::CheckpointSlot,
+    seq: &RouterSeq,
     stop: usize,
+    consumed_past: bool,
 ) -> bool {
+    if consumed_past {
+        let next = seq
+            .tokens
+            .get(stop)
+            .copied()
+            .filter(|&token| token != crate::book::FED_PLACEHOLDER);
+        if let (true, Some(next)) = (stop > 0 && track.exact >= stop, next) {
+            cache.mark_head(
+                slot,
+                crate::HeadMark {
+                    pos: stop,
+                    from: stop,
+                    next: Some(next),
+                },
+            );
+        }
+        return false;
+    }
     if stop == 0 || track.exact < stop - 1 {
         return false;
     }
@@ -409,6 +432,7 @@ pub fn prefill_checkpoint_head<H>(
         crate::HeadMark {
             pos: stop,
             from: stop - 1,
+            next: None,
         },
     );
     true
@@ -432,7 +456,14 @@ pub fn checkpoint_head<'t, H>(
     if rows.len() != pos - from {
         return None;
     }
-    cache.mark_head(slot, crate::HeadMark { pos, from });
+    cache.mark_head(
+        slot,
+        crate::HeadMark {
+            pos,
+            from,
+            next: None,
+        },
+    );
     Some(rows)
 }
 

@@ -1180,6 +1180,89 @@ fn a_hit_on_blocks_another_sequence_wrote_is_counted_on_the_device() {
     }
 }
 
+/// On the CUDA router as on the host router, a head with Mamba layers marks a checkpoint where
+/// the row's prefill plan ends with the token after it (no rerun: the head consumed the position
+/// before the checkpoint already): a hit with that token there is counted exact, and its K/V,
+/// Mamba state and drafts are the cold run's and the host router's; a hit with another token is
+/// counted as not vouched for, its head K/V differing from the cold run's from 47 on. On the
+/// tiny fixture (an attention head) both hits rerun 47 and are exact. Before, the alt fixture's
+/// checkpoint stayed unmarked and both hits counted unmarked.
+#[test]
+fn a_checkpoint_where_the_prefill_plan_ended_is_marked_on_the_device() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let dir = fixture_dir(name).join("mtp");
+        let model = Model::load(&dir.join("model")).unwrap();
+        let vocab = model.config().vocab_size;
+        let z: Vec<u32> = (0..51u32)
+            .map(|i| (i.wrapping_mul(97).wrapping_add(5 * 31) ^ (i >> 2)) % 256)
+            .collect();
+        let same: Vec<u32> = z[..49].iter().copied().chain([60, 61]).collect();
+        let other: Vec<u32> = z[..48]
+            .iter()
+            .copied()
+            .chain([(z[48] + 1) % 256, 62, 63])
+            .collect();
+        let alt = name == "nemotron-h-alt";
+        for (prompt, counted, differ) in [
+            (&same, [1, 0, 0], vec![]),
+            (
+                &other,
+                if alt { [0, 1, 0] } else { [1, 0, 0] },
+                if alt { vec![47, 48, 49, 50] } else { vec![] },
+            ),
+        ] {
+            let hot = cuda(&model, DType::F32, true, 64);
+            let cold = cuda(&model, DType::F32, false, 64);
+            let host = host_like(&model, &hot, true);
+            let plan = *hot.plan();
+            assert_eq!(plan.block_size, 16);
+            // The first plan ends at the checkpoint at 48.
+            let mut first = [seq(1, &z), seq(1, &z)];
+            for budget in [48, CONTEXT] {
+                prefill(&hot, &[budget], &mut [&mut first[0]]);
+                prefill(&host, &[budget], &mut [&mut first[1]]);
+            }
+            release(&hot, &mut first[0], true);
+            release(&host, &mut first[1], true);
+            let counts = |stats: router_book::CacheStats| {
+                [
+                    stats.head_exact_hits,
+                    stats.head_unvouched_hits,
+                    stats.head_unmarked_hits,
+                ]
+            };
+            let (mut on_hot, mut on_cold, mut on_host) =
+                (seq(2, prompt), seq(2, prompt), seq(2, prompt));
+            let (reports, hot_logits) = prefill(&hot, &[CONTEXT], &mut [&mut on_hot]);
+            assert_eq!(reports[0].cached, 48, "{name}");
+            prefill(&host, &[CONTEXT], &mut [&mut on_host]);
+            prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
+            assert_eq!(counts(hot.cache_stats().unwrap()), counted, "{name}");
+            assert_eq!(counts(host.cache_stats().unwrap()), counted, "{name}");
+            let next = argmax_rows(&hot_logits, vocab);
+            let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
+            let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
+            let host_drafts = draft(&host, &next, 3, &mut [&mut on_host]);
+            assert_eq!(hot_drafts, host_drafts, "{name}");
+            let (hot_kv, hot_state) = head_bits(&hot, &model, &plan, &mut on_hot);
+            let (cold_kv, cold_state) = head_bits(&cold, &model, &plan, &mut on_cold);
+            let differs: Vec<usize> = (0..hot_kv.len())
+                .filter(|&pos| hot_kv[pos] != cold_kv[pos])
+                .collect();
+            assert_eq!(differs, differ, "{name}");
+            assert_eq!(hot_state == cold_state, differ.is_empty(), "{name}");
+            if differ.is_empty() {
+                assert_eq!(hot_drafts, cold_drafts, "{name}");
+            }
+            release(&hot, &mut on_hot, true);
+            release(&cold, &mut on_cold, false);
+            release(&host, &mut on_host, true);
+            Box::new(hot).teardown().unwrap();
+            Box::new(cold).teardown().unwrap();
+        }
+    }
+}
+
 /// A checkpoint a `MarconiCheckpoint` takes on the CUDA router during speculative decoding
 /// carries the hidden states its catch-up ring holds from the head's position (copied from the
 /// ring's cells): a hit on it reruns the head there (over the last position, whose K/V the
