@@ -36,7 +36,8 @@
 //! [`pipeline`] for the protocol, the over-run rollback and the rule.
 //!
 //! A launch that finds the KV pool (or the slots) dry changed nothing; the engine first releases
-//! requests that ended earlier in the step, else preempts a victim (fewest generated tokens, not
+//! requests that ended earlier in the step, then retries its orphans (a victim's release may
+//! have failed earlier in the step), else preempts a victim (fewest generated tokens, not
 //! resumed in the last `protect_steps` steps unless all were; the latest arrival on ties; only
 //! sequences that hold a slot or are rows of the plan) and relaunches without it. A row that cannot fit even when
 //! it is the only live sequence fails with [`ServeError::CannotFit`]. Any other launch error fails
@@ -1446,6 +1447,15 @@ where
         if self.running.iter().any(|a| a.req.end.is_some()) {
             self.retire_ended();
             return true;
+        }
+        // Orphans hold what the router refused to take back, perhaps a victim released earlier
+        // in this step: retry them before preempting anyone or failing a row that would fit.
+        if !self.orphans.is_empty() {
+            let before = self.orphans.len();
+            self.release_orphans();
+            if self.orphans.len() < before {
+                return true;
+            }
         }
         let live = self.running.iter().filter(|a| a.req.end.is_none()).count();
         let victim = if live > 1 { self.choose_victim() } else { None };

@@ -344,3 +344,48 @@ fn an_idle_engine_keeps_releasing_its_orphans() {
     assert_eq!(stats.metrics.orphaned_sequences, 1);
     thread.shutdown(ShutdownMode::Drain).unwrap();
 }
+
+/// A dry pool preempts a victim whose release the router refuses twice: the victim fails (the
+/// fault hit it) and becomes an orphan that still holds its blocks. The engine must retry that
+/// release before it concludes that the request left alone cannot fit: that request is a
+/// bystander and completes.
+#[test]
+fn a_victims_failed_release_does_not_fail_the_request_left_alone() {
+    // 4 blocks of 4 tokens, 2 slots: a and b (4-token prompts, 12 tokens each) fit at first and
+    // outgrow the pool together while decoding; b, the later arrival, is the victim.
+    let mut engine = Engine::new(router(4, 2), config()).unwrap();
+    let a = engine.submit(Request::greedy(prompt(4, 0), 12)).unwrap();
+    let b = engine.submit(Request::greedy(prompt(4, 1), 12)).unwrap();
+    for _ in 0..2 {
+        engine
+            .router()
+            .inject(FaultAt::Effect("ReleaseSeq"), injected());
+    }
+    engine.run_until_idle();
+    assert!(
+        matches!(
+            b.wait(),
+            Err(ServeError::Device {
+                during: "ReleaseSeq",
+                ..
+            })
+        ),
+        "b was the victim whose release failed"
+    );
+    let a_id = a.id();
+    assert_eq!(
+        a.wait().map(|c| c.tokens),
+        Ok(expected(engine.router(), a_id, 4, 12))
+    );
+    let metrics = engine.metrics();
+    assert_eq!(
+        (
+            metrics.preemptions,
+            metrics.orphaned_sequences,
+            metrics.failed
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(engine.orphans_len(), 0);
+    assert_eq!(engine.router().facts(), idle_facts(engine.router()));
+}
