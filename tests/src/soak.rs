@@ -15,11 +15,23 @@
 //!   live slots in use, and orphans;
 //! - **bystander failures**: requests that failed although no injected fault hit them.
 //!
+//! Every feature a user may serve under load can be switched on ([`RouterOptions`],
+//! [`WorkloadOptions`]): the host router or the CUDA router on its host runtime (`SimRuntime`),
+//! pipeline depth 2, speculative decoding (the router's MTP head, or drafters in the core that
+//! know the reference output: perfect or always wrong), seeded randomly sampled rows, and LoRA
+//! adapters (loaded before the run, requests bound at random). The reference stays the request
+//! served alone on a fresh engine over the same router with both caches off, at depth 1, without
+//! speculation, with the same adapter and the same seed; the engine promises those outputs bit
+//! for bit (a row's logits do not depend on its batch, its chunking, a prefix hit, a spill, the
+//! depth or speculation, and a sampled row draws from its own seeded stream once per emitted
+//! token, so a sampled row's tokens are the same as alone, not merely alike in distribution).
+//!
 //! `tests/tests/soak.rs` runs small versions in CI; `cargo xtask soak` runs the full one (2,000
 //! requests from 8 clients) and prints one JSON object per run, then one with the totals.
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::RangeInclusive;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,8 +41,10 @@ use device_io::{
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use scheduler::backend::{self, BackendOptions, Device};
 use scheduler::{
-    EngineClient, EngineConfig, EngineThread, Event, FinishReason, Request, ShutdownMode,
+    Drafter, EngineClient, EngineConfig, EngineThread, Event, FinishReason, LoraCommand,
+    RandomSampling, Request, Sampling, ShutdownMode, SpecOverlap, Speculation,
 };
 use serde::Serialize;
 
@@ -53,6 +67,12 @@ pub struct WorkloadOptions {
     pub prefixes: usize,
     /// Token ids are below this.
     pub vocab_size: u32,
+    /// Percent of requests sampled at random (temperature, top-k, top-p and min-p drawn per
+    /// request, each with its own seed); the rest are greedy.
+    pub sampled_percent: u32,
+    /// LoRA adapters loaded for the run (ids `1..=adapters`); each request names one of them or
+    /// none, at random. Zero: no adapter.
+    pub adapters: u32,
     /// Seed of everything random.
     pub seed: u64,
 }
@@ -71,10 +91,60 @@ struct Planned {
     prompt: Vec<u32>,
     max_tokens: usize,
     action: Action,
+    /// Random sampling (else greedy).
+    sampling: Option<RandomSampling>,
+    /// The LoRA adapter it is served with.
+    adapter: Option<u32>,
 }
 
-/// A seeded workload: prompts share prefixes, so caches have something to hit.
+impl Planned {
+    /// The request a client submits (and the reference serves alone).
+    fn request(&self) -> Request {
+        let mut request = Request::greedy(self.prompt.clone(), self.max_tokens);
+        if let Some(params) = self.sampling {
+            request = request.with_sampling(Sampling::Random(params));
+        }
+        if let Some(adapter) = self.adapter {
+            request = request.with_adapter(adapter);
+        }
+        request
+    }
+}
+
+/// Sampling parameters for one request: each filter on or off at random, so every path of the
+/// sampler (top-k of 1 included, which leaves one candidate) meets speculation and batching.
+fn random_sampling(rng: &mut ChaCha8Rng) -> RandomSampling {
+    const TEMPERATURES: [f32; 3] = [0.6, 1.0, 1.5];
+    const TOP_K: [Option<usize>; 3] = [None, Some(1), Some(40)];
+    RandomSampling {
+        temperature: TEMPERATURES[rng.random_range(0..TEMPERATURES.len())],
+        top_k: TOP_K[rng.random_range(0..TOP_K.len())],
+        top_p: if rng.random_bool(0.5) { 1.0 } else { 0.9 },
+        min_p: if rng.random_bool(0.5) { 0.0 } else { 0.05 },
+        seed: rng.random(),
+    }
+}
+
+/// A seeded workload: prompts share prefixes, so caches have something to hit. Sampling and
+/// adapters are drawn from a stream of their own, so switching them on leaves the prompts,
+/// lengths and actions of a seed as they were.
 fn plan(options: &WorkloadOptions) -> Vec<Planned> {
+    let mut features = ChaCha8Rng::seed_from_u64(options.seed ^ 0x5A3D_1E0A_F00D);
+    let mut planned = plan_prompts(options);
+    for item in &mut planned {
+        if features.random_range(0..100) < options.sampled_percent {
+            item.sampling = Some(random_sampling(&mut features));
+        }
+        if options.adapters > 0 {
+            let adapter = features.random_range(0..=options.adapters);
+            item.adapter = (adapter > 0).then_some(adapter);
+        }
+    }
+    planned
+}
+
+/// The prompts, lengths and actions of [`plan`].
+fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let longest = *options.prompt_len.end();
     let prefixes: Vec<Vec<u32>> = (0..options.prefixes.max(1))
@@ -104,6 +174,8 @@ fn plan(options: &WorkloadOptions) -> Vec<Planned> {
                 prompt,
                 max_tokens,
                 action,
+                sampling: None,
+                adapter: None,
             }
         })
         .collect()
@@ -170,8 +242,7 @@ fn serve(client: &EngineClient, planned: &[Planned], clients: usize) -> Vec<Serv
             let results = &results;
             scope.spawn(move || {
                 for (index, item) in planned.iter().enumerate().skip(worker).step_by(clients) {
-                    let request = Request::greedy(item.prompt.clone(), item.max_tokens);
-                    let served = match client.submit(request) {
+                    let served = match client.submit(item.request()) {
                         Err(err) => Served {
                             id: None,
                             planned: item.clone(),
@@ -237,12 +308,33 @@ pub struct SoakReport {
     pub lost_final_events: u64,
     /// Failed requests that no injected fault hit.
     pub bystander_failures: u64,
+    /// The first few bystander failures: `request ID: ERROR`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bystander_errors: Vec<String>,
     /// Preemptions the engine made.
     pub preemptions: u64,
     /// Of them, spills.
     pub spills: u64,
+    /// Sequences whose release failed twice (kept as orphans and released later).
+    pub orphaned: u64,
     /// Faults injected.
     pub faults_injected: u64,
+    /// Requests sampled at random (the rest greedy).
+    pub sampled: u64,
+    /// Requests served with a LoRA adapter.
+    pub with_adapter: u64,
+    /// Prefills that started from a cached prefix.
+    pub prefix_hits: u64,
+    /// Decode steps launched fed from the step before (depth 2).
+    pub fed_launches: u64,
+    /// Verification launches (speculative decoding).
+    pub verify_launches: u64,
+    /// Drafts proposed.
+    pub drafted: u64,
+    /// Drafts accepted.
+    pub accepted: u64,
+    /// Verifications launched while another cohort's was in flight (depth 2).
+    pub spec_flights: u64,
     /// Wall time of the run in seconds.
     pub wall_s: f64,
 }
@@ -276,9 +368,24 @@ impl SoakReport {
             total.leaked_slots += r.leaked_slots;
             total.lost_final_events += r.lost_final_events;
             total.bystander_failures += r.bystander_failures;
+            total.bystander_errors.extend(
+                r.bystander_errors
+                    .iter()
+                    .take(5 - total.bystander_errors.len().min(5))
+                    .cloned(),
+            );
             total.preemptions += r.preemptions;
             total.spills += r.spills;
+            total.orphaned += r.orphaned;
             total.faults_injected += r.faults_injected;
+            total.sampled += r.sampled;
+            total.with_adapter += r.with_adapter;
+            total.prefix_hits += r.prefix_hits;
+            total.fed_launches += r.fed_launches;
+            total.verify_launches += r.verify_launches;
+            total.drafted += r.drafted;
+            total.accepted += r.accepted;
+            total.spec_flights += r.spec_flights;
             total.wall_s += r.wall_s;
         }
         total
@@ -331,10 +438,16 @@ fn count(
                     report.mismatches += 1;
                 }
             }
-            Outcome::Failed(_) => {
+            Outcome::Failed(error) => {
                 report.failed += 1;
                 if !s.id.is_some_and(|id| hit.contains(&id)) {
                     report.bystander_failures += 1;
+                    if report.bystander_errors.len() < 5 {
+                        let id = s.id.map_or("?".to_string(), |id| id.to_string());
+                        report
+                            .bystander_errors
+                            .push(format!("request {id}: {error}"));
+                    }
                 }
             }
             Outcome::Refused(_) => report.refused += 1,
@@ -379,7 +492,14 @@ where
     report.leaked_slots = (facts.live_slots_used + orphans) as u64;
     report.preemptions = metrics.preemptions;
     report.spills = metrics.spills;
+    report.orphaned = metrics.orphaned_sequences;
     report.faults_injected = injected;
+    report.prefix_hits = metrics.prefix_hits;
+    report.fed_launches = metrics.fed_launches;
+    report.verify_launches = metrics.verify_launches;
+    report.drafted = metrics.drafted;
+    report.accepted = metrics.accepted;
+    report.spec_flights = metrics.spec_flights;
     report.wall_s = start.elapsed().as_secs_f64();
     report
 }
@@ -396,6 +516,7 @@ pub struct FaultRecord {
 
 /// A router that forwards to `inner` but fails launches, awaits and per-sequence effects at
 /// random (each with probability `percent`%), recording which requests each fault hit. A failed
+/// effect is not forwarded (a router's failed effect changes nothing). A failed
 /// await settles the step first, so the router's state is as after a device error in that step.
 #[derive(Debug)]
 pub struct Chaos<D> {
@@ -466,6 +587,9 @@ where
     fn max_depth(&self) -> usize {
         self.inner.max_depth()
     }
+    fn computes_on_host(&self) -> bool {
+        self.inner.computes_on_host()
+    }
     fn launch(&self, plan: StepPlan<'_>, rows: &mut [&mut D::Seq]) -> Result<Ticket, DeviceError> {
         let ids: Vec<u64> = rows.iter().map(|seq| seq.id()).collect();
         if self.strike(ids.iter().copied()) {
@@ -496,8 +620,14 @@ where
             Effect::ReleaseSeq { seq, .. }
             | Effect::CompactSlot { seq, .. }
             | Effect::RestoreSequenceState { seq, .. }
-            | Effect::MarconiCheckpoint { seq } => Some(seq.id()),
-            Effect::SaveSequenceState { seq, .. } => Some(seq.id()),
+            | Effect::MarconiCheckpoint { seq }
+            | Effect::SsmSnapshotRestore { seq, .. }
+            | Effect::ReserveKv { seq }
+            | Effect::Rollback { seq }
+            | Effect::TruncateKv { seq, .. } => Some(seq.id()),
+            Effect::SaveSequenceState { seq, .. } | Effect::SsmSnapshotSave { seq, .. } => {
+                Some(seq.id())
+            }
             _ => None,
         };
         if let Some(id) = id {
@@ -535,47 +665,255 @@ pub enum PressureMode {
     SpillDirectory,
 }
 
-/// The host router's side of a soak.
+/// Which router serves a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterKind {
+    /// The host router (`device_cpu::CpuRouter`).
+    Host,
+    /// The CUDA router on `SimRuntime`: its kernels run on the host, one fiber per CUDA thread,
+    /// so a run is slow; keep it small. It has no LoRA adapter slots.
+    CudaSim,
+}
+
+/// Who proposes the drafts of a speculating run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// The router's MTP head (the model needs MTP layers).
+    Head,
+    /// A drafter in the core that knows every request's reference output: every draft is
+    /// accepted (unless a sibling prompt's continuation is proposed).
+    Perfect,
+    /// The same, shifted in the vocabulary: every draft is rejected.
+    Adversarial,
+}
+
+/// The router side of a run: which router, its sizes, and how the engine drives it.
 #[derive(Debug, Clone)]
-pub struct HostOptions {
+pub struct RouterOptions {
     /// The model served.
     pub model: model::Model,
+    /// The router.
+    pub router: RouterKind,
     /// KV blocks of 16 tokens.
     pub kv_blocks: usize,
     /// Live slots (and `max_running`).
     pub slots: usize,
     /// Longest sequence.
     pub max_context: usize,
+    /// Pipeline depth, 1 or 2.
+    pub depth: usize,
+    /// Drafts per row and step of speculative decoding; 0: none.
+    pub mtp: usize,
+    /// Who drafts when `mtp` > 0.
+    pub drafter: DraftSource,
+    /// Whether speculation at depth 2 runs by cohorts.
+    pub overlap: SpecOverlap,
+    /// Percent of launches, awaits and per-sequence effects that fail ([`Chaos`]).
+    pub fault_percent: u32,
 }
 
-fn host_router(options: &HostOptions, caches: bool) -> device_cpu::CpuRouter {
-    let mut config = device_cpu::CpuRouterConfig::new(options.kv_blocks, options.slots);
-    config.max_context = Some(options.max_context);
-    config.prefix_cache = caches;
-    config.marconi = caches;
-    device_cpu::CpuRouter::new(options.model.clone(), config).expect("host router")
+impl RouterOptions {
+    /// The host router at depth 1, no speculation, no faults.
+    pub fn host(model: model::Model, kv_blocks: usize, slots: usize, max_context: usize) -> Self {
+        RouterOptions {
+            model,
+            router: RouterKind::Host,
+            kv_blocks,
+            slots,
+            max_context,
+            depth: 1,
+            mtp: 0,
+            drafter: DraftSource::Head,
+            overlap: SpecOverlap::Auto,
+            fault_percent: 0,
+        }
+    }
+
+    /// Why `self` cannot serve `workload` (a combination no router here supports), if it cannot.
+    pub fn refusal(&self, workload: &WorkloadOptions) -> Option<String> {
+        if !(1..=2).contains(&self.depth) {
+            return Some(format!("depth {} (must be 1 or 2)", self.depth));
+        }
+        if self.mtp > scheduler::MAX_DRAFTS {
+            return Some(format!(
+                "{} drafts per step (at most {})",
+                self.mtp,
+                scheduler::MAX_DRAFTS
+            ));
+        }
+        if self.mtp > 0 && self.drafter == DraftSource::Head && !self.model.has_mtp() {
+            return Some("MTP drafts from a model without MTP layers".to_string());
+        }
+        if workload.adapters > 0 && self.router == RouterKind::CudaSim {
+            return Some("LoRA adapters on the CUDA router (it has no adapter slots)".to_string());
+        }
+        if self.kv_blocks * BLOCK < self.max_context {
+            return Some(format!(
+                "{} KV blocks of {BLOCK} hold less than one longest sequence ({})",
+                self.kv_blocks, self.max_context
+            ));
+        }
+        None
+    }
+
+    /// What ran, for the report's `run`.
+    fn label(&self, workload: &WorkloadOptions, what: &str) -> String {
+        let mut label = match self.router {
+            RouterKind::Host => "host".to_string(),
+            RouterKind::CudaSim => "cuda-sim".to_string(),
+        };
+        label += &format!(" depth {}", self.depth);
+        if self.mtp > 0 {
+            let drafter = match self.drafter {
+                DraftSource::Head => "mtp",
+                DraftSource::Perfect => "perfect",
+                DraftSource::Adversarial => "adversarial",
+            };
+            label += &format!(" {drafter} k {}", self.mtp);
+            if self.depth == 2 {
+                label += &format!(" {:?}", self.overlap).to_lowercase();
+            }
+        }
+        if workload.sampled_percent > 0 {
+            label += &format!(" sampled {}%", workload.sampled_percent);
+        }
+        if workload.adapters > 0 {
+            label += &format!(" lora {}", workload.adapters);
+        }
+        if self.fault_percent > 0 {
+            label += &format!(" faults {}%", self.fault_percent);
+        }
+        format!("{label}: {what}")
+    }
 }
 
-/// Each request of `planned` served alone on a fresh engine with both caches off (one at a time
-/// on one engine: with the caches off nothing carries over from one request to the next).
-fn alone_on_host(options: &HostOptions, planned: &[Planned]) -> Vec<Vec<u32>> {
-    let roomy = HostOptions {
-        kv_blocks: options.max_context.div_ceil(16) + 1,
+/// Tokens per KV block of the routers the soak builds.
+const BLOCK: usize = device_cpu::DEFAULT_BLOCK_SIZE;
+
+/// The LoRA adapters of a run: seeded random ones for the run's model, written in PEFT's format
+/// to a private temporary folder (removed when this is dropped).
+struct Adapters {
+    _dir: Option<tempfile::TempDir>,
+    paths: Vec<PathBuf>,
+}
+
+impl Adapters {
+    /// `count` adapters of ranks 2, 4 and 6 in turn (ids `1..=count`).
+    fn new(model: &model::Model, count: u32, seed: u64) -> Adapters {
+        if count == 0 {
+            return Adapters {
+                _dir: None,
+                paths: Vec::new(),
+            };
+        }
+        let dir = tempfile::tempdir().expect("a folder for the adapters");
+        let paths = (0..count as usize)
+            .map(|i| {
+                let mut spec = model::LoraSpec::all_linear(2 + 2 * (i % 3));
+                // Large enough that an adapter changes the greedy tokens.
+                spec.b_range = 0.3;
+                let adapter = model::LoraAdapter::random(model, &spec, seed + i as u64)
+                    .expect("a random adapter");
+                let path = dir.path().join(format!("adapter-{}", i + 1));
+                adapter
+                    .save(&path, model.config())
+                    .expect("the adapter saved");
+                path
+            })
+            .collect();
+        Adapters {
+            _dir: Some(dir),
+            paths,
+        }
+    }
+}
+
+/// What differs between the engines of a run (its reference and the soaked one).
+#[derive(Debug, Clone)]
+struct Shape {
+    kv_blocks: usize,
+    slots: usize,
+    depth: usize,
+    caches: bool,
+    fault_percent: u32,
+    fault_seed: u64,
+}
+
+/// The router `options` names, with `shape`'s sizes, through the one path a program takes
+/// (`scheduler::backend`), wrapped in [`Chaos`].
+fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<backend::Router> {
+    let snapshot_slots = if options.mtp > 0 {
+        // Ring slots for half the rows' drafts: a step speculates on as many rows as the ring
+        // holds drafts for, so the rows left out decode plainly next to the others.
+        (shape.slots * options.mtp)
+            .div_ceil(2)
+            .max(options.mtp)
+            .max(device_cpu::DEFAULT_SNAPSHOT_SLOTS)
+    } else {
+        device_cpu::DEFAULT_SNAPSHOT_SLOTS
+    };
+    let backend_options = BackendOptions {
+        device: match options.router {
+            RouterKind::Host => Device::Cpu,
+            RouterKind::CudaSim => Device::CudaSim,
+        },
+        max_context: Some(options.max_context),
+        snapshot_slots,
+        prefix_cache: shape.caches,
+        marconi: shape.caches,
+        max_depth: shape.depth,
+        lora_slots: adapters.max(device_cpu::DEFAULT_LORA_SLOTS),
+        ..BackendOptions::new(shape.kv_blocks, shape.slots)
+    };
+    let router = backend::build_router(options.model.clone(), backend_options).expect("the router");
+    Chaos::new(router, shape.fault_percent, shape.fault_seed)
+}
+
+/// An engine over [`router`] with `config`, the run's adapters loaded.
+fn engine(
+    options: &RouterOptions,
+    shape: &Shape,
+    config: EngineConfig,
+    adapters: &Adapters,
+) -> (
+    scheduler::Engine<Chaos<backend::Router>>,
+    Arc<Mutex<FaultRecord>>,
+) {
+    let router = router(options, shape, adapters.paths.len());
+    let record = router.record();
+    let mut engine = scheduler::Engine::new(router, config).expect("the engine");
+    for (id, path) in (1..).zip(&adapters.paths) {
+        engine
+            .lora(LoraCommand::Load {
+                adapter: id,
+                path: path.clone(),
+            })
+            .expect("the adapter loads");
+    }
+    (engine, record)
+}
+
+/// Each request of `planned` served alone on a fresh engine over `options`' router with both
+/// caches off, at depth 1, without speculation (one at a time on one engine: with the caches off
+/// nothing carries over from one request to the next).
+fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> Vec<Vec<u32>> {
+    let shape = Shape {
+        kv_blocks: options.max_context.div_ceil(BLOCK) + 1,
         slots: 1,
-        ..options.clone()
+        depth: 1,
+        caches: false,
+        fault_percent: 0,
+        fault_seed: 0,
     };
     let config = EngineConfig {
         max_running: 1,
         ..EngineConfig::default()
     };
-    let mut engine =
-        scheduler::Engine::new(host_router(&roomy, false), config).expect("reference engine");
+    let (mut engine, _) = engine(options, &shape, config, adapters);
     let outputs = planned
         .iter()
         .map(|item| {
-            let handle = engine
-                .submit(Request::greedy(item.prompt.clone(), item.max_tokens))
-                .expect("reference request");
+            let handle = engine.submit(item.request()).expect("reference request");
             engine.run_until_idle();
             handle.wait().expect("reference output").tokens
         })
@@ -586,71 +924,130 @@ fn alone_on_host(options: &HostOptions, planned: &[Planned]) -> Vec<Vec<u32>> {
     outputs
 }
 
-fn engine_config(slots: usize, preemption: scheduler::Preemption) -> EngineConfig {
+/// The speculation `options` asks for; the core's drafters know each request's reference
+/// output (`alone`).
+fn speculation(
+    options: &RouterOptions,
+    planned: &[Planned],
+    alone: &[Vec<u32>],
+) -> Option<Speculation> {
+    if options.mtp == 0 {
+        return None;
+    }
+    let known = |wrong| Drafter::Known {
+        sequences: Arc::new(
+            planned
+                .iter()
+                .zip(alone)
+                .map(|(item, output)| item.prompt.iter().chain(output).copied().collect())
+                .collect(),
+        ),
+        wrong,
+    };
+    Some(Speculation {
+        k: options.mtp,
+        drafter: match options.drafter {
+            DraftSource::Head => Drafter::Mtp,
+            DraftSource::Perfect => known(false),
+            DraftSource::Adversarial => known(true),
+        },
+        overlap: options.overlap,
+    })
+}
+
+fn engine_config(
+    slots: usize,
+    preemption: scheduler::Preemption,
+    speculation: Option<Speculation>,
+) -> EngineConfig {
     EngineConfig {
         max_running: slots,
         max_step_tokens: 256,
         max_prefill_chunk: 64,
         preemption,
+        speculation,
         ..EngineConfig::default()
     }
 }
 
-/// Load on the host router with both caches on (prefix cache and Marconi checkpoints).
-pub fn soak_host(workload: &WorkloadOptions, host: &HostOptions) -> SoakReport {
-    let planned = plan(workload);
-    let alone = alone_on_host(host, &planned);
-    let reference = |index: usize, _: &Served| alone[index].clone();
-    let engine = scheduler::Engine::new(
-        host_router(host, true),
-        engine_config(host.slots, scheduler::Preemption::Recompute),
-    )
-    .expect("engine");
-    soak_engine(
-        "host: load, caches on",
-        engine,
-        &planned,
-        workload.clients,
-        &reference,
-        None,
-    )
+/// Load on `options`' router with both caches on (prefix cache and Marconi checkpoints).
+///
+/// # Panics
+/// When `options.refusal(workload)` names a reason, or an engine cannot be built.
+pub fn soak_load(workload: &WorkloadOptions, options: &RouterOptions) -> SoakReport {
+    let modes: [Option<PressureMode>; 1] = [None];
+    soak_runs(workload, options, &modes).remove(0)
 }
 
-/// Memory pressure: `workload` on `host` (whose pool should be small enough to preempt often),
-/// once per `mode`, both caches on. Answers one report per mode.
+/// Memory pressure: `workload` on `options`' router (whose pool should be small enough to preempt
+/// often), once per `mode`, both caches on. Answers one report per mode.
+///
+/// # Panics
+/// As [`soak_load`].
 pub fn soak_pressure(
     workload: &WorkloadOptions,
-    host: &HostOptions,
+    options: &RouterOptions,
     modes: &[PressureMode],
 ) -> Vec<SoakReport> {
+    let modes: Vec<Option<PressureMode>> = modes.iter().copied().map(Some).collect();
+    soak_runs(workload, options, &modes)
+}
+
+/// One run of `workload` per mode (`None`: load, recompute when the pool runs dry), all checked
+/// against one reference.
+fn soak_runs(
+    workload: &WorkloadOptions,
+    options: &RouterOptions,
+    modes: &[Option<PressureMode>],
+) -> Vec<SoakReport> {
+    if let Some(why) = options.refusal(workload) {
+        panic!("the soak cannot run {why}");
+    }
     let planned = plan(workload);
-    let alone = alone_on_host(host, &planned);
+    let adapters = Adapters::new(&options.model, workload.adapters, workload.seed ^ 0xADA);
+    let alone = alone(options, &planned, &adapters);
     let reference = |index: usize, _: &Served| alone[index].clone();
+    let speculation = speculation(options, &planned, &alone);
     modes
         .iter()
         .map(|&mode| {
-            let (name, preemption) = match mode {
-                PressureMode::Recompute => (
-                    "host: pressure, recompute",
-                    scheduler::Preemption::Recompute,
-                ),
-                PressureMode::SpillMemory => (
-                    "host: pressure, spill to memory",
+            let (what, preemption) = match mode {
+                None => ("load, caches on", scheduler::Preemption::Recompute),
+                Some(PressureMode::Recompute) => {
+                    ("pressure, recompute", scheduler::Preemption::Recompute)
+                }
+                Some(PressureMode::SpillMemory) => (
+                    "pressure, spill to memory",
                     scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
                 ),
-                PressureMode::SpillDirectory => (
-                    "host: pressure, spill to a directory",
+                Some(PressureMode::SpillDirectory) => (
+                    "pressure, spill to a directory",
                     scheduler::Preemption::Spill(scheduler::SpillTarget::Directory(
                         std::env::temp_dir(),
                     )),
                 ),
             };
-            let engine = scheduler::Engine::new(
-                host_router(host, true),
-                engine_config(host.slots, preemption),
-            )
-            .expect("engine");
-            soak_engine(name, engine, &planned, workload.clients, &reference, None)
+            let shape = Shape {
+                kv_blocks: options.kv_blocks,
+                slots: options.slots,
+                depth: options.depth,
+                caches: true,
+                fault_percent: options.fault_percent,
+                fault_seed: workload.seed ^ 0xFA17,
+            };
+            let config = engine_config(options.slots, preemption, speculation.clone());
+            let (engine, record) = engine(options, &shape, config, &adapters);
+            let mut report = soak_engine(
+                &options.label(workload, what),
+                engine,
+                &planned,
+                workload.clients,
+                &reference,
+                Some(&record),
+            );
+            report.sampled = planned.iter().filter(|p| p.sampling.is_some()).count() as u64;
+            report.with_adapter = planned.iter().filter(|p| p.adapter.is_some()).count() as u64;
+            report
         })
         .collect()
 }
@@ -665,7 +1062,12 @@ pub fn soak_faults(
     preemption: scheduler::Preemption,
 ) -> SoakReport {
     use device_io::testing::{ScriptedConfig, ScriptedRouter};
-    let planned = plan(workload);
+    // The scripted router answers tokens of its own (greedy) and has no adapters.
+    let planned = plan(&WorkloadOptions {
+        sampled_percent: 0,
+        adapters: 0,
+        ..workload.clone()
+    });
     let shape = ScriptedConfig {
         block_size: 4,
         num_blocks: blocks,
@@ -688,7 +1090,8 @@ pub fn soak_faults(
             .map(|i| oracle.fallback_token(id, prompt + i))
             .collect()
     };
-    let engine = scheduler::Engine::new(chaos, engine_config(slots, preemption)).expect("engine");
+    let engine =
+        scheduler::Engine::new(chaos, engine_config(slots, preemption, None)).expect("engine");
     soak_engine(
         "scripted: random faults",
         engine,

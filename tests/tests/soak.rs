@@ -1,11 +1,16 @@
 //! A small soak in CI (the full one is `cargo xtask soak`): load on the host router with both
 //! caches on, the same workload under memory pressure (spill to memory, spill to a directory,
-//! recompute), and random faults on the scripted router. Every run must end with every failure
-//! count at zero: no lost final event, no mismatch against the request served alone, no leaked
-//! block or slot, no bystander failure.
+//! recompute), and random faults on the scripted router; then the features that landed later,
+//! together: depth 2, MTP speculation, seeded sampled rows and LoRA adapters on the host router
+//! (with random faults on it), and depth 2 with speculation on the CUDA router on `SimRuntime`.
+//! Every run must end with every failure count at zero: no lost final event, no mismatch against
+//! the request served alone, no leaked block or slot, no bystander failure.
 
 use model::{Config, LayerKind, Model};
-use tests::soak::{self, HostOptions, PressureMode, SoakReport, WorkloadOptions};
+use scheduler::SpecOverlap;
+use tests::soak::{
+    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, WorkloadOptions,
+};
 
 /// A small hybrid model (Mamba, attention, MoE and MLP layers, hidden 32), so the soak stays
 /// quick in a debug build.
@@ -15,6 +20,20 @@ fn small_model() -> Model {
         hidden_size: 32,
         num_hidden_layers: 4,
         layer_kinds: vec![Mamba, Attention, Moe, Mlp],
+        ..Config::tiny_demo()
+    };
+    Model::random(config, 11).unwrap()
+}
+
+/// [`small_model`] with an MTP head (an attention and an MoE layer, as the tiny fixture's).
+fn small_mtp_model() -> Model {
+    use LayerKind::{Attention, Mamba, Mlp, Moe};
+    let config = Config {
+        hidden_size: 32,
+        num_hidden_layers: 4,
+        layer_kinds: vec![Mamba, Attention, Moe, Mlp],
+        mtp: true,
+        mtp_layer_kinds: vec![Attention, Moe],
         ..Config::tiny_demo()
     };
     Model::random(config, 11).unwrap()
@@ -31,9 +50,10 @@ fn check(report: &SoakReport) {
     );
 }
 
-#[test]
-fn load_and_memory_pressure_on_the_host_router_leave_nothing_behind() {
-    let load = WorkloadOptions {
+/// 48 greedy requests from 4 clients: prompts of 1 to 40 tokens sharing 3 prefixes, up to 8
+/// tokens each, 10% cancelled and 5% dropped.
+fn load_workload() -> WorkloadOptions {
+    WorkloadOptions {
         requests: 48,
         clients: 4,
         prompt_len: 1..=40,
@@ -42,15 +62,17 @@ fn load_and_memory_pressure_on_the_host_router_leave_nothing_behind() {
         drop_percent: 5,
         prefixes: 3,
         vocab_size: 256,
+        sampled_percent: 0,
+        adapters: 0,
         seed: 11,
-    };
-    let host = HostOptions {
-        model: small_model(),
-        kv_blocks: 32,
-        slots: 4,
-        max_context: 48,
-    };
-    let report = soak::soak_host(&load, &host);
+    }
+}
+
+#[test]
+fn load_and_memory_pressure_on_the_host_router_leave_nothing_behind() {
+    let load = load_workload();
+    let host = RouterOptions::host(small_model(), 32, 4, 48);
+    let report = soak::soak_load(&load, &host);
     check(&report);
     // Short prompts and long outputs on 4 blocks of 16: requests are admitted, then outgrow the
     // pool while decoding.
@@ -60,7 +82,7 @@ fn load_and_memory_pressure_on_the_host_router_leave_nothing_behind() {
         seed: 13,
         ..load
     };
-    let small = HostOptions {
+    let small = RouterOptions {
         kv_blocks: 4,
         ..host
     };
@@ -92,6 +114,8 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
         drop_percent: 5,
         prefixes: 4,
         vocab_size: 1000,
+        sampled_percent: 0,
+        adapters: 0,
         seed: 12,
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
@@ -108,4 +132,78 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
     assert!(report.preemptions > 0, "{report:?}");
     assert!(report.failed > 0, "{report:?}");
     assert!(report.completed > 0, "{report:?}");
+}
+
+/// The workload of the feature runs: [`load_workload`]'s prompts (long enough for prefix hits
+/// at 16-token blocks), a third of the requests sampled, and `adapters` adapters bound at random.
+fn feature_workload(requests: usize, adapters: u32, seed: u64) -> WorkloadOptions {
+    WorkloadOptions {
+        requests,
+        max_tokens: 4..=16,
+        prefixes: 2,
+        sampled_percent: 34,
+        adapters,
+        seed,
+        ..load_workload()
+    }
+}
+
+/// `router` at depth 2 with the MTP head drafting 2 tokens per row, 4 slots, sequences of 56.
+fn mtp_at_depth_two(router: RouterKind, kv_blocks: usize, overlap: SpecOverlap) -> RouterOptions {
+    RouterOptions {
+        router,
+        depth: 2,
+        mtp: 2,
+        drafter: DraftSource::Head,
+        overlap,
+        ..RouterOptions::host(small_mtp_model(), kv_blocks, 4, 56)
+    }
+}
+
+/// Checks a load run of [`feature_workload`] and that it took the paths it is there for: sampled
+/// rows, prefix hits, and drafts verified by cohorts (one in flight while the other settles).
+fn check_features(report: &SoakReport) {
+    check(report);
+    assert!(report.sampled > 0, "{report:?}");
+    assert!(report.prefix_hits > 0, "{report:?}");
+    assert!(report.drafted > 0 && report.spec_flights > 0, "{report:?}");
+}
+
+#[test]
+fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_router() {
+    let workload = feature_workload(48, 2, 21);
+    let options = mtp_at_depth_two(RouterKind::Host, 24, SpecOverlap::Cohorts);
+    let report = soak::soak_load(&workload, &options);
+    check_features(&report);
+    assert!(report.with_adapter > 0, "{report:?}");
+    // Memory pressure and random faults on the router: drafts that are all accepted (a drafter
+    // knowing the reference output), spilled sequences; then plain fed decoding at depth 2,
+    // preempted sequences recomputed.
+    let perfect = RouterOptions {
+        kv_blocks: 4,
+        mtp: 3,
+        drafter: DraftSource::Perfect,
+        fault_percent: 2,
+        ..options
+    };
+    let spilled = soak::soak_pressure(&workload, &perfect, &[PressureMode::SpillMemory]);
+    check(&spilled[0]);
+    assert!(spilled[0].spills > 0, "{spilled:?}");
+    assert!(spilled[0].accepted > 0, "{spilled:?}");
+    let plain = RouterOptions { mtp: 0, ..perfect };
+    let recomputed = soak::soak_pressure(&workload, &plain, &[PressureMode::Recompute]);
+    check(&recomputed[0]);
+    assert!(recomputed[0].preemptions > 0, "{recomputed:?}");
+    assert!(recomputed[0].fed_launches > 0, "{recomputed:?}");
+    for report in [&spilled[0], &recomputed[0]] {
+        assert!(report.faults_injected > 0, "{report:?}");
+    }
+}
+
+#[test]
+fn depth_two_speculation_and_sampling_under_load_on_the_cuda_router() {
+    let workload = feature_workload(24, 0, 22);
+    // The CUDA router does not compute on the host's cores: cohorts by default.
+    let options = mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto);
+    check_features(&soak::soak_load(&workload, &options));
 }

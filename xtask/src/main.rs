@@ -23,7 +23,10 @@
 //!   threads on the host router with the tiny fixture, the same under memory pressure (spill to
 //!   memory, to a directory, recompute), and random faults on the scripted router; it prints one
 //!   JSON object per run and, last, the totals, and fails when any failure count is not zero.
-//!   `ARGS` go to the soak (`--requests`, `--clients`, `--seed`, ...; `-- --help` lists them).
+//!   `ARGS` go to the soak (`--requests`, `--clients`, `--seed`, ...; `-- --help` lists them),
+//!   among them the features served under load: `--router host|cuda-sim`, `--depth 1|2`,
+//!   `--mtp K` (with `--drafter head|perfect|adversarial`), `--sampled-percent P`, `--lora N`,
+//!   `--router-fault-percent P` and `--runs load,pressure,faults`.
 //!
 //! xtask is a command-line tool, not a library: it prints, and it uses only std, `clap` for its
 //! command line, `serde_json` for `cargo metadata`, `thiserror`, and `cudarc`'s NVRTC bindings
@@ -81,7 +84,8 @@ enum Command {
     },
     /// Run the full soak (release build; not in CI); its last line is one JSON object
     Soak {
-        /// Arguments for the soak (--requests, --clients, --seed, ...), after `--`
+        /// Arguments for the soak (--requests, --seed, --router, --depth, --mtp, --sampled-percent,
+        /// --lora, ...), after `--`
         #[arg(last = true, value_name = "ARGS")]
         args: Vec<String>,
     },

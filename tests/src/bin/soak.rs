@@ -7,8 +7,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::Parser;
-use tests::soak::{self, HostOptions, PressureMode, SoakReport, WorkloadOptions};
+use clap::{Parser, ValueEnum};
+use scheduler::SpecOverlap;
+use tests::soak::{
+    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, WorkloadOptions,
+};
 
 /// The soak's knobs; the defaults are the full run.
 #[derive(Debug, Parser)]
@@ -35,20 +38,87 @@ struct Args {
     /// KV blocks (of 16 tokens) of the pressure runs (at least one longest sequence)
     #[arg(long, default_value_t = 24)]
     pressure_blocks: usize,
-    /// Percent of launches, awaits and effects that fail in the fault run
+    /// Percent of launches, awaits and effects that fail in the scripted router's fault run
     #[arg(long, default_value_t = 1)]
     fault_percent: u32,
-    /// The model folder (config.json and safetensors) [default: the tiny fixture]
+    /// Percent of launches, awaits and per-sequence effects that fail in the load and pressure
+    /// runs, on the router they use
+    #[arg(long, default_value_t = 0)]
+    router_fault_percent: u32,
+    /// The router of the load and pressure runs
+    #[arg(long, value_enum, default_value_t = RouterArg::Host)]
+    router: RouterArg,
+    /// Pipeline depth of the load and pressure runs (1 or 2)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=2))]
+    depth: u16,
+    /// Drafts per row and step of speculative decoding (0: off)
+    #[arg(long, default_value_t = 0)]
+    mtp: usize,
+    /// Who drafts when --mtp is above 0
+    #[arg(long, value_enum, default_value_t = DrafterArg::Head)]
+    drafter: DrafterArg,
+    /// Whether speculation at depth 2 runs by cohorts (auto: not on the host router)
+    #[arg(long, value_enum, default_value_t = OverlapArg::Cohorts)]
+    overlap: OverlapArg,
+    /// Percent of requests sampled at random (seeded; the rest greedy)
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    sampled_percent: u32,
+    /// LoRA adapters loaded (ids 1..=N); requests name one of them or none, at random
+    #[arg(long, default_value_t = 0)]
+    lora: u32,
+    /// Which runs: load, pressure (spill to memory, to a directory, recompute), faults (the
+    /// scripted router)
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Run::Load, Run::Pressure, Run::Faults])]
+    runs: Vec<Run>,
+    /// The model folder (config.json and safetensors) [default: the tiny fixture, with its MTP
+    /// layers when the MTP head drafts]
     #[arg(long)]
     model: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RouterArg {
+    /// The host router
+    Host,
+    /// The CUDA router on its host runtime (slow)
+    CudaSim,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DrafterArg {
+    /// The router's MTP head
+    Head,
+    /// Drafts from the reference output (all accepted)
+    Perfect,
+    /// Wrong drafts (all rejected)
+    Adversarial,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OverlapArg {
+    Auto,
+    Off,
+    Cohorts,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Run {
+    Load,
+    Pressure,
+    Faults,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
     let start = Instant::now();
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/nemotron-h-tiny");
     let dir = args.model.clone().unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../model/tests/fixtures/nemotron-h-tiny/model")
+        if args.mtp > 0 && args.drafter == DrafterArg::Head {
+            fixture.join("mtp/model")
+        } else {
+            fixture.join("model")
+        }
     });
     let model = match model::Model::load(&dir) {
         Ok(model) => model,
@@ -67,17 +137,36 @@ fn main() -> ExitCode {
         drop_percent: 5,
         prefixes: 8,
         vocab_size,
+        sampled_percent: args.sampled_percent,
+        adapters: args.lora,
         seed: args.seed,
     };
     let max_context = args.max_prompt + args.max_tokens;
-    let host = HostOptions {
-        model,
-        kv_blocks: args.clients * max_context.div_ceil(16) * 2,
-        slots: args.clients,
-        max_context,
+    let router = RouterOptions {
+        router: match args.router {
+            RouterArg::Host => RouterKind::Host,
+            RouterArg::CudaSim => RouterKind::CudaSim,
+        },
+        depth: usize::from(args.depth),
+        mtp: args.mtp,
+        drafter: match args.drafter {
+            DrafterArg::Head => DraftSource::Head,
+            DrafterArg::Perfect => DraftSource::Perfect,
+            DrafterArg::Adversarial => DraftSource::Adversarial,
+        },
+        overlap: match args.overlap {
+            OverlapArg::Auto => SpecOverlap::Auto,
+            OverlapArg::Off => SpecOverlap::Off,
+            OverlapArg::Cohorts => SpecOverlap::Cohorts,
+        },
+        fault_percent: args.router_fault_percent,
+        ..RouterOptions::host(
+            model,
+            args.clients * max_context.div_ceil(16) * 2,
+            args.clients,
+            max_context,
+        )
     };
-    let mut reports = vec![soak::soak_host(&workload, &host)];
-    print_json(&reports[0]);
     // Memory pressure: the same number of requests with shorter prompts and longer outputs, so
     // that many are admitted and then outgrow the small pool while decoding.
     let pressure = WorkloadOptions {
@@ -86,32 +175,48 @@ fn main() -> ExitCode {
         seed: args.seed ^ 0x9E55,
         ..workload.clone()
     };
-    let small = HostOptions {
+    let small = RouterOptions {
         kv_blocks: args.pressure_blocks,
-        ..host.clone()
+        ..router.clone()
     };
-    let modes = [
-        PressureMode::SpillMemory,
-        PressureMode::SpillDirectory,
-        PressureMode::Recompute,
-    ];
-    for report in soak::soak_pressure(&pressure, &small, &modes) {
+    for (options, load) in [(&router, &workload), (&small, &pressure)] {
+        if let Some(why) = options.refusal(load) {
+            eprintln!("soak: cannot run {why}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let mut reports = Vec::new();
+    if args.runs.contains(&Run::Load) {
+        let report = soak::soak_load(&workload, &router);
         print_json(&report);
         reports.push(report);
     }
-    let faults = WorkloadOptions {
-        seed: args.seed ^ 0x5EED,
-        ..workload
-    };
-    let fault_run = soak::soak_faults(
-        &faults,
-        max_context.div_ceil(4) * 3,
-        args.clients,
-        args.fault_percent,
-        scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
-    );
-    print_json(&fault_run);
-    reports.push(fault_run);
+    if args.runs.contains(&Run::Pressure) {
+        let modes = [
+            PressureMode::SpillMemory,
+            PressureMode::SpillDirectory,
+            PressureMode::Recompute,
+        ];
+        for report in soak::soak_pressure(&pressure, &small, &modes) {
+            print_json(&report);
+            reports.push(report);
+        }
+    }
+    if args.runs.contains(&Run::Faults) {
+        let faults = WorkloadOptions {
+            seed: args.seed ^ 0x5EED,
+            ..workload
+        };
+        let fault_run = soak::soak_faults(
+            &faults,
+            max_context.div_ceil(4) * 3,
+            args.clients,
+            args.fault_percent,
+            scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
+        );
+        print_json(&fault_run);
+        reports.push(fault_run);
+    }
     let mut total = SoakReport::total("total", &reports);
     total.wall_s = start.elapsed().as_secs_f64();
     print_json(&total);
