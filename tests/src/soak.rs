@@ -32,6 +32,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -73,6 +74,14 @@ pub struct WorkloadOptions {
     /// LoRA adapters loaded for the run (ids `1..=adapters`); each request names one of them or
     /// none, at random. Zero: no adapter.
     pub adapters: u32,
+    /// Percent of requests that ask for a logits digest (host logits for the steps they are
+    /// in), compared bit for bit with the reference's.
+    pub digest_percent: u32,
+    /// While the clients run, one more thread asks the engine for something every this many
+    /// milliseconds, in turn: to clear its prefix cache, and on the host router a LoRA command
+    /// (each drains a step in flight): with adapters, loading one more (id `adapters + 1`) and
+    /// unloading it; without, listing them. Zero: none.
+    pub command_every_ms: u64,
     /// Seed of everything random.
     pub seed: u64,
 }
@@ -95,6 +104,8 @@ struct Planned {
     sampling: Option<RandomSampling>,
     /// The LoRA adapter it is served with.
     adapter: Option<u32>,
+    /// Whether it asks for a logits digest.
+    digest: bool,
 }
 
 impl Planned {
@@ -107,7 +118,7 @@ impl Planned {
         if let Some(adapter) = self.adapter {
             request = request.with_adapter(adapter);
         }
-        request
+        request.with_logits_digest(self.digest)
     }
 }
 
@@ -139,6 +150,7 @@ fn plan(options: &WorkloadOptions) -> Vec<Planned> {
             let adapter = features.random_range(0..=options.adapters);
             item.adapter = (adapter > 0).then_some(adapter);
         }
+        item.digest = features.random_range(0..100) < options.digest_percent;
     }
     planned
 }
@@ -176,6 +188,7 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
                 action,
                 sampling: None,
                 adapter: None,
+                digest: false,
             }
         })
         .collect()
@@ -184,7 +197,8 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
 /// How one request ended, as its client saw it.
 #[derive(Debug, Clone, PartialEq)]
 enum Outcome {
-    Completed(Vec<u32>),
+    /// Its tokens and logits digest.
+    Completed(Vec<u32>, Option<u64>),
     Cancelled(Vec<u32>),
     Failed(String),
     Refused(String),
@@ -223,8 +237,11 @@ fn read_stream(handle: &scheduler::RequestHandle, cancel_after: Option<usize>) -
                 reason: FinishReason::Cancelled,
                 ..
             } => outcome = Some(Outcome::Cancelled(std::mem::take(&mut tokens))),
-            Event::Finished { .. } => {
-                outcome = Some(Outcome::Completed(std::mem::take(&mut tokens)))
+            Event::Finished { logits_digest, .. } => {
+                outcome = Some(Outcome::Completed(
+                    std::mem::take(&mut tokens),
+                    logits_digest,
+                ))
             }
             Event::Error(err) => outcome = Some(Outcome::Failed(err.to_string())),
         }
@@ -232,14 +249,75 @@ fn read_stream(handle: &scheduler::RequestHandle, cancel_after: Option<usize>) -
     outcome.unwrap_or(Outcome::Lost)
 }
 
-/// Serves `planned` from `clients` threads; answers every request's outcome, in plan order.
-fn serve(client: &EngineClient, planned: &[Planned], clients: usize) -> Vec<Served> {
+/// What a control thread asks of the engine while the clients run.
+#[derive(Debug, Clone)]
+enum ControlOp {
+    /// A LoRA command (run at quiescence: it drains a step in flight).
+    Lora(LoraCommand),
+    /// Clear the prefix cache (entries that running sequences hold stay theirs).
+    ClearPrefixCache,
+}
+
+/// Operations a control thread sends in turn, one every `every`, while the clients run.
+#[derive(Debug, Clone)]
+struct Control {
+    every: Duration,
+    commands: Vec<ControlOp>,
+}
+
+/// What the control thread did: commands sent, and the errors of those that failed.
+#[derive(Debug, Default)]
+struct Controlled {
+    sent: u64,
+    failures: Vec<String>,
+}
+
+/// Sends `control`'s commands until every one of `clients` clients has `finished`.
+fn send_commands(
+    client: &EngineClient,
+    control: &Control,
+    finished: &AtomicUsize,
+    clients: usize,
+) -> Controlled {
+    let mut controlled = Controlled::default();
+    for command in control.commands.iter().cycle() {
+        std::thread::sleep(control.every);
+        if finished.load(Ordering::Acquire) == clients {
+            break;
+        }
+        let answer = match command {
+            ControlOp::Lora(lora) => client.lora(lora.clone()).map(drop),
+            ControlOp::ClearPrefixCache => client.clear_prefix_cache(),
+        };
+        if let Err(err) = answer {
+            controlled.failures.push(format!("{command:?}: {err}"));
+        }
+        controlled.sent += 1;
+    }
+    controlled
+}
+
+/// Serves `planned` from `clients` threads (while `control`'s thread sends its commands);
+/// answers every request's outcome, in plan order, and what the control thread did.
+fn serve(
+    client: &EngineClient,
+    planned: &[Planned],
+    clients: usize,
+    control: Option<&Control>,
+) -> (Vec<Served>, Controlled) {
     let clients = clients.max(1);
     let results: Vec<Mutex<Option<Served>>> = planned.iter().map(|_| Mutex::new(None)).collect();
-    std::thread::scope(|scope| {
+    let finished = AtomicUsize::new(0);
+    let controlled = std::thread::scope(|scope| {
+        let controller = control.filter(|c| !c.commands.is_empty()).map(|control| {
+            let client = client.clone();
+            let finished = &finished;
+            scope.spawn(move || send_commands(&client, control, finished, clients))
+        });
         for worker in 0..clients {
             let client = client.clone();
             let results = &results;
+            let finished = &finished;
             scope.spawn(move || {
                 for (index, item) in planned.iter().enumerate().skip(worker).step_by(clients) {
                     let served = match client.submit(item.request()) {
@@ -267,17 +345,22 @@ fn serve(client: &EngineClient, planned: &[Planned], clients: usize) -> Vec<Serv
                     };
                     *results[index].lock().unwrap_or_else(|e| e.into_inner()) = Some(served);
                 }
+                finished.fetch_add(1, Ordering::AcqRel);
             });
         }
+        controller.map_or_else(Controlled::default, |thread| {
+            thread.join().expect("the control thread")
+        })
     });
-    results
+    let served = results
         .into_iter()
         .map(|cell| {
             cell.into_inner()
                 .unwrap_or_else(|e| e.into_inner())
                 .expect("every request was served")
         })
-        .collect()
+        .collect();
+    (served, controlled)
 }
 
 /// The counts of one run (or of several added up). Every `*_failures`, `mismatches`,
@@ -300,6 +383,8 @@ pub struct SoakReport {
     pub refused: u64,
     /// Completed (or cancelled) requests whose tokens differ from the request served alone.
     pub mismatches: u64,
+    /// Completed requests whose logits digest differs from the request's served alone.
+    pub digest_mismatches: u64,
     /// KV blocks not free at idle after the prefix cache was cleared.
     pub leaked_blocks: u64,
     /// Live slots in use (and orphans) at idle.
@@ -311,12 +396,21 @@ pub struct SoakReport {
     /// The first few bystander failures: `request ID: ERROR`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub bystander_errors: Vec<String>,
+    /// KV blocks of the router's pool.
+    pub kv_blocks: u64,
     /// Preemptions the engine made.
     pub preemptions: u64,
     /// Of them, spills.
     pub spills: u64,
     /// Sequences whose release failed twice (kept as orphans and released later).
     pub orphaned: u64,
+    /// Commands (LoRA, prefix cache clears) the control thread sent while the clients ran.
+    pub commands: u64,
+    /// Of them, those that failed.
+    pub command_failures: u64,
+    /// The first few of those failures.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub command_errors: Vec<String>,
     /// Faults injected.
     pub faults_injected: u64,
     /// Requests sampled at random (the rest greedy).
@@ -343,6 +437,8 @@ impl SoakReport {
     /// Whether every failure count is zero.
     pub fn clean(&self) -> bool {
         self.mismatches == 0
+            && self.digest_mismatches == 0
+            && self.command_failures == 0
             && self.leaked_blocks == 0
             && self.leaked_slots == 0
             && self.lost_final_events == 0
@@ -364,6 +460,14 @@ impl SoakReport {
             total.dropped += r.dropped;
             total.refused += r.refused;
             total.mismatches += r.mismatches;
+            total.digest_mismatches += r.digest_mismatches;
+            total.commands += r.commands;
+            total.command_failures += r.command_failures;
+            total.command_errors.extend(
+                (r.command_errors.iter())
+                    .take(5 - total.command_errors.len().min(5))
+                    .cloned(),
+            );
             total.leaked_blocks += r.leaked_blocks;
             total.leaked_slots += r.leaked_slots;
             total.lost_final_events += r.lost_final_events;
@@ -374,6 +478,7 @@ impl SoakReport {
                     .take(5 - total.bystander_errors.len().min(5))
                     .cloned(),
             );
+            total.kv_blocks = total.kv_blocks.max(r.kv_blocks);
             total.preemptions += r.preemptions;
             total.spills += r.spills;
             total.orphaned += r.orphaned;
@@ -411,12 +516,20 @@ fn idle_facts(client: &EngineClient, limit: Duration) -> (DeviceFacts, usize) {
     (stats.facts, stats.orphans)
 }
 
+/// What a completed request must answer: the request's output served alone.
+#[derive(Debug, Clone, PartialEq)]
+struct Expected {
+    tokens: Vec<u32>,
+    /// Its logits digest (`None` unless the request asked for one).
+    digest: Option<u64>,
+}
+
 /// The counts of `served`, given each request's reference output (by plan index) and the ids a
 /// fault hit.
 fn count(
     run: &str,
     served: &[Served],
-    reference: &dyn Fn(usize, &Served) -> Vec<u32>,
+    reference: &dyn Fn(usize, &Served) -> Expected,
     hit: &BTreeSet<u64>,
 ) -> SoakReport {
     let mut report = SoakReport {
@@ -426,15 +539,18 @@ fn count(
     };
     for (index, s) in served.iter().enumerate() {
         match &s.outcome {
-            Outcome::Completed(tokens) => {
+            Outcome::Completed(tokens, digest) => {
                 report.completed += 1;
-                if *tokens != reference(index, s) {
+                let expected = reference(index, s);
+                if *tokens != expected.tokens {
                     report.mismatches += 1;
+                } else if *digest != expected.digest {
+                    report.digest_mismatches += 1;
                 }
             }
             Outcome::Cancelled(tokens) => {
                 report.cancelled += 1;
-                if !reference(index, s).starts_with(tokens) {
+                if !reference(index, s).tokens.starts_with(tokens) {
                     report.mismatches += 1;
                 }
             }
@@ -465,7 +581,8 @@ fn soak_engine<D>(
     engine: scheduler::Engine<D>,
     planned: &[Planned],
     clients: usize,
-    reference: &dyn Fn(usize, &Served) -> Vec<u32>,
+    control: Option<&Control>,
+    reference: &dyn Fn(usize, &Served) -> Expected,
     faults: Option<&Arc<Mutex<FaultRecord>>>,
 ) -> SoakReport
 where
@@ -475,7 +592,7 @@ where
     let start = Instant::now();
     let thread = EngineThread::spawn(engine).expect("engine thread");
     let client = thread.client();
-    let served = serve(&client, planned, clients);
+    let (served, controlled) = serve(&client, planned, clients, control);
     let (facts, orphans) = idle_facts(&client, Duration::from_secs(120));
     let metrics = thread
         .shutdown(ShutdownMode::Drain)
@@ -488,6 +605,7 @@ where
         None => (BTreeSet::new(), 0),
     };
     let mut report = count(run, &served, reference, &hit);
+    report.kv_blocks = facts.kv_blocks_total as u64;
     report.leaked_blocks = (facts.kv_blocks_total - facts.kv_blocks_free) as u64;
     report.leaked_slots = (facts.live_slots_used + orphans) as u64;
     report.preemptions = metrics.preemptions;
@@ -500,6 +618,9 @@ where
     report.drafted = metrics.drafted;
     report.accepted = metrics.accepted;
     report.spec_flights = metrics.spec_flights;
+    report.commands = controlled.sent;
+    report.command_failures = controlled.failures.len() as u64;
+    report.command_errors = controlled.failures.into_iter().take(5).collect();
     report.wall_s = start.elapsed().as_secs_f64();
     report
 }
@@ -780,6 +901,12 @@ impl RouterOptions {
         if workload.adapters > 0 {
             label += &format!(" lora {}", workload.adapters);
         }
+        if workload.digest_percent > 0 {
+            label += &format!(" digests {}%", workload.digest_percent);
+        }
+        if workload.command_every_ms > 0 {
+            label += &format!(" commands every {} ms", workload.command_every_ms);
+        }
         if self.fault_percent > 0 {
             label += &format!(" faults {}%", self.fault_percent);
         }
@@ -826,6 +953,29 @@ impl Adapters {
             paths,
         }
     }
+
+    /// Operations that change no request's output: clearing the prefix cache, and (on a
+    /// router with adapter slots) loading the first adapter's weights once more under the next
+    /// id and unloading it, or, without adapters, listing them.
+    fn churn(&self, lora: bool) -> Vec<ControlOp> {
+        let mut ops = vec![ControlOp::ClearPrefixCache];
+        match self.paths.first() {
+            _ if !lora => {}
+            None => ops.push(ControlOp::Lora(LoraCommand::List)),
+            Some(path) => {
+                let extra = self.paths.len() as u32 + 1;
+                ops.insert(
+                    0,
+                    ControlOp::Lora(LoraCommand::Load {
+                        adapter: extra,
+                        path: path.clone(),
+                    }),
+                );
+                ops.push(ControlOp::Lora(LoraCommand::Unload { adapter: extra }));
+            }
+        }
+        ops
+    }
 }
 
 /// What differs between the engines of a run (its reference and the soaked one).
@@ -862,7 +1012,8 @@ fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<back
         prefix_cache: shape.caches,
         marconi: shape.caches,
         max_depth: shape.depth,
-        lora_slots: adapters.max(device_cpu::DEFAULT_LORA_SLOTS),
+        // One more than the run's adapters, for the control thread's.
+        lora_slots: (adapters + 1).max(device_cpu::DEFAULT_LORA_SLOTS),
         ..BackendOptions::new(shape.kv_blocks, shape.slots)
     };
     let router = backend::build_router(options.model.clone(), backend_options).expect("the router");
@@ -896,7 +1047,7 @@ fn engine(
 /// Each request of `planned` served alone on a fresh engine over `options`' router with both
 /// caches off, at depth 1, without speculation (one at a time on one engine: with the caches off
 /// nothing carries over from one request to the next).
-fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> Vec<Vec<u32>> {
+fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> Vec<Expected> {
     let shape = Shape {
         kv_blocks: options.max_context.div_ceil(BLOCK) + 1,
         slots: 1,
@@ -915,7 +1066,11 @@ fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> V
         .map(|item| {
             let handle = engine.submit(item.request()).expect("reference request");
             engine.run_until_idle();
-            handle.wait().expect("reference output").tokens
+            let completion = handle.wait().expect("reference output");
+            Expected {
+                tokens: completion.tokens,
+                digest: completion.logits_digest,
+            }
         })
         .collect();
     engine
@@ -929,7 +1084,7 @@ fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> V
 fn speculation(
     options: &RouterOptions,
     planned: &[Planned],
-    alone: &[Vec<u32>],
+    alone: &[Expected],
 ) -> Option<Speculation> {
     if options.mtp == 0 {
         return None;
@@ -939,7 +1094,7 @@ fn speculation(
             planned
                 .iter()
                 .zip(alone)
-                .map(|(item, output)| item.prompt.iter().chain(output).copied().collect())
+                .map(|(item, output)| item.prompt.iter().chain(&output.tokens).copied().collect())
                 .collect(),
         ),
         wrong,
@@ -1008,6 +1163,10 @@ fn soak_runs(
     let alone = alone(options, &planned, &adapters);
     let reference = |index: usize, _: &Served| alone[index].clone();
     let speculation = speculation(options, &planned, &alone);
+    let control = (workload.command_every_ms > 0).then(|| Control {
+        every: Duration::from_millis(workload.command_every_ms),
+        commands: adapters.churn(options.router == RouterKind::Host),
+    });
     modes
         .iter()
         .map(|&mode| {
@@ -1042,6 +1201,7 @@ fn soak_runs(
                 engine,
                 &planned,
                 workload.clients,
+                control.as_ref(),
                 &reference,
                 Some(&record),
             );
@@ -1062,10 +1222,11 @@ pub fn soak_faults(
     preemption: scheduler::Preemption,
 ) -> SoakReport {
     use device_io::testing::{ScriptedConfig, ScriptedRouter};
-    // The scripted router answers tokens of its own (greedy) and has no adapters.
+    // The scripted router answers tokens of its own (greedy), has no adapters and no logits.
     let planned = plan(&WorkloadOptions {
         sampled_percent: 0,
         adapters: 0,
+        digest_percent: 0,
         ..workload.clone()
     });
     let shape = ScriptedConfig {
@@ -1082,13 +1243,17 @@ pub fn soak_faults(
     );
     let record = chaos.record();
     let oracle = ScriptedRouter::new(shape);
-    let reference = |_: usize, served: &Served| -> Vec<u32> {
-        let (Some(id), prompt) = (served.id, served.planned.prompt.len()) else {
-            return Vec::new();
+    let reference = |_: usize, served: &Served| {
+        let tokens = match (served.id, served.planned.prompt.len()) {
+            (Some(id), prompt) => (0..served.planned.max_tokens)
+                .map(|i| oracle.fallback_token(id, prompt + i))
+                .collect(),
+            (None, _) => Vec::new(),
         };
-        (0..served.planned.max_tokens)
-            .map(|i| oracle.fallback_token(id, prompt + i))
-            .collect()
+        Expected {
+            tokens,
+            digest: None,
+        }
     };
     let engine =
         scheduler::Engine::new(chaos, engine_config(slots, preemption, None)).expect("engine");
@@ -1097,6 +1262,7 @@ pub fn soak_faults(
         engine,
         &planned,
         workload.clients,
+        None,
         &reference,
         Some(&record),
     )

@@ -1,8 +1,10 @@
 //! A small soak in CI (the full one is `cargo xtask soak`): load on the host router with both
 //! caches on, the same workload under memory pressure (spill to memory, spill to a directory,
 //! recompute), and random faults on the scripted router; then the features that landed later,
-//! together: depth 2, MTP speculation, seeded sampled rows and LoRA adapters on the host router
-//! (with random faults on it), and depth 2 with speculation on the CUDA router on `SimRuntime`.
+//! together: depth 2, MTP speculation, seeded sampled rows, logits digests and LoRA adapters on
+//! the host router (with random faults on it, and LoRA commands and prefix-cache clears while
+//! steps are in flight), and depth 2 with speculation and sampled rows on the CUDA router on
+//! `SimRuntime`.
 //! Every run must end with every failure count at zero: no lost final event, no mismatch against
 //! the request served alone, no leaked block or slot, no bystander failure.
 
@@ -64,6 +66,8 @@ fn load_workload() -> WorkloadOptions {
         vocab_size: 256,
         sampled_percent: 0,
         adapters: 0,
+        digest_percent: 0,
+        command_every_ms: 0,
         seed: 11,
     }
 }
@@ -116,6 +120,8 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
         vocab_size: 1000,
         sampled_percent: 0,
         adapters: 0,
+        digest_percent: 0,
+        command_every_ms: 0,
         seed: 12,
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
@@ -135,14 +141,17 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
 }
 
 /// The workload of the feature runs: [`load_workload`]'s prompts (long enough for prefix hits
-/// at 16-token blocks), a third of the requests sampled, and `adapters` adapters bound at random.
+/// at 16-token blocks), a third of the requests sampled, a fifth asking for logits digests, and
+/// `adapters` adapters bound at random.
 fn feature_workload(requests: usize, adapters: u32, seed: u64) -> WorkloadOptions {
     WorkloadOptions {
         requests,
+        prompt_len: 8..=40,
         max_tokens: 4..=16,
-        prefixes: 2,
+        prefixes: 1,
         sampled_percent: 34,
         adapters,
+        digest_percent: 20,
         seed,
         ..load_workload()
     }
@@ -177,8 +186,9 @@ fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_rou
     check_features(&report);
     assert!(report.with_adapter > 0, "{report:?}");
     // Memory pressure and random faults on the router: drafts that are all accepted (a drafter
-    // knowing the reference output), spilled sequences; then plain fed decoding at depth 2,
-    // preempted sequences recomputed.
+    // knowing the reference output), spilled sequences, with LoRA commands and prefix-cache
+    // clears arriving while steps are in flight; then plain fed decoding at depth 2, preempted
+    // sequences recomputed.
     let perfect = RouterOptions {
         kv_blocks: 4,
         mtp: 3,
@@ -186,12 +196,23 @@ fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_rou
         fault_percent: 2,
         ..options
     };
-    let spilled = soak::soak_pressure(&workload, &perfect, &[PressureMode::SpillMemory]);
+    // Short prompts and long outputs: admitted, then outgrowing the pool while decoding.
+    let pressure = WorkloadOptions {
+        prompt_len: 1..=12,
+        max_tokens: 16..=32,
+        ..workload
+    };
+    let commanded = WorkloadOptions {
+        command_every_ms: 20,
+        ..pressure.clone()
+    };
+    let spilled = soak::soak_pressure(&commanded, &perfect, &[PressureMode::SpillMemory]);
     check(&spilled[0]);
     assert!(spilled[0].spills > 0, "{spilled:?}");
     assert!(spilled[0].accepted > 0, "{spilled:?}");
+    assert!(spilled[0].commands > 0, "{spilled:?}");
     let plain = RouterOptions { mtp: 0, ..perfect };
-    let recomputed = soak::soak_pressure(&workload, &plain, &[PressureMode::Recompute]);
+    let recomputed = soak::soak_pressure(&pressure, &plain, &[PressureMode::Recompute]);
     check(&recomputed[0]);
     assert!(recomputed[0].preemptions > 0, "{recomputed:?}");
     assert!(recomputed[0].fed_launches > 0, "{recomputed:?}");

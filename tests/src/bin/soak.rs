@@ -66,6 +66,15 @@ struct Args {
     /// LoRA adapters loaded (ids 1..=N); requests name one of them or none, at random
     #[arg(long, default_value_t = 0)]
     lora: u32,
+    /// Percent of requests that ask for a logits digest (compared bit for bit with the
+    /// request's served alone)
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    digest_percent: u32,
+    /// Every this many milliseconds while the clients run, clear the prefix cache or (host
+    /// router) send a LoRA command, in turn (load and unload one more adapter, or list them;
+    /// each drains a step in flight); 0: none
+    #[arg(long, default_value_t = 0)]
+    command_ms: u64,
     /// Which runs: load, pressure (spill to memory, to a directory, recompute), faults (the
     /// scripted router)
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Run::Load, Run::Pressure, Run::Faults])]
@@ -139,6 +148,8 @@ fn main() -> ExitCode {
         vocab_size,
         sampled_percent: args.sampled_percent,
         adapters: args.lora,
+        digest_percent: args.digest_percent,
+        command_every_ms: args.command_ms,
         seed: args.seed,
     };
     let max_context = args.max_prompt + args.max_tokens;
