@@ -45,7 +45,7 @@ use rand_chacha::ChaCha8Rng;
 use scheduler::backend::{self, BackendOptions, Device};
 use scheduler::{
     Drafter, EngineClient, EngineConfig, EngineThread, Event, FinishReason, LoraCommand,
-    RandomSampling, Request, Sampling, ShutdownMode, SpecOverlap, Speculation,
+    RandomSampling, Request, Sampling, ServeError, ShutdownMode, SpecOverlap, Speculation,
 };
 use serde::Serialize;
 
@@ -82,6 +82,9 @@ pub struct WorkloadOptions {
     /// (each drains a step in flight): with adapters, loading one more (id `adapters + 1`) and
     /// unloading it; without, listing them. Zero: none.
     pub command_every_ms: u64,
+    /// Abort the engine (`ShutdownMode::Abort`) this many milliseconds into the run, with
+    /// requests waiting, running and in flight, instead of draining it at idle. Zero: drain.
+    pub abort_after_ms: u64,
     /// Seed of everything random.
     pub seed: u64,
 }
@@ -202,6 +205,8 @@ enum Outcome {
     Cancelled(Vec<u32>),
     Failed(String),
     Refused(String),
+    /// Failed or refused because the engine was shut down (an abort run's expected end).
+    Stopped,
     Dropped,
     /// The stream ended without a proper final event (none, or events after it).
     Lost,
@@ -242,6 +247,9 @@ fn read_stream(handle: &scheduler::RequestHandle, cancel_after: Option<usize>) -
                     std::mem::take(&mut tokens),
                     logits_digest,
                 ))
+            }
+            Event::Error(ServeError::Shutdown | ServeError::EngineStopped) => {
+                outcome = Some(Outcome::Stopped)
             }
             Event::Error(err) => outcome = Some(Outcome::Failed(err.to_string())),
         }
@@ -289,8 +297,11 @@ fn send_commands(
             ControlOp::Lora(lora) => client.lora(lora.clone()).map(drop),
             ControlOp::ClearPrefixCache => client.clear_prefix_cache(),
         };
-        if let Err(err) = answer {
-            controlled.failures.push(format!("{command:?}: {err}"));
+        match answer {
+            Ok(()) => {}
+            // An abort run stops the engine under the control thread's feet.
+            Err(scheduler::ControlError::EngineStopped) => break,
+            Err(err) => controlled.failures.push(format!("{command:?}: {err}")),
         }
         controlled.sent += 1;
     }
@@ -321,6 +332,11 @@ fn serve(
             scope.spawn(move || {
                 for (index, item) in planned.iter().enumerate().skip(worker).step_by(clients) {
                     let served = match client.submit(item.request()) {
+                        Err(scheduler::RequestError::EngineStopped) => Served {
+                            id: None,
+                            planned: item.clone(),
+                            outcome: Outcome::Stopped,
+                        },
                         Err(err) => Served {
                             id: None,
                             planned: item.clone(),
@@ -379,6 +395,12 @@ pub struct SoakReport {
     pub failed: u64,
     /// Handles dropped unread.
     pub dropped: u64,
+    /// Requests failed or refused because an abort run stopped the engine.
+    pub stopped: u64,
+    /// Shutdowns that answered an error (an abort must leave nothing behind either), with the
+    /// error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_error: Option<String>,
     /// Submissions refused.
     pub refused: u64,
     /// Completed (or cancelled) requests whose tokens differ from the request served alone.
@@ -444,6 +466,7 @@ impl SoakReport {
             && self.lost_final_events == 0
             && self.bystander_failures == 0
             && self.refused == 0
+            && self.shutdown_error.is_none()
     }
 
     /// The sum of `reports` (named `run`).
@@ -458,6 +481,10 @@ impl SoakReport {
             total.cancelled += r.cancelled;
             total.failed += r.failed;
             total.dropped += r.dropped;
+            total.stopped += r.stopped;
+            if total.shutdown_error.is_none() {
+                total.shutdown_error.clone_from(&r.shutdown_error);
+            }
             total.refused += r.refused;
             total.mismatches += r.mismatches;
             total.digest_mismatches += r.digest_mismatches;
@@ -567,6 +594,7 @@ fn count(
                 }
             }
             Outcome::Refused(_) => report.refused += 1,
+            Outcome::Stopped => report.stopped += 1,
             Outcome::Dropped => report.dropped += 1,
             Outcome::Lost => report.lost_final_events += 1,
         }
@@ -574,14 +602,25 @@ fn count(
     report
 }
 
-/// Runs `planned` on `engine` (on its own thread) and checks it; `reference` gives the output
-/// each request must have, `faults` the record of injected faults (if any).
+/// How a run serves its requests.
+#[derive(Debug, Clone, Copy)]
+struct Serving<'a> {
+    /// Client threads.
+    clients: usize,
+    /// The control thread's operations, if any.
+    control: Option<&'a Control>,
+    /// Abort the engine this long into the run (else drain it at idle).
+    abort_after: Option<Duration>,
+}
+
+/// Runs `planned` on `engine` (on its own thread), served as `serving` says, and checks it;
+/// `reference` gives the output each request must have, `faults` the record of injected faults
+/// (if any).
 fn soak_engine<D>(
     run: &str,
     engine: scheduler::Engine<D>,
     planned: &[Planned],
-    clients: usize,
-    control: Option<&Control>,
+    serving: Serving<'_>,
     reference: &dyn Fn(usize, &Served) -> Expected,
     faults: Option<&Arc<Mutex<FaultRecord>>>,
 ) -> SoakReport
@@ -592,11 +631,32 @@ where
     let start = Instant::now();
     let thread = EngineThread::spawn(engine).expect("engine thread");
     let client = thread.client();
-    let (served, controlled) = serve(&client, planned, clients, control);
-    let (facts, orphans) = idle_facts(&client, Duration::from_secs(120));
-    let metrics = thread
-        .shutdown(ShutdownMode::Drain)
-        .expect("a clean shutdown");
+    let Serving {
+        clients,
+        control,
+        abort_after,
+    } = serving;
+    let (served, controlled, idle, shutdown) = match abort_after {
+        None => {
+            let (served, controlled) = serve(&client, planned, clients, control);
+            let idle = idle_facts(&client, Duration::from_secs(120));
+            let shutdown = thread.shutdown(ShutdownMode::Drain);
+            (served, controlled, Some(idle), shutdown)
+        }
+        // The clients keep submitting and reading while the engine is aborted under them; what
+        // it held is checked by the router's teardown (the shutdown answers what it reports).
+        Some(after) => std::thread::scope(|scope| {
+            let serving = scope.spawn(|| serve(&client, planned, clients, control));
+            std::thread::sleep(after);
+            let shutdown = thread.shutdown(ShutdownMode::Abort);
+            let (served, controlled) = serving.join().expect("the clients");
+            (served, controlled, None, shutdown)
+        }),
+    };
+    let (metrics, shutdown_error) = match shutdown {
+        Ok(metrics) => (metrics, None),
+        Err(err) => (scheduler::Metrics::default(), Some(err.to_string())),
+    };
     let (hit, injected) = match faults {
         Some(record) => {
             let record = record.lock().unwrap_or_else(|e| e.into_inner());
@@ -605,9 +665,12 @@ where
         None => (BTreeSet::new(), 0),
     };
     let mut report = count(run, &served, reference, &hit);
-    report.kv_blocks = facts.kv_blocks_total as u64;
-    report.leaked_blocks = (facts.kv_blocks_total - facts.kv_blocks_free) as u64;
-    report.leaked_slots = (facts.live_slots_used + orphans) as u64;
+    if let Some((facts, orphans)) = idle {
+        report.kv_blocks = facts.kv_blocks_total as u64;
+        report.leaked_blocks = (facts.kv_blocks_total - facts.kv_blocks_free) as u64;
+        report.leaked_slots = (facts.live_slots_used + orphans) as u64;
+    }
+    report.shutdown_error = shutdown_error;
     report.preemptions = metrics.preemptions;
     report.spills = metrics.spills;
     report.orphaned = metrics.orphaned_sequences;
@@ -907,6 +970,9 @@ impl RouterOptions {
         if workload.command_every_ms > 0 {
             label += &format!(" commands every {} ms", workload.command_every_ms);
         }
+        if workload.abort_after_ms > 0 {
+            label += &format!(" aborted after {} ms", workload.abort_after_ms);
+        }
         if self.fault_percent > 0 {
             label += &format!(" faults {}%", self.fault_percent);
         }
@@ -1200,8 +1266,12 @@ fn soak_runs(
                 &options.label(workload, what),
                 engine,
                 &planned,
-                workload.clients,
-                control.as_ref(),
+                Serving {
+                    clients: workload.clients,
+                    control: control.as_ref(),
+                    abort_after: (workload.abort_after_ms > 0)
+                        .then(|| Duration::from_millis(workload.abort_after_ms)),
+                },
                 &reference,
                 Some(&record),
             );
@@ -1261,8 +1331,11 @@ pub fn soak_faults(
         "scripted: random faults",
         engine,
         &planned,
-        workload.clients,
-        None,
+        Serving {
+            clients: workload.clients,
+            control: None,
+            abort_after: None,
+        },
         &reference,
         Some(&record),
     )

@@ -46,7 +46,7 @@ fn check(report: &SoakReport) {
     eprintln!("{}", serde_json::to_string(report).unwrap());
     assert!(report.clean(), "{report:?}");
     assert_eq!(
-        report.completed + report.cancelled + report.failed + report.dropped,
+        report.completed + report.cancelled + report.failed + report.dropped + report.stopped,
         report.requests,
         "{report:?}"
     );
@@ -68,6 +68,7 @@ fn load_workload() -> WorkloadOptions {
         adapters: 0,
         digest_percent: 0,
         command_every_ms: 0,
+        abort_after_ms: 0,
         seed: 11,
     }
 }
@@ -122,6 +123,7 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
         adapters: 0,
         digest_percent: 0,
         command_every_ms: 0,
+        abort_after_ms: 0,
         seed: 12,
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
@@ -227,4 +229,20 @@ fn depth_two_speculation_and_sampling_under_load_on_the_cuda_router() {
     // The CUDA router does not compute on the host's cores: cohorts by default.
     let options = mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto);
     check_features(&soak::soak_load(&workload, &options));
+}
+
+/// An abort with requests waiting, running and in flight (verifications by cohorts, LoRA
+/// commands arriving): every stream still ends with one final event, what completed is exact,
+/// and the router's teardown finds nothing held.
+#[test]
+fn an_abort_under_load_at_depth_two_with_speculation_leaves_nothing_behind() {
+    let workload = WorkloadOptions {
+        command_every_ms: 20,
+        abort_after_ms: 300,
+        ..feature_workload(48, 2, 23)
+    };
+    let options = mtp_at_depth_two(RouterKind::Host, 24, SpecOverlap::Cohorts);
+    let report = soak::soak_load(&workload, &options);
+    check(&report);
+    assert!(report.stopped > 0, "{report:?}");
 }

@@ -75,8 +75,12 @@ struct Args {
     /// each drains a step in flight); 0: none
     #[arg(long, default_value_t = 0)]
     command_ms: u64,
+    /// How long into the abort run the engine is aborted (with requests waiting, running and
+    /// in flight), in milliseconds
+    #[arg(long, default_value_t = 1000)]
+    abort_after_ms: u64,
     /// Which runs: load, pressure (spill to memory, to a directory, recompute), faults (the
-    /// scripted router)
+    /// scripted router), abort (the load run, aborted after --abort-after-ms)
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Run::Load, Run::Pressure, Run::Faults])]
     runs: Vec<Run>,
     /// The model folder (config.json and safetensors) [default: the tiny fixture, with its MTP
@@ -115,6 +119,7 @@ enum Run {
     Load,
     Pressure,
     Faults,
+    Abort,
 }
 
 fn main() -> ExitCode {
@@ -150,6 +155,7 @@ fn main() -> ExitCode {
         adapters: args.lora,
         digest_percent: args.digest_percent,
         command_every_ms: args.command_ms,
+        abort_after_ms: 0,
         seed: args.seed,
     };
     let max_context = args.max_prompt + args.max_tokens;
@@ -212,6 +218,15 @@ fn main() -> ExitCode {
             print_json(&report);
             reports.push(report);
         }
+    }
+    if args.runs.contains(&Run::Abort) {
+        let aborted = WorkloadOptions {
+            abort_after_ms: args.abort_after_ms.max(1),
+            ..workload.clone()
+        };
+        let report = soak::soak_load(&aborted, &router);
+        print_json(&report);
+        reports.push(report);
     }
     if args.runs.contains(&Run::Faults) {
         let faults = WorkloadOptions {
