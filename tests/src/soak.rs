@@ -1282,12 +1282,12 @@ fn soak_runs(
         .collect()
 }
 
-/// The scripted router with random faults at launch, await and per-sequence effects
+/// The scripted router at `depth` with random faults at launch, await and per-sequence effects
 /// (`fault_percent`% each), on `blocks` KV blocks of 4 tokens and `slots` slots.
 pub fn soak_faults(
     workload: &WorkloadOptions,
-    blocks: usize,
-    slots: usize,
+    depth: usize,
+    (blocks, slots): (usize, usize),
     fault_percent: u32,
     preemption: scheduler::Preemption,
 ) -> SoakReport {
@@ -1304,7 +1304,7 @@ pub fn soak_faults(
         num_blocks: blocks,
         num_slots: slots,
         vocab_size: workload.vocab_size as usize,
-        max_depth: 1,
+        max_depth: depth,
     };
     let chaos = Chaos::new(
         ScriptedRouter::new(shape),
@@ -1328,7 +1328,7 @@ pub fn soak_faults(
     let engine =
         scheduler::Engine::new(chaos, engine_config(slots, preemption, None)).expect("engine");
     soak_engine(
-        "scripted: random faults",
+        &format!("scripted depth {depth}: random faults"),
         engine,
         &planned,
         Serving {

@@ -127,19 +127,22 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
         seed: 12,
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
-    // faults meet preemption (spills, restores) too.
-    let report = soak::soak_faults(
-        &workload,
-        16,
-        4,
-        3,
-        scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
-    );
-    check(&report);
-    assert!(report.faults_injected > 0, "{report:?}");
-    assert!(report.preemptions > 0, "{report:?}");
-    assert!(report.failed > 0, "{report:?}");
-    assert!(report.completed > 0, "{report:?}");
+    // faults meet preemption (spills, restores) too; at depth 2 they meet fed steps.
+    for depth in [1, 2] {
+        let report = soak::soak_faults(
+            &workload,
+            depth,
+            (16, 4),
+            3,
+            scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
+        );
+        check(&report);
+        assert!(report.faults_injected > 0, "{report:?}");
+        assert!(report.preemptions > 0, "{report:?}");
+        assert!(report.failed > 0, "{report:?}");
+        assert!(report.completed > 0, "{report:?}");
+        assert_eq!(report.fed_launches > 0, depth == 2, "{report:?}");
+    }
 }
 
 /// The workload of the feature runs: [`load_workload`]'s prompts (long enough for prefix hits

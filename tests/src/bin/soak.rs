@@ -48,7 +48,7 @@ struct Args {
     /// The router of the load and pressure runs
     #[arg(long, value_enum, default_value_t = RouterArg::Host)]
     router: RouterArg,
-    /// Pipeline depth of the load and pressure runs (1 or 2)
+    /// Pipeline depth of the runs (1 or 2)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=2))]
     depth: u16,
     /// Drafts per row and step of speculative decoding (0: off)
@@ -235,8 +235,8 @@ fn main() -> ExitCode {
         };
         let fault_run = soak::soak_faults(
             &faults,
-            max_context.div_ceil(4) * 3,
-            args.clients,
+            usize::from(args.depth),
+            (max_context.div_ceil(4) * 3, args.clients),
             args.fault_percent,
             scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
         );
