@@ -10,8 +10,8 @@
 # rates: what two cores give when nothing is shared but the machine (memory bandwidth, caches,
 # clock), the ceiling any 2-thread split of one forward pass can reach on this machine.
 #
-# A thread count written `TjJ` (e.g. `2j1`) runs T threads with J jobs per thread and parallel
-# region (`--jobs-per-thread J`; the default is 8), to compare the split of the regions.
+# A thread count written `TjJ` (e.g. `2j1`) runs T threads with `--jobs-per-thread J` (no job
+# is more than 1/(J x T) of its region; the default is 8), to compare the split of the regions.
 #
 # For a ratio that the machine's drift between rounds hurts less, use the example's in-process
 # `--compare` (e.g. `throughput --compare 1,2,2x1 --rounds 15 --work prefill:2048,decode:32`:

@@ -9,8 +9,8 @@
 //!                      seed 0, the replay's default)
 //!   --save DIR         write the model as a checkpoint (config.json + model.safetensors) and exit
 //!   --threads N        threads of the forward pass (default 1)
-//!   --jobs-per-thread J  jobs each parallel region is cut into per thread (default: the
-//!                      model's, 8; see `Scratch::set_jobs_per_thread`)
+//!   --jobs-per-thread J  no job of a parallel region is more than 1/(J x threads) of it
+//!                      (default: the model's, 8; see `Scratch::set_jobs_per_thread`)
 //!   --work LIST        comma-separated `prefill:N`, `decode:B`, `chunk:S` and `step:B` items
 //!                      (default prefill:128,prefill:512,prefill:2048,decode:1,decode:8,decode:32);
 //!                      `chunk:S` prefills one 128-token chunk at positions S..S+128 over a
@@ -22,7 +22,7 @@
 //!   --steps S          decode steps per measurement (default 32)
 //!   --repeat R         measurements per item; the best is reported (default 3)
 //!   --compare LIST     instead of one thread count, compare comma-separated settings in one
-//!                      process: `T` (T threads), `TjJ` (T threads, J jobs per thread), `Nx1`
+//!                      process: `T` (T threads), `TjJ` (T threads, `--jobs-per-thread J`), `Nx1`
 //!                      (N one-thread passes at once, each on its own copy of the inputs, rates
 //!                      added: what N cores give when nothing is shared but the machine, the
 //!                      ceiling of any N-thread split). Each round measures every item once per

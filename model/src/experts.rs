@@ -83,8 +83,8 @@ fn run_worker(shard: Shard, jobs: Receiver<ToWorker>, results: Sender<Vec<Expert
                         w,
                         &batch.data,
                         batch.rows,
-                        &mut act,
-                        &mut out,
+                        (&mut act, &mut out),
+                        None,
                         None,
                     );
                     let len = batch.rows * w.down.out_dim;

@@ -19,10 +19,10 @@ use std::sync::Arc;
 
 use crate::config::DtClamp;
 use crate::experts::{ExpertBatch, ExpertPool};
-use crate::gemm::Kernels;
+use crate::gemm::{Epilogue, Kernels};
 use crate::lora::{LoraAdapter, Target};
 use crate::math::{
-    exp_simd, matmul, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
+    exp_simd, matmul, matmul_then, relu2, rms_norm, sigmoid, silu, softplus, sum_squares, Matmul,
 };
 use crate::state::{KvPool, MambaStates};
 use crate::weights::{
@@ -163,11 +163,13 @@ impl Scratch {
         self.mm.kernels.threads
     }
 
-    /// Sets how many jobs each parallel region is cut into per thread (default 8; ignored on
-    /// one thread). Threads take the jobs one at a time, so more, smaller jobs let a thread that
-    /// runs slower (a busier core, a later wake-up) do less of the region instead of holding up
-    /// its join, at the cost of one task hand-off per job; `1` cuts each region into about one
-    /// job per thread. A tuning knob for benchmarks: it never changes any output bit.
+    /// Sets how finely each parallel region is cut: no job is more than `1 / (jobs * threads)`
+    /// of the region (default 8 jobs per thread; ignored on one thread). Jobs also shrink
+    /// towards the region's end (each at most `1 / (2 * threads)` of what is left), and the
+    /// threads take them one at a time in order, so a thread that runs slower (a busier core, a
+    /// later wake-up) does less of the region instead of holding up its join, at the cost of one
+    /// hand-off per job; with `1`, only the shrinking bounds the jobs (a quarter of the region
+    /// first on two threads). A tuning knob for benchmarks: it never changes any output bit.
     pub fn set_jobs_per_thread(&mut self, jobs: usize) -> Result<(), ModelError> {
         if jobs == 0 {
             return Err(ModelError::InvalidConfig {
@@ -671,9 +673,9 @@ fn stack(
                     w,
                     normed,
                     m,
-                    &mut scratch.mixed,
-                    &mut scratch.out,
+                    (&mut scratch.mixed, &mut scratch.out),
                     Some(lora),
+                    None,
                 );
             }
             Mixer::Moe(w) => moe(config, w, scratch, m, first_layer + i, lora)?,
@@ -766,36 +768,44 @@ fn head(
 
 /// Dense MLP: `out = down(relu(up x)²)`, with each row's LoRA terms on `up` and `down` when
 /// `lora` names the layer (the dense MLP and the MoE shared expert; never a routed expert).
+/// Without LoRA terms the activation is applied in the `up` product's tasks, and `down_then`
+/// (if any) in the `down` product's; with them, `down_then` must be `None` (the terms come after
+/// the product).
 pub(crate) fn mlp(
     mm: &mut Matmul,
     w: &MlpWeights,
     x: &[f32],
     m: usize,
-    act: &mut Vec<f32>,
-    out: &mut Vec<f32>,
+    (act, out): (&mut Vec<f32>, &mut Vec<f32>),
     mut lora: Option<&mut LoraWork<'_, '_>>,
+    down_then: Option<Epilogue<'_>>,
 ) {
     let act = take(act, m * w.up.out_dim);
-    matmul(mm, x, m, &w.up, act);
-    if let Some(lora) = lora.as_mut().filter(|l| l.active()) {
-        let site = LoraSite {
-            target: Target::Up,
-            stride: w.up.out_dim,
-            offset: 0,
-        };
-        lora.apply(mm, x, w.up.in_dim, site, act);
-    }
-    relu2(act);
     let out = take(out, m * w.down.out_dim);
+    let Some(lora) = lora.as_mut().filter(|l| l.active()) else {
+        matmul_then(mm, x, m, &w.up, act, Some(&|_, _, cols| relu2(cols)));
+        matmul_then(mm, act, m, &w.down, out, down_then);
+        return;
+    };
+    debug_assert!(
+        down_then.is_none(),
+        "LoRA terms come after the down product"
+    );
+    matmul(mm, x, m, &w.up, act);
+    let site = LoraSite {
+        target: Target::Up,
+        stride: w.up.out_dim,
+        offset: 0,
+    };
+    lora.apply(mm, x, w.up.in_dim, site, act);
+    relu2(act);
     matmul(mm, act, m, &w.down, out);
-    if let Some(lora) = lora.as_mut().filter(|l| l.active()) {
-        let site = LoraSite {
-            target: Target::Down,
-            stride: w.down.out_dim,
-            offset: 0,
-        };
-        lora.apply(mm, act, w.down.in_dim, site, out);
-    }
+    let site = LoraSite {
+        target: Target::Down,
+        stride: w.down.out_dim,
+        offset: 0,
+    };
+    lora.apply(mm, act, w.down.in_dim, site, out);
 }
 
 /// A Mamba layer's sizes and constants, as [`mamba`] and [`mamba_rows`] both read them.
@@ -2066,6 +2076,27 @@ fn moe(
             });
         }
     }
+    // Without a latent projection or expert workers, and without LoRA terms on the shared
+    // expert, its `down` product writes `out` and adds each token's routed sum to its columns
+    // in the same tasks: `routed + shared` per element, the bits of the separate pass below,
+    // one fork and join less.
+    if w.latent.is_none() && scratch.experts.is_none() && !lora.active() {
+        let (slots, counts) = (&scratch.token_slots, &scratch.token_counts);
+        let outputs = &scratch.expert_out[..scratch.expert_rows.len() * d];
+        let add_routed = |t: usize, first: usize, columns: &mut [f32]| {
+            add_routed_sum(t, (slots, counts, k), (outputs, d, first), columns);
+        };
+        mlp(
+            &mut scratch.mm,
+            &w.shared,
+            &scratch.normed[..m * d],
+            m,
+            (&mut scratch.shared_act, &mut scratch.out),
+            None,
+            Some(&add_routed),
+        );
+        return Ok(());
+    }
     // The shared expert's output goes to `mixed` (its activation to `shared_act`); `out`
     // receives the routed sum (projected back from the latent space if any) plus it.
     mlp(
@@ -2073,9 +2104,9 @@ fn moe(
         &w.shared,
         &scratch.normed[..m * d],
         m,
-        &mut scratch.shared_act,
-        &mut scratch.mixed,
+        (&mut scratch.shared_act, &mut scratch.mixed),
         Some(lora),
+        None,
     );
     let out = take(&mut scratch.out, m * d);
     let shared = &scratch.mixed[..m * d];
@@ -2128,6 +2159,33 @@ fn routed_sum(
         let output = &outputs[row * dim..(row + 1) * dim];
         for (a, &v) in acc.iter_mut().zip(output) {
             *a += v * weight;
+        }
+    }
+}
+
+/// `columns[j] += routed[j]` for columns `first..` of token `t`'s output, where
+/// `routed[j]` is [`routed_sum`]'s chain over its experts' `dim`-wide output rows (element by
+/// element the same operations in the same order, so the same bits as `routed_sum` then `+`).
+fn add_routed_sum(
+    t: usize,
+    (slots, counts, k): (&[(usize, f32)], &[usize], usize),
+    (outputs, dim, first): (&[f32], usize, usize),
+    columns: &mut [f32],
+) {
+    const WIDTH: usize = 16;
+    let experts = &slots[t * k..t * k + counts[t]];
+    for (block, columns) in columns.chunks_mut(WIDTH).enumerate() {
+        let start = first + block * WIDTH;
+        let mut acc = [0.0f32; WIDTH];
+        for &(row, weight) in experts {
+            let output = &outputs[row * dim + start..row * dim + start + columns.len()];
+            for (a, &v) in acc.iter_mut().zip(output) {
+                *a += v * weight;
+            }
+        }
+        // `shared + routed`: one rounded addition, the same bits as `routed + shared`.
+        for (c, a) in columns.iter_mut().zip(acc) {
+            *c += a;
         }
     }
 }

@@ -18,7 +18,7 @@
 //! change with the batch size (checked: they do for `k >= 1024`), and it is an `unsafe` API this
 //! crate forbids. Packing once at load is what makes batch-1 decode fast.
 
-use rayon::prelude::*;
+use std::sync::{Mutex, PoisonError};
 
 /// Output columns per panel: one AVX-512 register, two AVX2 registers.
 pub(crate) const NR: usize = 16;
@@ -81,15 +81,20 @@ impl Packed {
     }
 }
 
-/// How a forward pass runs its kernels: how many threads share the work, and which vector
-/// instructions the CPU has (detected once).
+/// How a forward pass runs its kernels: how many threads share the work, how finely a parallel
+/// region is cut into jobs, and which vector instructions the CPU has (detected once).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Kernels {
     pub threads: usize,
-    /// Jobs per thread a region is cut into when `threads > 1` (see [`Kernels::job_len`]).
+    /// A job is at most `1 / (jobs_per_thread * threads)` of a region when `threads > 1` (see
+    /// [`Kernels::job_sizes`]).
     pub jobs_per_thread: usize,
     pub arch: pulp::Arch,
 }
+
+/// A job is also at most `1 / (TAIL_SHARE * threads)` of the items left, so jobs shrink towards
+/// the end of a region.
+const TAIL_SHARE: usize = 2;
 
 impl Kernels {
     /// One thread, the CPU's best instruction set.
@@ -101,15 +106,64 @@ impl Kernels {
         }
     }
 
-    /// Items per job when `items` items of about equal cost are spread over the threads: about
-    /// `jobs_per_thread` jobs per thread. Rayon's own split stops at four jobs for two threads
-    /// (it splits further only what another thread steals), so a thread that runs slower (a
-    /// busier core, a later wake-up) would hold up the join with up to a quarter of the work;
-    /// with smaller jobs the other thread takes over more of them instead.
-    fn job_len(&self, items: usize) -> usize {
-        items
-            .div_ceil(self.threads * self.jobs_per_thread.max(1))
-            .max(1)
+    /// The sizes, in the order the threads take them (see [`Kernels::run_jobs`]), of the jobs
+    /// `items` items of about equal cost are cut into, each of at least `min` items (but the
+    /// last): one job on one thread. With several threads a job is at most
+    /// `1 / (jobs_per_thread * threads)` of the items, so a thread that stalls (a busier core, a
+    /// preempted vCPU) holds the join up by that much at most, and at most `1 / (2 * threads)`
+    /// of the items left (guided scheduling), so the jobs shrink towards the end of the region
+    /// and the threads finish within about one small job of each other, at few hand-offs per
+    /// region.
+    fn job_sizes(&self, items: usize, min: usize) -> Vec<usize> {
+        let min = min.max(1);
+        if self.threads <= 1 || items <= min {
+            return vec![items];
+        }
+        let cap = items.div_ceil(self.threads * self.jobs_per_thread.max(1));
+        let mut sizes = Vec::new();
+        let mut left = items;
+        while left > 0 {
+            let size = cap
+                .min(left.div_ceil(TAIL_SHARE * self.threads))
+                .max(min)
+                .min(left);
+            sizes.push(size);
+            left -= size;
+        }
+        sizes
+    }
+
+    /// Runs `f` on every job, spread over the threads when there are several: each thread
+    /// takes the next job in list order when it is free, so a thread that runs slower (a busier
+    /// core, a later wake-up) takes fewer jobs instead of holding up the join, and listing the
+    /// costliest jobs first balances the threads best. (Rayon's own split of a list hands each
+    /// thread a contiguous half first and lets the other steal halves of what is left, so the
+    /// list order would not be the order of work.)
+    fn run_jobs<J, F>(&self, jobs: Vec<J>, f: F)
+    where
+        J: Send,
+        F: Fn(J) + Sync,
+    {
+        if self.threads <= 1 || jobs.len() <= 1 {
+            jobs.into_iter().for_each(f);
+            return;
+        }
+        let helpers = self.threads.min(jobs.len()) - 1;
+        let queue = Mutex::new(jobs.into_iter());
+        let work = || loop {
+            // The lock is never held while a job runs, so a job that panics poisons nothing.
+            let job = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+            match job {
+                Some(job) => f(job),
+                None => break,
+            }
+        };
+        rayon::scope(|scope| {
+            for _ in 0..helpers {
+                scope.spawn(|_| work());
+            }
+            work();
+        });
     }
 
     /// Calls `f(index, chunk)` for each `chunk_len`-float chunk of `data` (the last may be
@@ -143,13 +197,22 @@ impl Kernels {
             for (index, chunk) in data.chunks_mut(chunk_len).enumerate() {
                 f(index, chunk);
             }
-        } else {
-            let per_job = self.job_len(data.len().div_ceil(chunk_len));
-            data.par_chunks_mut(chunk_len)
-                .enumerate()
-                .with_max_len(per_job)
-                .for_each(|(index, chunk)| f(index, chunk));
+            return;
         }
+        let mut jobs = Vec::new();
+        let mut rest = data;
+        let mut first = 0;
+        for size in self.job_sizes(rest.len().div_ceil(chunk_len), 1) {
+            let (job, tail) = rest.split_at_mut((size * chunk_len).min(rest.len()));
+            jobs.push((first, job));
+            rest = tail;
+            first += size;
+        }
+        self.run_jobs(jobs, |(first, job)| {
+            for (index, chunk) in job.chunks_mut(chunk_len).enumerate() {
+                f(first + index, chunk);
+            }
+        });
     }
 
     /// Calls `f(index, a_chunk, b_chunk)` for the chunks of `a` (`a_len` floats) and `b`
@@ -196,14 +259,23 @@ impl Kernels {
             for (index, (a, b)) in a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).enumerate() {
                 f(index, a, b);
             }
-        } else {
-            let per_job = self.job_len(a.len().div_ceil(a_len));
-            a.par_chunks_mut(a_len)
-                .zip(b.par_chunks_mut(b_len))
-                .enumerate()
-                .with_max_len(per_job)
-                .for_each(|(index, (a, b))| f(index, a, b));
+            return;
         }
+        let mut jobs = Vec::new();
+        let (mut a_rest, mut b_rest) = (a, b);
+        let mut first = 0;
+        for size in self.job_sizes(a_rest.len().div_ceil(a_len), 1) {
+            let (a_job, a_tail) = a_rest.split_at_mut((size * a_len).min(a_rest.len()));
+            let (b_job, b_tail) = b_rest.split_at_mut((size * b_len).min(b_rest.len()));
+            jobs.push((first, a_job, b_job));
+            (a_rest, b_rest) = (a_tail, b_tail);
+            first += size;
+        }
+        self.run_jobs(jobs, |(first, a, b)| {
+            for (index, (a, b)) in a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).enumerate() {
+                f(first + index, a, b);
+            }
+        });
     }
 
     /// Calls `f(task)` for each task, spread over the threads like [`Kernels::for_each_chunk`].
@@ -233,16 +305,21 @@ impl Kernels {
     {
         if self.threads <= 1 || tasks.len() <= 1 {
             tasks.iter_mut().for_each(f);
-        } else {
-            let per_job = self.job_len(tasks.len());
-            tasks.par_iter_mut().with_max_len(per_job).for_each(f);
+            return;
         }
+        let mut jobs = Vec::new();
+        let mut rest = tasks;
+        for size in self.job_sizes(rest.len(), 1) {
+            let (job, tail) = rest.split_at_mut(size);
+            jobs.push(job);
+            rest = tail;
+        }
+        self.run_jobs(jobs, |job: &mut [T]| job.iter_mut().for_each(&f));
     }
 
     /// Like [`Kernels::for_each_task`], for a few tasks of uneven cost: every task is a job of
-    /// its own (rayon's adaptive split would run runs of neighbouring tasks on one thread, so a
-    /// thread left idle at the end could find nothing to take), and the threads take them about
-    /// in list order, so listing the costliest first balances the threads best.
+    /// its own, and the threads take them in list order (see [`Kernels::run_jobs`]), so listing
+    /// the costliest first balances the threads best.
     ///
     /// With the `region-timing` feature, the call is timed as one region (see `regions`).
     #[track_caller]
@@ -266,17 +343,21 @@ impl Kernels {
         T: Send,
         F: Fn(&mut T) + Sync + Send,
     {
-        if self.threads <= 1 || tasks.len() <= 1 {
-            tasks.iter_mut().for_each(f);
-        } else {
-            tasks.par_iter_mut().with_max_len(1).for_each(f);
-        }
+        self.run_jobs(tasks.iter_mut().collect(), f);
     }
 }
 
-/// `out[rows, out_dim] = x[rows, in_dim] · W (+ bias)` with `w` packed; `tmp` is panel-major
-/// scratch (`panels * rows * 16` floats). See the module docs for the evaluation order.
+/// What a product does to each output row's columns right after computing them, in the same
+/// task: `f(row, first_column, columns)`. It must compute each element from that element and its
+/// place alone (an element-wise activation, adding another matrix's element), so that which task
+/// computes which columns changes no bit; it saves a pass over the output, and a fork and join.
+pub(crate) type Epilogue<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+
+/// `out[rows, out_dim] = x[rows, in_dim] · W (+ bias)` with `w` packed, then `then` over the
+/// output; `tmp` is panel-major scratch (`panels * rows * 16` floats). See the module docs for
+/// the evaluation order.
 #[track_caller]
+#[allow(clippy::too_many_arguments)] // the product's operands, its scratch, its output and epilogue
 pub(crate) fn matmul(
     kernels: &Kernels,
     x: &[f32],
@@ -285,6 +366,7 @@ pub(crate) fn matmul(
     bias: Option<&[f32]>,
     tmp: &mut Vec<f32>,
     out: &mut [f32],
+    then: Option<Epilogue<'_>>,
 ) {
     let (k, n) = (w.in_dim, w.out_dim);
     let out = &mut out[..rows * n];
@@ -298,31 +380,35 @@ pub(crate) fn matmul(
         tmp.resize(len, 0.0);
     }
     let tmp = &mut tmp[..len];
-    // Panels per task: one task on one thread; with several threads, about `jobs_per_thread`
-    // tasks per thread of at least `GROUP` panels, taken one at a time (see `for_each_uneven_task`),
-    // so a thread that runs slower (a busier core, a later wake-up) takes fewer of them instead of
-    // holding up the join with a fixed half. Each task re-reads all of `x`, which is small next to
-    // the weights it streams. A task also copies its columns of every row into `out` (and adds
-    // their bias), so no part of the product runs on one thread alone.
-    let per_task = if kernels.threads <= 1 {
-        w.panels
-    } else {
-        w.panels
-            .div_ceil(kernels.threads * kernels.jobs_per_thread.max(1))
-            .max(GROUP)
-    };
-    let mut tasks: Vec<PanelTask<'_>> = tmp
-        .chunks_mut(per_task * panel_floats)
-        .enumerate()
-        .map(|(task, panels)| PanelTask {
-            first: task * per_task,
+    // Panels per task: one task on one thread; with several threads, the jobs of
+    // `Kernels::job_sizes`, taken one at a time in order (see `Kernels::run_jobs`), so a thread
+    // that runs slower (a busier core, a later wake-up) takes fewer of them instead of holding
+    // up the join with a fixed half. A task has at least `GROUP` panels when the rows are fewer
+    // than a register tile (the wide tiles read `GROUP` panels at once); with more rows, one
+    // panel is a tile's full width. Each task re-reads all of `x`, which is small next to the
+    // weights it streams. A task also copies its columns of every row into `out` (and adds their
+    // bias), so no part of the product runs on one thread alone.
+    let min_panels = if rows < MR { GROUP } else { 1 };
+    let mut tasks: Vec<PanelTask<'_>> = Vec::new();
+    let mut rest = tmp;
+    let mut first = 0;
+    for size in kernels.job_sizes(w.panels, min_panels) {
+        let (panels, tail) = rest.split_at_mut(size * panel_floats);
+        tasks.push(PanelTask {
+            first,
             panels,
             columns: Vec::with_capacity(rows),
-        })
-        .collect();
+        });
+        rest = tail;
+        first += size;
+    }
     for row in out.chunks_exact_mut(n) {
-        for (task, columns) in tasks.iter_mut().zip(row.chunks_mut(per_task * NR)) {
+        let mut row = row;
+        for task in tasks.iter_mut() {
+            let width = (task.panels.len() / panel_floats * NR).min(row.len());
+            let (columns, tail) = std::mem::take(&mut row).split_at_mut(width);
             task.columns.push(columns);
+            row = tail;
         }
     }
     #[cfg(feature = "region-timing")]
@@ -344,6 +430,9 @@ pub(crate) fn matmul(
                 for (o, b) in row.iter_mut().zip(&bias[task.first * NR..]) {
                     *o += b;
                 }
+            }
+            if let Some(then) = then {
+                then(i, task.first * NR, row);
             }
         }
     });
@@ -557,6 +646,71 @@ mod tests {
             .collect()
     }
 
+    /// The jobs a region of `items` items is cut into, in the order the threads take them.
+    fn check_jobs(threads: usize, jobs: usize, (items, min): (usize, usize), expected: &[usize]) {
+        let kernels = Kernels {
+            threads,
+            jobs_per_thread: jobs,
+            ..Kernels::single()
+        };
+        let sizes = kernels.job_sizes(items, min);
+        assert_eq!(
+            sizes, expected,
+            "threads={threads} jobs={jobs} items={items} min={min}"
+        );
+    }
+
+    #[test]
+    fn jobs_are_capped_and_shrink_to_the_minimum() {
+        // One thread, or no more items than a job's minimum: one job.
+        check_jobs(1, 8, (32, 1), &[32]);
+        check_jobs(2, 8, (4, 4), &[4]);
+        // At most 1 / (jobs * threads) of the items, and at most 1 / (2 * threads) of what is
+        // left, at least `min` (but the last).
+        check_jobs(
+            2,
+            8,
+            (32, 1),
+            &[2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1],
+        );
+        check_jobs(2, 8, (32, 4), &[4; 8]);
+        check_jobs(2, 8, (13, 1), &[1; 13]);
+        check_jobs(2, 1, (13, 1), &[4, 3, 2, 1, 1, 1, 1]);
+        check_jobs(2, 1, (32, 4), &[8, 6, 5, 4, 4, 4, 1]);
+        check_jobs(3, 2, (13, 1), &[3, 2, 2, 1, 1, 1, 1, 1, 1]);
+    }
+
+    /// Every job runs exactly once, whatever the threads and the split.
+    #[test]
+    fn every_job_runs_once() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for jobs in [1, JOBS_PER_THREAD] {
+                let kernels = Kernels {
+                    threads,
+                    jobs_per_thread: jobs,
+                    ..Kernels::single()
+                };
+                let mut data: Vec<f32> = vec![0.0; 7 * 5 + 3];
+                let mut counts = vec![0u32; 50];
+                pool.install(|| {
+                    kernels.for_each_chunk(&mut data, 5, |i, chunk| {
+                        chunk.iter_mut().for_each(|v| *v += i as f32 + 1.0)
+                    });
+                    kernels.for_each_task(&mut counts, |c| *c += 1);
+                    kernels.for_each_uneven_task(&mut counts[..3], |c| *c += 1);
+                });
+                let expected: Vec<f32> = (0..data.len()).map(|j| (j / 5) as f32 + 1.0).collect();
+                assert_eq!(data, expected, "threads={threads} jobs={jobs}");
+                assert_eq!(counts[..3], [2; 3]);
+                assert_eq!(counts[3..], [1; 47]);
+            }
+        }
+    }
+
     /// Every row count (crossing the 6-row tile and the 1-3 row wide tiles), every thread count,
     /// every split into column tasks and every k-blocking give exactly the plain fused chain.
     /// Shapes cross the 16-column panel, the 4-panel groups and the 256-deep k-blocks; 196
@@ -589,7 +743,7 @@ mod tests {
                         let mut out = vec![0.0; m * n];
                         let mut tmp = Vec::new();
                         pool.install(|| {
-                            matmul(&kernels, &x, m, &w, Some(&bias), &mut tmp, &mut out)
+                            matmul(&kernels, &x, m, &w, Some(&bias), &mut tmp, &mut out, None)
                         });
                         assert!(
                             out.iter()

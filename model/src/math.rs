@@ -34,6 +34,20 @@ impl Matmul {
 /// `out[m, lin.out_dim] = x[m, lin.in_dim] · Wᵀ (+ bias)`; see [`gemm`] for the evaluation order.
 #[track_caller]
 pub(crate) fn matmul(mm: &mut Matmul, x: &[f32], rows: usize, lin: &Linear, out: &mut [f32]) {
+    matmul_then(mm, x, rows, lin, out, None);
+}
+
+/// [`matmul`], then `then` over each output row's columns in the task that computed them (see
+/// [`gemm::Epilogue`]).
+#[track_caller]
+pub(crate) fn matmul_then(
+    mm: &mut Matmul,
+    x: &[f32],
+    rows: usize,
+    lin: &Linear,
+    out: &mut [f32],
+    then: Option<gemm::Epilogue<'_>>,
+) {
     gemm::matmul(
         &mm.kernels,
         x,
@@ -42,6 +56,7 @@ pub(crate) fn matmul(mm: &mut Matmul, x: &[f32], rows: usize, lin: &Linear, out:
         lin.bias.as_deref(),
         &mut mm.tmp,
         out,
+        then,
     );
 }
 

@@ -253,7 +253,7 @@ mod tests {
                     kernels.for_each_task(&mut inner, |x| *x += 1);
                     *task += inner.iter().sum::<u64>();
                 });
-                matmul(&kernels, &x, 3, &w, None, &mut tmp, &mut out);
+                matmul(&kernels, &x, 3, &w, None, &mut tmp, &mut out, None);
             }
         });
         assert_eq!(tasks, vec![24; 10]);
