@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use common::{argmax, bits, prefill, release, seq};
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
 use device_io::{DeviceError, DeviceIo, Effect, Readback, Sequence, StepPlan};
+use model::parity::MtpCase;
 use model::Model;
 
 fn mtp_dir(fixture: &str) -> PathBuf {
@@ -22,34 +23,8 @@ fn mtp_dir(fixture: &str) -> PathBuf {
         .join("mtp")
 }
 
-struct Case {
-    prompt: Vec<u32>,
-    draft0: Vec<u32>,
-    draft1: Vec<u32>,
-    greedy: Vec<u32>,
-}
-
-fn cases(fixture: &str) -> Vec<Case> {
-    let text = std::fs::read_to_string(mtp_dir(fixture).join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            prompt: ids(&c["prompt_ids"]),
-            draft0: ids(&c["draft0_ids"]),
-            draft1: ids(&c["draft1_ids"]),
-            greedy: ids(&c["greedy_ids"]),
-        })
-        .collect()
+fn cases(fixture: &str) -> Vec<MtpCase> {
+    model::parity::mtp_cases(&mtp_dir(fixture)).unwrap()
 }
 
 fn router(fixture: &str) -> CpuRouter {

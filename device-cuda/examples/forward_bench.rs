@@ -257,18 +257,8 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
     let device = Device::one_sequence(rt, &model, DType::F32, blocks, block_size);
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut worst, mut same) = (0.0f32, true);
-    let text = std::fs::read_to_string(dir.join("cases.json")).expect("cases.json");
-    let json: serde_json::Value = serde_json::from_str(&text).expect("cases.json is JSON");
-    for case in json["cases"].as_array().expect("cases") {
-        let ids = |key: &str| -> Vec<u32> {
-            case[key]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|v| v.as_u64().expect("id") as u32)
-                .collect()
-        };
-        let (prompt, greedy) = (ids("prompt_ids"), ids("greedy_ids"));
+    for case in model::parity::mtp_cases(&dir).expect("the MTP fixture's cases.json") {
+        let (prompt, greedy) = (case.prompt, case.greedy);
         let n = prompt.len();
         let mut next = prompt[1..].to_vec();
         next.push(greedy[0]);

@@ -723,28 +723,18 @@ fn check_mtp(fixture_name: &str) -> f32 {
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
     };
-    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
     let mut worst = 0.0f32;
     let mut check = |what: String, ours: &[f32], theirs: &[f32]| {
         let diff = max_abs_diff(ours, theirs);
         assert!(diff <= F32_TOLERANCE, "{what}: differs by {diff:e}");
         worst = worst.max(diff);
     };
-    for case in json["cases"].as_array().unwrap() {
-        let i = case["index"].as_u64().unwrap();
-        let (prompt, greedy) = (ids(&case["prompt_ids"]), ids(&case["greedy_ids"]));
+    for case in model::parity::mtp_cases(&dir).unwrap() {
+        let (i, prompt, greedy) = (case.index, &case.prompt, &case.greedy);
         let dev = MtpDevice::new(&model);
         assert!(dev.dev.device.has_mtp());
         let n = prompt.len();
-        let (_, hidden) = dev.step(&prompt, 0, 0, None);
+        let (_, hidden) = dev.step(prompt, 0, 0, None);
         let mut next = prompt[1..].to_vec();
         next.push(greedy[0]);
         let (prompt_rows, outs) = dev.step(&next, 0, 0, Some(&hidden));
@@ -761,7 +751,7 @@ fn check_mtp(fixture_name: &str) -> f32 {
             &rows,
             &tensor(format!("case{i}.draft0_logits")),
         );
-        assert_eq!(draft, ids(&case["draft0_ids"]), "{name}: draft ids 0");
+        assert_eq!(draft, case.draft0, "{name}: draft ids 0");
         let (main_logits, hidden) = dev.step(&greedy[..5], n, 0, None);
         for j in 0..5 {
             assert_eq!(
@@ -782,7 +772,7 @@ fn check_mtp(fixture_name: &str) -> f32 {
             &rows,
             &tensor(format!("case{i}.draft1_logits")),
         );
-        assert_eq!(draft, ids(&case["draft1_ids"]), "{name}: draft ids 1");
+        assert_eq!(draft, case.draft1, "{name}: draft ids 1");
     }
     worst
 }

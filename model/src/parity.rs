@@ -144,6 +144,44 @@ pub fn prompts(dir: &Path) -> Result<Vec<Vec<u32>>, ModelError> {
         .collect()
 }
 
+/// One case of an MTP fixture's `cases.json` (`nemotron-h-tiny/mtp`, `nemotron-h-alt/mtp`): the
+/// reference's greedy ids after the prompt and its draft ids after the prompt (`draft0`) and
+/// after the first decoded tokens (`draft1`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MtpCase {
+    /// The case index in `cases.json`.
+    pub index: usize,
+    /// `prompt_ids`.
+    pub prompt: Vec<u32>,
+    /// `greedy_ids`.
+    pub greedy: Vec<u32>,
+    /// `draft0_ids`.
+    pub draft0: Vec<u32>,
+    /// `draft1_ids`.
+    pub draft1: Vec<u32>,
+}
+
+/// Every case of the MTP fixture folder `dir`'s `cases.json`, in file order.
+pub fn mtp_cases(dir: &Path) -> Result<Vec<MtpCase>, ModelError> {
+    let (cases_path, root) = read_cases(dir)?;
+    cases(&root, &cases_path)?
+        .iter()
+        .map(|case| {
+            let index = case["index"]
+                .as_u64()
+                .and_then(|i| usize::try_from(i).ok())
+                .ok_or_else(|| fixture_err(&cases_path, "a case's `index` is not a count"))?;
+            Ok(MtpCase {
+                index,
+                prompt: ids(case, "prompt_ids", &cases_path)?,
+                greedy: ids(case, "greedy_ids", &cases_path)?,
+                draft0: ids(case, "draft0_ids", &cases_path)?,
+                draft1: ids(case, "draft1_ids", &cases_path)?,
+            })
+        })
+        .collect()
+}
+
 /// `dir/cases.json`'s path and its parsed contents.
 fn read_cases(dir: &Path) -> Result<(PathBuf, serde_json::Value), ModelError> {
     let cases_path = dir.join("cases.json");

@@ -7,9 +7,9 @@
 //!   12 experts in 3 groups with top-2 groups and top-3 experts, eps 1e-6), from the independent
 //!   float64 NumPy implementation of ARCH.md (`make_fixture.py`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use model::parity::{check_fixture, prompts, DEFAULT_TOLERANCE};
+use model::parity::{check_fixture, mtp_cases, prompts, MtpCase, DEFAULT_TOLERANCE};
 use model::{Config, ModelError};
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -94,6 +94,22 @@ fn every_case_of_the_alt_shape_matches_the_numpy_reference() {
     check("nemotron-h-alt", &[1, 7, 16, 33, 64]);
 }
 
+/// `result` is the typed error of a malformed fixture file `path` (written from `text`) with `reason`.
+fn assert_fixture_error<T: std::fmt::Debug>(
+    result: Result<T, ModelError>,
+    path: &Path,
+    reason: &str,
+    text: &str,
+) {
+    match result {
+        Err(ModelError::Fixture {
+            path: at,
+            reason: got,
+        }) => assert_eq!((at.as_path(), got.as_str()), (path, reason), "{text}"),
+        other => panic!("{text}: {other:?}"),
+    }
+}
+
 /// A `cases.json` that is not what the fixtures hold is a typed error naming the file and what
 /// is wrong, for the prompts as for the parity check.
 #[test]
@@ -109,16 +125,52 @@ fn a_malformed_cases_file_is_a_typed_error() {
         (r#"{"cases": [{}]}"#, "`prompt_ids` is not a list"),
     ] {
         std::fs::write(&path, text).unwrap();
-        match prompts(dir.path()) {
-            Err(ModelError::Fixture {
-                path: at,
-                reason: got,
-            }) => {
-                assert_eq!((at, got.as_str()), (path.clone(), reason), "{text}");
-            }
-            other => panic!("{text}: {other:?}"),
-        }
+        assert_fixture_error(prompts(dir.path()), &path, reason, text);
     }
     std::fs::remove_file(&path).unwrap();
     assert!(matches!(prompts(dir.path()), Err(ModelError::Io { .. })));
+}
+
+/// An MTP fixture's `cases.json` is read whole (every case's index and four id lists), and one
+/// that lacks a field or holds a bad index is a typed error naming the file and the field.
+#[test]
+fn mtp_cases_are_read_and_a_malformed_one_is_a_typed_error() {
+    let cases = mtp_cases(&fixture_dir("nemotron-h-alt").join("mtp")).unwrap();
+    assert_eq!(cases.len(), 5);
+    assert_eq!(
+        cases.iter().map(|c| c.index).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cases.json");
+    let ok = r#""prompt_ids": [1], "greedy_ids": [2], "draft0_ids": [3]"#;
+    for (text, reason) in [
+        (
+            format!(r#"{{"cases": [{{"index": -1, {ok}, "draft1_ids": [4]}}]}}"#),
+            "a case's `index` is not a count",
+        ),
+        (
+            format!(r#"{{"cases": [{{"index": 0, {ok}}}]}}"#),
+            "`draft1_ids` is not a list",
+        ),
+    ] {
+        std::fs::write(&path, &text).unwrap();
+        assert_fixture_error(mtp_cases(dir.path()), &path, reason, &text);
+    }
+    std::fs::write(
+        &path,
+        format!(r#"{{"cases": [{{"index": 7, {ok}, "draft1_ids": [4]}}]}}"#),
+    )
+    .unwrap();
+    assert_eq!(
+        mtp_cases(dir.path()).unwrap(),
+        [MtpCase {
+            index: 7,
+            prompt: vec![1],
+            greedy: vec![2],
+            draft0: vec![3],
+            draft1: vec![4],
+        }]
+    );
 }

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+use model::parity::MtpCase;
 use model::{
     Config, DecodeRow, KvPool, LayerKind, MambaStates, Model, ModelError, PrefillRow, RunOutputs,
     RunRow, Scratch,
@@ -22,36 +23,8 @@ fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-struct Case {
-    index: usize,
-    prompt: Vec<u32>,
-    greedy: Vec<u32>,
-    draft0: Vec<u32>,
-    draft1: Vec<u32>,
-}
-
-fn cases(dir: &Path) -> Vec<Case> {
-    let text = std::fs::read_to_string(dir.join("cases.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    json["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Case {
-            index: c["index"].as_u64().unwrap() as usize,
-            prompt: ids(&c["prompt_ids"]),
-            greedy: ids(&c["greedy_ids"]),
-            draft0: ids(&c["draft0_ids"]),
-            draft1: ids(&c["draft1_ids"]),
-        })
-        .collect()
+fn cases(dir: &Path) -> Vec<MtpCase> {
+    model::parity::mtp_cases(dir).unwrap()
 }
 
 fn argmax(row: &[f32]) -> u32 {
