@@ -583,6 +583,19 @@ impl WeightImage {
     }
 }
 
+/// `model` with the matrices a [`DType::Bf16`] [`WeightImage`] keeps in bf16 rounded to bf16
+/// (every 2-D weight but the MoE router's gate), on the host: the reference that bounds a bf16
+/// device run, whose difference from `model` is the weights' own rounding.
+pub fn bf16_shadow(model: &Model) -> std::result::Result<Model, model::ModelError> {
+    model.map_tensors(&mut |name, shape, values| {
+        if shape.len() == 2 && !name.ends_with(".gate.weight") {
+            for v in values {
+                *v = half::bf16::from_f32(*v).to_f32();
+            }
+        }
+    })
+}
+
 /// The largest step a [`Workspace`] serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardLimits {

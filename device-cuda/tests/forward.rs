@@ -9,7 +9,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::bf16::bf16_weights;
 use common::{DeviceForward, Shape, S};
 use device_cuda::{DType, DeviceBuffer, ForwardLimits, Runtime, SimRuntime, StepOutput, StepRun};
 use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
@@ -96,7 +95,7 @@ impl Pair {
     fn with_shadow(mut self) -> Pair {
         let config = self.model.config().clone();
         self.shadow = Some((
-            bf16_weights(&self.model),
+            device_cuda::bf16_shadow(&self.model).unwrap(),
             KvPool::new(&config, BLOCKS, self.dev.state.block_size).unwrap(),
             MambaStates::new(&config, SLOTS).unwrap(),
         ));

@@ -86,7 +86,7 @@ pub use lora::{AdapterProblem, LoraAdapter, LoraSpec, ADAPTER_CONFIG_FILE, ADAPT
 pub use state::{KvPool, MambaLayout, MambaStates};
 
 use forward::{LoraRows, Rows, MAX_ROWS};
-use weights::{RandomSource, SafetensorsSource, Weights};
+use weights::{MapSource, RandomSource, SafetensorsSource, Weights};
 
 /// A chunk of one sequence's prompt: `tokens` at positions `start_pos..start_pos + tokens.len()`.
 #[derive(Debug, Clone, Copy)]
@@ -147,6 +147,9 @@ pub enum RunOutputs {
 /// What [`Model::visit_tensors`] calls with each weight tensor: its checkpoint name, shape and
 /// f32 values.
 pub type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
+
+/// Changes (checkpoint name, shape, values) in place for [`Model::map_tensors`].
+pub type TensorMap<'f> = dyn FnMut(&str, &[usize], &mut [f32]) + 'f;
 
 /// A NemotronH model: validated config plus f32 weights.
 #[derive(Debug, Clone)]
@@ -238,6 +241,20 @@ impl Model {
         let file =
             safetensors::serialize(views, None).map_err(|e| write_err(dir, e.to_string()))?;
         std::fs::write(&path, file).map_err(|e| write_err(&path, e.to_string()))
+    }
+
+    /// The same model (same config) with every weight tensor passed through `map`, which gets its
+    /// checkpoint name and shape and changes its values in place: e.g. the host reference of a
+    /// device that stores some matrices at a lower precision is this model with them rounded.
+    pub fn map_tensors(&self, map: &mut TensorMap<'_>) -> Result<Model, ModelError> {
+        let mut tensors = std::collections::HashMap::new();
+        self.visit_tensors(&mut |name, shape, data| {
+            let mut values = data.to_vec();
+            map(name, shape, &mut values);
+            tensors.insert(name.to_string(), values);
+        });
+        let weights = Weights::build(&self.config, &mut MapSource(tensors))?;
+        Ok(Self::from_weights(self.config.clone(), weights))
     }
 
     /// The same model with another dt clamp convention ([`DtClamp`]); the fingerprint changes

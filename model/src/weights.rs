@@ -757,6 +757,19 @@ pub(crate) fn read_checkpoint_files(dir: &Path) -> Result<Vec<(PathBuf, Vec<u8>)
     shards.into_iter().map(|s| read(dir.join(s))).collect()
 }
 
+/// Tensors held in memory by checkpoint name, each taken once ([`crate::Model::map_tensors`]).
+pub(crate) struct MapSource(pub(crate) HashMap<String, Vec<f32>>);
+
+impl TensorSource for MapSource {
+    fn tensor(&mut self, name: &str, _shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        self.0
+            .remove(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+            })
+    }
+}
+
 /// Seeded random weights whose scales keep activations O(1): matrices uniform in `±1/sqrt(in)`,
 /// norms near 1 (`enorm`, `hnorm` and `final_layernorm` of an MTP head too), `A = -[1, 16)`, `softplus(dt_bias)` in `[0.01, 0.1)` (so the dt clamp never fires).
 pub(crate) struct RandomSource {

@@ -219,7 +219,7 @@ fn bad_configs_fail_to_load() {
 }
 
 #[test]
-fn save_load_round_trip_and_half_precision_checkpoints() {
+fn save_load_round_trip_and_half_precision_checkpoints_and_mapped_tensors() {
     let model = Model::random(Config::tiny_demo(), 11).unwrap();
     assert_eq!(
         model.fingerprint(),
@@ -239,7 +239,9 @@ fn save_load_round_trip_and_half_precision_checkpoints() {
     assert_eq!(loaded.config(), model.config());
     assert_eq!(loaded.fingerprint(), model.fingerprint());
 
-    // bf16 / f16 on disk load to exactly the f32 values they represent.
+    // bf16 / f16 on disk load to exactly the f32 values they represent, and
+    // `Model::map_tensors` rounding the fixture's tensors in memory gives the same model.
+    let fixture = Model::load(&fixture_model_dir()).unwrap();
     for (dtype, to_half, from_half) in [
         (
             Dtype::BF16,
@@ -273,7 +275,19 @@ fn save_load_round_trip_and_half_precision_checkpoints() {
             half_model.fingerprint(),
             Model::load(&dir).unwrap().fingerprint()
         );
+        let mapped = fixture
+            .map_tensors(&mut |_, _, values| {
+                for v in values {
+                    *v = from_half(to_half(*v));
+                }
+            })
+            .unwrap();
+        assert_eq!(mapped.config(), fixture.config());
+        assert_eq!(mapped.fingerprint(), half_model.fingerprint());
     }
+    // A map that changes nothing gives the same model.
+    let same = fixture.map_tensors(&mut |_, _, _| {}).unwrap();
+    assert_eq!(same.fingerprint(), fixture.fingerprint());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

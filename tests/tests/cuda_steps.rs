@@ -13,16 +13,10 @@
 //! such difference over the rows compared); the device must be within 2δ on at least 95% of
 //! the rows, within half the largest logit on every row, and give the same greedy ids.
 
-// The shadow model is the one `device-cuda/tests/forward.rs` bounds the forward step by.
-#[path = "../../device-cuda/tests/common/bf16.rs"]
-mod bf16;
-
 use std::path::PathBuf;
 
-use bf16::bf16_weights;
-
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
 use device_io::{
     DeviceIo, Effect, Feed, PrefillReport, Readback, SeqSpec, Sequence, StepPlan, StepResult,
 };
@@ -337,7 +331,8 @@ fn bf16_sweep(fixtures: &[&str]) {
         let cases = prompts(name);
         let device = cuda(&model, DType::Bf16, false, 64);
         let host = host_like(&model, &device, false);
-        let shadow = host_like(&bf16_weights(&model), &device, false);
+        // The shadow model is the one `device-cuda/tests/forward.rs` bounds the forward step by.
+        let shadow = host_like(&bf16_shadow(&model).unwrap(), &device, false);
         let mut seen = Compared::default();
         run_cases(name, &cases, 16, (&host, &device, Some(&shadow)), &mut seen);
         let delta = seen.row_errors.iter().map(|e| e.1).fold(0.0, f32::max);

@@ -1,11 +1,9 @@
 //! What the device forward tests share: a `DeviceModel` set up on `SimRuntime` with its
 //! workspace, KV blocks and state slots ([`DeviceForward`]), one step launched from host tokens
-//! and read back, and the host model with bf16-rounded matrices ([`bf16::bf16_weights`]).
+//! and read back.
 
 // Each test binary includes this module and uses a part of it.
 #![allow(dead_code)]
-
-pub mod bf16;
 
 use device_cuda::{
     DType, DeviceBuffer, DeviceModel, DeviceState, ForwardLimits, Runtime, SimRuntime, StepArgs,
