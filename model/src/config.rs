@@ -933,6 +933,18 @@ impl Config {
         config
     }
 
+    /// [`Config::tiny_demo`]'s widths with attention and MLP layers only (pattern `*-*-`): no
+    /// Mamba layer, so a router keeps its prefix cache in the hash chain alone (no Marconi tree).
+    pub fn tiny_attention_only() -> Config {
+        let config = Config {
+            num_hidden_layers: 4,
+            layer_kinds: pattern_kinds("*-*-"),
+            ..Config::tiny_demo()
+        };
+        debug_assert!(config.validate().is_ok());
+        config
+    }
+
     /// A realistic small config for benchmarks and demos: hidden 512, 16 layers
     /// (`MEM*MEM-MEM*MEM-`), vocab 4096, Mamba 16x64 heads with state 64 in 4 groups, attention
     /// 8/2 heads of 64, MLP 2048, MoE 16 experts (top 4 of 2 of 4 groups, 256 wide, shared 512).
@@ -993,9 +1005,29 @@ mod tests {
 
     #[test]
     fn hf_json_round_trips() {
-        for config in [Config::tiny_demo(), Config::small_512()] {
+        for config in [
+            Config::tiny_demo(),
+            Config::small_512(),
+            Config::tiny_attention_only(),
+        ] {
             assert_eq!(Config::from_json_str(&config.to_hf_json()).unwrap(), config);
         }
+    }
+
+    #[test]
+    fn the_attention_only_config_is_the_tiny_demo_without_mamba_and_moe() {
+        let config = Config::tiny_attention_only();
+        config.validate().unwrap();
+        assert_eq!(config.pattern(), "*-*-");
+        assert_eq!(config.num_hidden_layers, 4);
+        assert_eq!(
+            Config {
+                num_hidden_layers: 10,
+                layer_kinds: Config::tiny_demo().layer_kinds,
+                ..config
+            },
+            Config::tiny_demo()
+        );
     }
 
     /// transformers rejects `"max_position_embeddings": null`: an undeclared length is left out,

@@ -6,23 +6,16 @@ pub mod soak;
 pub mod models {
     //! Small random models the tests share.
 
-    use model::{Config, LayerKind, Model};
+    use model::{Config, Model};
 
-    /// A random attention + MLP model with [`Config::tiny_demo`]'s widths and no Mamba layer, so
-    /// the host router keeps its prefix cache in the hash chain (not the Marconi tree).
+    /// A random attention + MLP model ([`Config::tiny_attention_only`]: the fixture's widths, no
+    /// Mamba layer), so the host router keeps its prefix cache in the hash chain (not the Marconi
+    /// tree).
     ///
     /// # Panics
     /// Never for this config (a test helper: a refusal would be a bug in `model`).
     pub fn attention_only(seed: u64) -> Model {
-        let mut config = Config::tiny_demo();
-        config.layer_kinds = vec![
-            LayerKind::Attention,
-            LayerKind::Mlp,
-            LayerKind::Attention,
-            LayerKind::Mlp,
-        ];
-        config.num_hidden_layers = config.layer_kinds.len();
-        Model::random(config, seed).unwrap()
+        Model::random(Config::tiny_attention_only(), seed).unwrap()
     }
 }
 

@@ -8,7 +8,7 @@ use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
 use device_io::{
     DeviceFacts, DeviceIo, Effect, PrefillReport, Readback, SeqSpec, Sequence, StepPlan,
 };
-use model::{Config, LayerKind, Model};
+use model::{Config, Model};
 
 pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/nemotron-h-tiny")
@@ -21,15 +21,7 @@ pub fn hybrid_model() -> Model {
 
 /// A random attention + MLP model (no Mamba layer), the fixture's widths.
 pub fn attention_model() -> Model {
-    let mut config = Config::tiny_demo();
-    config.layer_kinds = vec![
-        LayerKind::Attention,
-        LayerKind::Mlp,
-        LayerKind::Attention,
-        LayerKind::Mlp,
-    ];
-    config.num_hidden_layers = config.layer_kinds.len();
-    Model::random(config, 7).unwrap()
+    Model::random(Config::tiny_attention_only(), 7).unwrap()
 }
 
 /// A router with block size `block_size`, 64 blocks, 4 live slots, 16 checkpoint slots.
