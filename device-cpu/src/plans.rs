@@ -103,32 +103,27 @@ pub(crate) fn prefill<'a>(
                     // a hit on a marked checkpoint, from the rerun's first).
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = mtp.entry(tenure).or_default();
-                    let head =
-                        router_book::spec::prefill_head(track, seq, (start, stop), lead, lag);
-                    // A lagging run stores its last hidden state for the row's next run even
-                    // where the head does not mark the checkpoint.
-                    let stash = stash.filter(|&slot| {
-                        let consumed_past = shape.head_lags && !lag;
-                        router_book::spec::prefill_checkpoint_head(
-                            track,
-                            book.cache,
-                            slot,
-                            seq,
-                            stop,
-                            consumed_past,
-                        ) || lag
-                    });
-                    let next = job.tokens.len()..job.tokens.len() + (head.known - head.from);
+                    let head = router_book::spec::prefill_head_plan(
+                        track,
+                        book.cache,
+                        seq,
+                        (start, stop),
+                        lead,
+                        stash,
+                        lag,
+                        shape.head_lags,
+                    );
+                    let (from, known) = (head.run.from, head.run.known);
+                    let next = job.tokens.len()..job.tokens.len() + (known - from);
                     job.tokens
-                        .extend_from_slice(&seq.tokens[head.from + 1..head.known + 1]);
+                        .extend_from_slice(&seq.tokens[from + 1..known + 1]);
                     MtpChunk {
                         next,
                         keep: (stop == seq.prompt_len).then_some(tenure),
-                        // A mark that needs no rerun (`from == start`) leads with nothing.
-                        lead: lead
-                            .filter(|lead| lead.from < start)
+                        lead: head
+                            .rerun
                             .map(|lead| (lead.checkpoint.index(), start - lead.from)),
-                        stash: stash.map(|slot| slot.index()),
+                        stash: head.stash.map(|slot| slot.index()),
                     }
                 });
                 job.ops.push(Op::Prefill {

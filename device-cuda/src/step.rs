@@ -286,29 +286,23 @@ fn prefill_work(
                 if let Some(book) = mtp.as_mut() {
                     let tenure = seq.tenure.expect("assigned by the bookkeeping");
                     let track = book.tracks.entry(tenure).or_default();
-                    known =
-                        router_book::spec::prefill_head(track, seq, (start, stop), lead, lag).known;
-                    // A mark that needs no rerun (`from == start`) leads with nothing.
-                    rerun = lead.filter(|lead| lead.from < start).map(|lead| Lead {
+                    let head = router_book::spec::prefill_head_plan(
+                        track,
+                        book.cache,
+                        seq,
+                        (start, stop),
+                        lead,
+                        stash,
+                        lag,
+                        book.head_lags,
+                    );
+                    known = head.run.known;
+                    rerun = head.rerun.map(|lead| Lead {
                         checkpoint: lead.checkpoint.index(),
                         from: lead.from,
                         next: tokens[lead.from + 1..start + 1].to_vec(),
                     });
-                    // A lagging run stores its last hidden state for the row's next run even
-                    // where the head does not mark the checkpoint.
-                    let consumed_past = book.head_lags && !lag;
-                    stash_slot = stash
-                        .filter(|&checkpoint| {
-                            router_book::spec::prefill_checkpoint_head(
-                                track,
-                                book.cache,
-                                checkpoint,
-                                seq,
-                                stop,
-                                consumed_past,
-                            ) || lag
-                        })
-                        .map(|checkpoint| checkpoint.index());
+                    stash_slot = head.stash.map(|checkpoint| checkpoint.index());
                     if stop == seq.prompt_len {
                         if let Some(cell) = book.free_cells.pop() {
                             let forgotten = track.keep(stop - 1, cell);

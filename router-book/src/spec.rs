@@ -438,6 +438,48 @@ pub fn prefill_checkpoint_head<H>(
     true
 }
 
+/// What a router does for the MTP head in a prefill run of positions `start..stop` of `seq`
+/// ([`PrefillOp::Run`](crate::plans::PrefillOp::Run)'s `lead`, `stash` and `lag`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadPrefill {
+    /// The positions the head consumes ([`prefill_head`]).
+    pub run: HeadRun,
+    /// The checkpoint the run took at `stop` with which the router stores the main model's hidden
+    /// state at `stop - 1`: one the head marked ([`prefill_checkpoint_head`]), or any when the
+    /// run lags (the row's next run leads from it even where the head does not mark it).
+    pub stash: Option<crate::CheckpointSlot>,
+    /// The rerun the run leads with: a hit's mark before `start` (a mark with `from == start`
+    /// needs no rerun and leads with nothing).
+    pub rerun: Option<crate::plans::HeadLead>,
+}
+
+/// The MTP head's part of a prefill run of positions `start..stop` of `seq` (see [`HeadRun`]),
+/// its checkpoint `stash` marked when the head is exact (see [`prefill_checkpoint_head`];
+/// `head_lags`: [`crate::BookShape::head_lags`]), and the rerun it leads with: one rule for
+/// every router.
+#[allow(clippy::too_many_arguments)] // The fields of one `PrefillOp::Run` and the shape's flag.
+pub fn prefill_head_plan<H>(
+    track: &mut MtpTrack<H>,
+    cache: &mut crate::Caches,
+    seq: &RouterSeq,
+    (start, stop): (usize, usize),
+    lead: Option<crate::plans::HeadLead>,
+    stash: Option<crate::CheckpointSlot>,
+    lag: bool,
+    head_lags: bool,
+) -> HeadPrefill {
+    let run = prefill_head(track, seq, (start, stop), lead, lag);
+    let consumed_past = head_lags && !lag;
+    let stash = stash.filter(|&slot| {
+        prefill_checkpoint_head(track, cache, slot, seq, stop, consumed_past) || lag
+    });
+    HeadPrefill {
+        run,
+        stash,
+        rerun: lead.filter(|lead| lead.from < start),
+    }
+}
+
 /// `MarconiCheckpoint` on a router that reruns the head: when `seq` just took a checkpoint at
 /// `pos` (`slot`) and its head is exact through the positions it consumed, whose next ones
 /// through `pos - 1` its ring holds (at most [`CATCHUP_RING`]), marks the checkpoint and
