@@ -346,6 +346,24 @@ impl CudaRouter {
         self.runtime().upload(dst, bytes, Stream::Compute)
     }
 
+    /// `blocks`' ids uploaded into `scratch` on the compute stream, and the shape of a gather
+    /// or scatter of those blocks of the KV pool.
+    fn block_ids(
+        &self,
+        scratch: &mut Scratch<'_>,
+        blocks: &[u32],
+    ) -> std::result::Result<(DeviceSlice, BlockShape), CudaError> {
+        let ids = scratch.alloc(4 * blocks.len())?;
+        let id_bytes: Vec<u8> = blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
+        self.runtime().upload(ids, &id_bytes, Stream::Compute)?;
+        let shape = BlockShape {
+            count: blocks.len(),
+            words: self.plan().kv_block_bytes as usize / 4,
+            pool_blocks: self.plan().num_blocks,
+        };
+        Ok((ids, shape))
+    }
+
     /// The KV of `blocks` and the state of live slot `slot`, gathered on the compute stream and
     /// copied to a pinned buffer on the copy stream.
     fn export(
@@ -363,21 +381,9 @@ impl CudaRouter {
         if total > 0 {
             let staging = scratch.alloc(total)?;
             if kv_bytes > 0 {
-                let ids = scratch.alloc(4 * blocks.len())?;
-                let id_bytes: Vec<u8> = blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
-                rt.upload(ids, &id_bytes, Stream::Compute)?;
-                kernels::gather_blocks(
-                    rt,
-                    Stream::Compute,
-                    staging.range(0, kv_bytes)?,
-                    self.buffers()?.kv.all(),
-                    ids,
-                    BlockShape {
-                        count: blocks.len(),
-                        words: kv_block / 4,
-                        pool_blocks: self.plan().num_blocks,
-                    },
-                )?;
+                let (ids, shape) = self.block_ids(&mut scratch, blocks)?;
+                let (staged, pool) = (staging.range(0, kv_bytes)?, self.buffers()?.kv.all());
+                kernels::gather_blocks(rt, Stream::Compute, staged, pool, ids, shape)?;
             }
             if state_bytes > 0 {
                 rt.copy(
@@ -425,21 +431,9 @@ impl CudaRouter {
         rt.record(joined, Stream::Copy)?;
         rt.wait_event(Stream::Compute, joined)?;
         if kv_bytes > 0 {
-            let ids = scratch.alloc(4 * blocks.len())?;
-            let id_bytes: Vec<u8> = blocks.iter().flat_map(|b| b.to_le_bytes()).collect();
-            rt.upload(ids, &id_bytes, Stream::Compute)?;
-            kernels::scatter_blocks(
-                rt,
-                Stream::Compute,
-                self.buffers()?.kv.all(),
-                staging.range(0, kv_bytes)?,
-                ids,
-                BlockShape {
-                    count: blocks.len(),
-                    words: kv_block / 4,
-                    pool_blocks: self.plan().num_blocks,
-                },
-            )?;
+            let (ids, shape) = self.block_ids(&mut scratch, blocks)?;
+            let (pool, staged) = (self.buffers()?.kv.all(), staging.range(0, kv_bytes)?);
+            kernels::scatter_blocks(rt, Stream::Compute, pool, staged, ids, shape)?;
         }
         if state_bytes > 0 {
             rt.copy(
