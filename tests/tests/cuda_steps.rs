@@ -1005,6 +1005,51 @@ fn head_bits<D: Router>(
     (kv, image.state.iter().map(|x| x.to_bits()).collect())
 }
 
+/// What the MTP head gave after a prefix hit on the CUDA router (`hot`), against the same prompt
+/// on a CUDA router with no cache (`cold`) and on the host router: each one's drafts of depth 3
+/// from the hot run's greedy tokens, the positions whose head K/V differ between the hot and the
+/// cold run, and whether their Mamba states are equal.
+struct HitHead {
+    hot: Vec<Vec<u32>>,
+    cold: Vec<Vec<u32>>,
+    host: Vec<Vec<u32>>,
+    differs: Vec<usize>,
+    same_state: bool,
+}
+
+/// [`HitHead`] of the prefilled sequences `[on_hot, on_cold, on_host]` (`hot_logits`: the hot
+/// prefill's); then releases them (caching on the hot and host routers) and tears the CUDA
+/// routers down.
+fn hit_head(
+    (hot, cold, host): (CudaRouter, CudaRouter, &CpuRouter),
+    model: &Model,
+    hot_logits: &[f32],
+    [mut on_hot, mut on_cold, mut on_host]: [RouterSeq; 3],
+) -> HitHead {
+    let plan = *hot.plan();
+    let next = argmax_rows(hot_logits, model.config().vocab_size);
+    let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
+    let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
+    let host_drafts = draft(host, &next, 3, &mut [&mut on_host]);
+    let (hot_kv, hot_state) = head_bits(&hot, model, &plan, &mut on_hot);
+    let (cold_kv, cold_state) = head_bits(&cold, model, &plan, &mut on_cold);
+    let differs: Vec<usize> = (0..hot_kv.len())
+        .filter(|&pos| hot_kv[pos] != cold_kv[pos])
+        .collect();
+    release(&hot, &mut on_hot, true);
+    release(&cold, &mut on_cold, false);
+    release(host, &mut on_host, true);
+    Box::new(hot).teardown().unwrap();
+    Box::new(cold).teardown().unwrap();
+    HitHead {
+        hot: hot_drafts,
+        cold: cold_drafts,
+        host: host_drafts,
+        differs,
+        same_state: hot_state == cold_state,
+    }
+}
+
 /// After a prefix hit the CUDA router's MTP head is a cold run's, as the host router's is: the
 /// hit's checkpoint carries the main model's hidden state at the position before it (the
 /// `marks` buffer), and the head reruns that position with this sequence's next token (the
@@ -1104,7 +1149,6 @@ fn a_hit_on_blocks_another_sequence_wrote_is_counted_on_the_device() {
         let plan = *probe.plan();
         assert_eq!(plan.block_size, 16);
         Box::new(probe).teardown().unwrap();
-        let vocab = model.config().vocab_size;
         let shared: Vec<u32> = (0..32u32)
             .map(|i| (i.wrapping_mul(97).wrapping_add(3 * 31) ^ (i >> 2)) % 256)
             .collect();
@@ -1151,26 +1195,14 @@ fn a_hit_on_blocks_another_sequence_wrote_is_counted_on_the_device() {
             prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
             assert_eq!(hot_counted, counted, "{name} continues {continues}");
             assert_eq!(host_counted, counted, "{name} continues {continues}");
-            let next = argmax_rows(&hot_logits, vocab);
-            let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
-            let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
-            let host_drafts = draft(&host, &next, 3, &mut [&mut on_host]);
-            assert_eq!(hot_drafts, host_drafts, "{name} continues {continues}");
-            let (hot_kv, hot_state) = head_bits(&hot, &model, &plan, &mut on_hot);
-            let (cold_kv, cold_state) = head_bits(&cold, &model, &plan, &mut on_cold);
-            let differs: Vec<usize> = (0..hot_kv.len())
-                .filter(|&pos| hot_kv[pos] != cold_kv[pos])
-                .collect();
-            assert_eq!(differs, differ, "{name} continues {continues}");
-            assert!(hot_state == cold_state, "{name} continues {continues}");
+            let routers = (hot, cold, &host);
+            let head = hit_head(routers, &model, &hot_logits, [on_hot, on_cold, on_host]);
+            assert_eq!(head.hot, head.host, "{name} continues {continues}");
+            assert_eq!(head.differs, differ, "{name} continues {continues}");
+            assert!(head.same_state, "{name} continues {continues}");
             if continues {
-                assert_eq!(hot_drafts, cold_drafts, "{name}");
+                assert_eq!(head.hot, head.cold, "{name}");
             }
-            release(&hot, &mut on_hot, true);
-            release(&cold, &mut on_cold, false);
-            release(&host, &mut on_host, true);
-            Box::new(hot).teardown().unwrap();
-            Box::new(cold).teardown().unwrap();
         }
     }
 }
@@ -1187,7 +1219,6 @@ fn a_checkpoint_where_the_prefill_plan_ended_is_marked_on_the_device() {
     for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
         let dir = fixture_dir(name).join("mtp");
         let model = Model::load(&dir.join("model")).unwrap();
-        let vocab = model.config().vocab_size;
         let z: Vec<u32> = (0..51u32)
             .map(|i| (i.wrapping_mul(97).wrapping_add(5 * 31) ^ (i >> 2)) % 256)
             .collect();
@@ -1234,26 +1265,14 @@ fn a_checkpoint_where_the_prefill_plan_ended_is_marked_on_the_device() {
             prefill(&cold, &[CONTEXT], &mut [&mut on_cold]);
             assert_eq!(counts(hot.cache_stats().unwrap()), counted, "{name}");
             assert_eq!(counts(host.cache_stats().unwrap()), counted, "{name}");
-            let next = argmax_rows(&hot_logits, vocab);
-            let hot_drafts = draft(&hot, &next, 3, &mut [&mut on_hot]);
-            let cold_drafts = draft(&cold, &next, 3, &mut [&mut on_cold]);
-            let host_drafts = draft(&host, &next, 3, &mut [&mut on_host]);
-            assert_eq!(hot_drafts, host_drafts, "{name}");
-            let (hot_kv, hot_state) = head_bits(&hot, &model, &plan, &mut on_hot);
-            let (cold_kv, cold_state) = head_bits(&cold, &model, &plan, &mut on_cold);
-            let differs: Vec<usize> = (0..hot_kv.len())
-                .filter(|&pos| hot_kv[pos] != cold_kv[pos])
-                .collect();
-            assert_eq!(differs, differ, "{name}");
-            assert_eq!(hot_state == cold_state, differ.is_empty(), "{name}");
+            let routers = (hot, cold, &host);
+            let head = hit_head(routers, &model, &hot_logits, [on_hot, on_cold, on_host]);
+            assert_eq!(head.hot, head.host, "{name}");
+            assert_eq!(head.differs, differ, "{name}");
+            assert_eq!(head.same_state, differ.is_empty(), "{name}");
             if differ.is_empty() {
-                assert_eq!(hot_drafts, cold_drafts, "{name}");
+                assert_eq!(head.hot, head.cold, "{name}");
             }
-            release(&hot, &mut on_hot, true);
-            release(&cold, &mut on_cold, false);
-            release(&host, &mut on_host, true);
-            Box::new(hot).teardown().unwrap();
-            Box::new(cold).teardown().unwrap();
         }
     }
 }
