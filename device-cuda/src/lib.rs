@@ -39,7 +39,7 @@ pub use forward::{
 };
 pub use memory::{
     forward_limits, widest_activation, CudaRouterConfig, IoLayout, MemoryPlan, MtpLayout,
-    PlanError, ALIGN,
+    PlanError, PoolSizes, ALIGN,
 };
 pub use router::{CudaRouter, CudaRouterError};
 pub use router_book::LogitsHandle;

@@ -44,6 +44,21 @@ pub struct CudaRouterConfig {
     /// bits however the work is cut, so the caches are bit-transparent; [`ForwardMode::Fast`]
     /// is faster on long prompts but equal only to rounding.
     pub forward_mode: ForwardMode,
+    /// Exact sizes of the KV pool and the checkpoint slots. `None` (the default): what the
+    /// budget leaves after the fixed regions is split, three quarters to KV blocks and one
+    /// quarter to checkpoint slots on a hybrid model (all to KV otherwise). `Some`: exactly
+    /// these sizes, which the budget must hold ([`PlanError::BudgetTooSmall`] otherwise); what it
+    /// holds beyond them stays unused. A host build that asks for `n` blocks gets `n` blocks.
+    pub pool: Option<PoolSizes>,
+}
+
+/// Exact sizes of the KV pool and the Marconi checkpoint slots ([`CudaRouterConfig::pool`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSizes {
+    /// KV blocks (at least one `max_context` sequence's).
+    pub kv_blocks: usize,
+    /// Checkpoint slots (0 when the prefix cache is off or the model has no Mamba layers).
+    pub checkpoint_slots: usize,
 }
 
 impl CudaRouterConfig {
@@ -62,6 +77,7 @@ impl CudaRouterConfig {
             marconi: true,
             max_depth: 2,
             forward_mode: ForwardMode::Exact,
+            pool: None,
         }
     }
 }
@@ -237,7 +253,8 @@ impl MemoryPlan {
     /// 2. Of the rest, a hybrid model gives a quarter to checkpoints and three quarters to KV; an
     ///    attention-only model everything to KV (as the host router does). A checkpoint slot
     ///    costs a state row plus, when the MTP head reruns at a hit (`head_reruns`), its
-    ///    stored hidden rows (`mark_bytes`).
+    ///    stored hidden rows (`mark_bytes`). With [`CudaRouterConfig::pool`] set, the rest holds
+    ///    exactly those sizes instead (or the plan fails with [`PlanError::BudgetTooSmall`]).
     /// 3. A model without attention has no KV bytes; its pool is bookkeeping only, with blocks
     ///    for `max_seqs` sequences of `max_context` tokens.
     ///
@@ -325,14 +342,61 @@ impl MemoryPlan {
                 needed: fixed + min_blocks as u64 * kv_block_bytes,
             })?;
         let hybrid = state_slot_bytes > 0;
-        let (checkpoint_bytes, kv_bytes) = if hybrid {
-            (rest / 4, rest - rest / 4)
+        let mark_bytes = if head_reruns(config) {
+            4 * (config.hidden_size * router_book::spec::CATCHUP_RING) as u64
         } else {
-            (0, rest)
+            0
         };
-        let num_blocks = match kv_bytes.checked_div(kv_block_bytes) {
-            Some(blocks) => usize::try_from(blocks).unwrap_or(usize::MAX),
-            None => router.max_seqs.saturating_mul(min_blocks),
+        let (num_blocks, checkpoint_slots) = match router.pool {
+            Some(pool) => {
+                if pool.kv_blocks < min_blocks || u32::try_from(pool.kv_blocks).is_err() {
+                    return Err(PlanError::BadConfig {
+                        field: "pool.kv_blocks",
+                        value: pool.kv_blocks as u64,
+                        limit: "must hold one max_context sequence and fit block ids of u32",
+                    });
+                }
+                let checkpoint_slots = if hybrid && router.prefix_cache {
+                    pool.checkpoint_slots
+                } else {
+                    0
+                };
+                let needed = (pool.kv_blocks as u64)
+                    .checked_mul(kv_block_bytes)
+                    .and_then(|kv| {
+                        (checkpoint_slots as u64)
+                            .checked_mul(state_slot_bytes + mark_bytes)
+                            .and_then(|checkpoints| kv.checked_add(checkpoints))
+                    })
+                    .unwrap_or(u64::MAX);
+                if needed > rest {
+                    return Err(PlanError::BudgetTooSmall {
+                        budget: router.budget_bytes,
+                        what: "the fixed regions, the KV pool and the checkpoint slots asked for",
+                        needed: fixed.saturating_add(needed),
+                    });
+                }
+                (pool.kv_blocks, checkpoint_slots)
+            }
+            None => {
+                let (checkpoint_bytes, kv_bytes) = if hybrid {
+                    (rest / 4, rest - rest / 4)
+                } else {
+                    (0, rest)
+                };
+                let num_blocks = match kv_bytes.checked_div(kv_block_bytes) {
+                    Some(blocks) => usize::try_from(blocks).unwrap_or(usize::MAX),
+                    None => router.max_seqs.saturating_mul(min_blocks),
+                };
+                let checkpoint_slots =
+                    match checkpoint_bytes.checked_div(state_slot_bytes + mark_bytes) {
+                        Some(slots) if router.prefix_cache => {
+                            usize::try_from(slots).unwrap_or(usize::MAX)
+                        }
+                        _ => 0,
+                    };
+                (num_blocks, checkpoint_slots)
+            }
         };
         if num_blocks < min_blocks {
             return Err(PlanError::BudgetTooSmall {
@@ -348,15 +412,6 @@ impl MemoryPlan {
                 limit: "block ids are u32: the budget gives more than 2^32 blocks",
             });
         }
-        let mark_bytes = if head_reruns(config) {
-            4 * (config.hidden_size * router_book::spec::CATCHUP_RING) as u64
-        } else {
-            0
-        };
-        let checkpoint_slots = match checkpoint_bytes.checked_div(state_slot_bytes + mark_bytes) {
-            Some(slots) if router.prefix_cache => usize::try_from(slots).unwrap_or(usize::MAX),
-            _ => 0,
-        };
         Ok(MemoryPlan {
             block_size: router.block_size,
             weight_bytes,

@@ -4,6 +4,7 @@
 
 use device_cuda::{
     CudaError, CudaRouter, CudaRouterConfig, CudaRouterError, DType, MemoryPlan, PlanError,
+    PoolSizes,
 };
 use device_io::{DeviceError, DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
 use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
@@ -79,6 +80,72 @@ fn the_budget_is_split_as_documented() {
             .unwrap_err()
             .to_string(),
         "invalid CUDA router config: max_seqs = 0 (must be at least 1)"
+    );
+}
+
+/// Exact pool sizes (`CudaRouterConfig::pool`): the plan has exactly the blocks and checkpoint
+/// slots asked for when the budget holds them, whatever else it holds; a budget short of them by
+/// one byte, or fewer blocks than one `max_context` sequence, is a typed error.
+#[test]
+fn exact_pool_sizes_are_kept_or_refused() {
+    let model = tiny();
+    let c = model.config();
+    let split = MemoryPlan::from_budget(c, 1 << 20, &config(DType::F32)).unwrap();
+    let sizes = PoolSizes {
+        kv_blocks: 20,
+        checkpoint_slots: 3,
+    };
+    let exact = CudaRouterConfig {
+        pool: Some(sizes),
+        ..config(DType::F32)
+    };
+    let plan = MemoryPlan::from_budget(c, 1 << 20, &exact).unwrap();
+    assert_eq!((plan.num_blocks, plan.checkpoint_slots), (20, 3));
+    assert!(
+        split.num_blocks > 20 && split.checkpoint_slots > 3,
+        "{split:?}"
+    );
+    // The budget that holds exactly those sizes, and one byte less.
+    let needed = plan.total_bytes();
+    let fits = CudaRouterConfig {
+        budget_bytes: needed,
+        ..exact.clone()
+    };
+    let plan = MemoryPlan::from_budget(c, 1 << 20, &fits).unwrap();
+    assert_eq!((plan.num_blocks, plan.checkpoint_slots), (20, 3));
+    let short = CudaRouterConfig {
+        budget_bytes: needed - 1,
+        ..exact.clone()
+    };
+    assert_eq!(
+        MemoryPlan::from_budget(c, 1 << 20, &short).unwrap_err(),
+        PlanError::BudgetTooSmall {
+            budget: needed - 1,
+            what: "the fixed regions, the KV pool and the checkpoint slots asked for",
+            needed,
+        }
+    );
+    // Without the prefix cache there are no checkpoint slots, asked or not.
+    let no_cache = CudaRouterConfig {
+        prefix_cache: false,
+        ..exact.clone()
+    };
+    let plan = MemoryPlan::from_budget(c, 1 << 20, &no_cache).unwrap();
+    assert_eq!((plan.num_blocks, plan.checkpoint_slots), (20, 0));
+    // max_context 256 needs 16 blocks of 16.
+    let too_few = CudaRouterConfig {
+        pool: Some(PoolSizes {
+            kv_blocks: 15,
+            ..sizes
+        }),
+        ..exact
+    };
+    assert_eq!(
+        MemoryPlan::from_budget(c, 1 << 20, &too_few)
+            .unwrap_err()
+            .to_string(),
+        "invalid CUDA router config: pool.kv_blocks = 15 (must hold one max_context sequence \
+         and fit block ids of u32)"
     );
 }
 

@@ -341,16 +341,17 @@ mod cpu {
                 ..device_cuda::CudaRouterConfig::new(1 << 40, options.max_seqs, max_context)
             },
         );
-        // The byte budget that gives this build's host sizes (blocks, checkpoint slots) on the
-        // device: the fixed regions, then KV and checkpoints split 3:1 as the plan splits them.
+        // This build's host sizes (blocks, checkpoint slots) exactly, and a byte budget that
+        // holds them: the fixed regions, the KV pool, the checkpoint slots with the MTP head's
+        // stored rows, the bf16 weights, and 1 MiB for the regions' alignment.
+        let pool = device_cuda::PoolSizes {
+            kv_blocks: options.kv_blocks,
+            checkpoint_slots: options.checkpoint_slots,
+        };
         let budget = state.map_or(u64::MAX, |plan| {
             let kv = plan.kv_block_bytes * options.kv_blocks as u64;
-            let checkpoints = plan.state_slot_bytes * options.checkpoint_slots as u64;
-            let rest = if plan.state_slot_bytes > 0 {
-                (kv + kv / 3).max(4 * checkpoints)
-            } else {
-                kv
-            };
+            let checkpoints =
+                (plan.state_slot_bytes + plan.mark_bytes) * options.checkpoint_slots as u64;
             let weights = 2 * model_parameters(model);
             plan.workspace_bytes
                 + plan.logits_bytes
@@ -359,7 +360,8 @@ mod cpu {
                     * (options.max_seqs + options.snapshot_slots + plan.scratch_slots) as u64
                 + plan.mtp_bytes
                 + weights
-                + rest
+                + kv
+                + checkpoints
                 + (1 << 20)
         });
         let config = device_cuda::CudaRouterConfig {
@@ -368,6 +370,7 @@ mod cpu {
             prefix_cache: options.prefix_cache && PREFIX_CACHE_COMPILED,
             marconi: options.marconi && MARCONI_COMPILED,
             max_depth: options.max_depth,
+            pool: Some(pool),
             ..device_cuda::CudaRouterConfig::new(budget, options.max_seqs, max_context)
         };
         let opened = match options.device {

@@ -205,8 +205,9 @@ fn the_engine_on_the_cuda_router_gives_the_host_routers_tokens() {
     assert_eq!(digests, cold_digests, "spill and restore: logits digests");
 }
 
-/// The backend builds the same engine for `Device::CudaSim` as for the host router, and both
-/// give the same greedy tokens.
+/// The backend builds the same engine for `Device::CudaSim` as for the host router, with the
+/// pool sizes asked for (KV blocks, checkpoint, live and ring slots: on the CUDA router a byte
+/// budget that holds them and exactly them), and both give the same greedy tokens.
 #[test]
 fn the_backend_builds_the_engine_on_the_cuda_router() {
     use scheduler::backend::{self, BackendOptions, Device};
@@ -216,11 +217,24 @@ fn the_backend_builds_the_engine_on_the_cuda_router() {
             device,
             max_context: Some(CONTEXT),
             threads: 1,
+            checkpoint_slots: 5,
+            snapshot_slots: 3,
             ..BackendOptions::new(24, 2)
         };
         let mut engine =
             backend::build_engine(model().clone(), options, EngineConfig::default()).unwrap();
         assert!(backend::is_hybrid(engine.router()));
+        let facts = engine.router().facts();
+        assert_eq!(
+            (
+                facts.kv_blocks_total,
+                facts.checkpoint_slots_total,
+                facts.live_slots_total,
+                facts.snapshot_slots_total
+            ),
+            (24, 5, 2, 3),
+            "{device:?}"
+        );
         let handle = engine
             .submit(Request::greedy(prompts()[0].clone(), 6))
             .unwrap();
