@@ -1869,19 +1869,14 @@ impl DeviceModel {
                         m * shape.heads * splits * (shape.head_dim + 2) * 4,
                     )?;
                     let y = region(&ws.y, m * shape.heads * shape.head_dim * 4)?;
-                    kernels::attention_tiled(
-                        rt,
-                        s,
-                        &step,
-                        &attention_work,
-                        &pool,
-                        &shape,
-                        proj,
+                    let io = kernels::AttentionIo {
+                        qkv: proj,
                         partial,
-                        y,
+                        out: y,
                         splits,
                         split_keys,
-                    )?;
+                    };
+                    kernels::attention_tiled(rt, s, &step, &attention_work, &pool, &shape, &io)?;
                     self.linear(rt, workspace, ws, y, m, o_proj, block_out, false)?;
                 }
                 Mixer::Mlp { up, down } => {

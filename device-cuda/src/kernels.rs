@@ -16,8 +16,8 @@ mod layers;
 pub use layers::{
     add_into, attention, attention_plan, attention_tile_rows, attention_tiled, bias_act, kv_write,
     mamba_conv, mamba_gated_norm, mamba_ssm, moe_combine, moe_dispatch, moe_gemm, moe_route,
-    residual_rmsnorm, rmsnorm_select, AttentionShape, AttentionWork, KvPool, MambaShape,
-    MoeDispatch, MoeGemm, MoeRoute, SsmScan, StateSlots, StepRows, MOE_TILE_ROWS,
+    residual_rmsnorm, rmsnorm_select, AttentionIo, AttentionShape, AttentionWork, KvPool,
+    MambaShape, MoeDispatch, MoeGemm, MoeRoute, SsmScan, StateSlots, StepRows, MOE_TILE_ROWS,
 };
 
 /// Threads per block of the row kernels (RMSNorm, argmax): a multiple of 32.
@@ -225,6 +225,20 @@ fn to_u32(kernel: Kernel, what: &str, value: usize) -> Result<u32> {
     })
 }
 
+/// A grid of [`FLAT_THREADS`]-thread blocks over `columns.1` elements (x, in blocks of
+/// `FLAT_THREADS`) of each of `rows.1` rows (y); the `.0`s name the block and row counts in errors.
+fn flat_grid(k: Kernel, columns: (&str, usize), rows: (&str, usize)) -> Result<LaunchDims> {
+    Ok(LaunchDims {
+        grid: [
+            to_u32(k, columns.0, columns.1.div_ceil(FLAT_THREADS as usize))?,
+            to_u32(k, rows.0, rows.1)?,
+            1,
+        ],
+        block: [FLAT_THREADS, 1, 1],
+        shared_bytes: 0,
+    })
+}
+
 fn flat_blocks(elems: u64) -> u32 {
     elems
         .div_ceil(u64::from(FLAT_THREADS))
@@ -306,19 +320,7 @@ pub fn embedding_gather(
     expect_aligned(k, "out", out, 4)?;
     expect_aligned(k, "table", table, dtype.bytes() as u64)?;
     expect_aligned(k, "tokens", tokens, 4)?;
-    let dims = LaunchDims {
-        grid: [
-            to_u32(
-                k,
-                "hidden blocks",
-                hidden.div_ceil(FLAT_THREADS as usize).max(1),
-            )?,
-            to_u32(k, "rows", rows)?,
-            1,
-        ],
-        block: [FLAT_THREADS, 1, 1],
-        shared_bytes: 0,
-    };
+    let dims = flat_grid(k, ("hidden blocks", hidden.max(1)), ("rows", rows))?;
     let args = [
         KernelArg::Ptr(out),
         KernelArg::Ptr(table),

@@ -5,8 +5,8 @@
 //! and combine (ties, group limits, padding). Odd sizes and one-row cases throughout.
 
 use device_cuda::kernels::{
-    self, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm, MoeRoute,
-    SsmScan, StateSlots, StepRows,
+    self, AttentionIo, AttentionShape, AttentionWork, KvPool, MambaShape, MoeDispatch, MoeGemm,
+    MoeRoute, SsmScan, StateSlots, StepRows,
 };
 use device_cuda::{DType, DeviceBuffer, DeviceSlice, Runtime, SimRuntime, Stream};
 use rand::{Rng, SeedableRng};
@@ -469,20 +469,15 @@ fn check_attention(
     let b_out = rt.alloc(rows * shape.heads * head_dim * 4).unwrap();
     kernels::kv_write(&rt, S, &st.step, &view, &shape, b_qkv.all()).unwrap();
     let mut plan_bufs = Vec::new();
+    let io = AttentionIo {
+        qkv: b_qkv.all(),
+        partial: b_partial.all(),
+        out: b_out.all(),
+        splits,
+        split_keys: split_keys.min(longest),
+    };
     match path {
-        Path::Split => kernels::attention(
-            &rt,
-            S,
-            &st.step,
-            &view,
-            &shape,
-            b_qkv.all(),
-            b_partial.all(),
-            b_out.all(),
-            splits,
-            split_keys.min(longest),
-        )
-        .unwrap(),
+        Path::Split => kernels::attention(&rt, S, &st.step, &view, &shape, &io).unwrap(),
         Path::Tiled => {
             let tile_rows = kernels::attention_tile_rows(head_dim);
             let lens: Vec<usize> = runs.iter().map(|r| r.1).collect();
@@ -501,20 +496,7 @@ fn check_attention(
                 singles: b_singles.range(0, singles.len() * 4).unwrap(),
                 num_singles: singles.len(),
             };
-            kernels::attention_tiled(
-                &rt,
-                S,
-                &st.step,
-                &work,
-                &view,
-                &shape,
-                b_qkv.all(),
-                b_partial.all(),
-                b_out.all(),
-                splits,
-                split_keys.min(longest),
-            )
-            .unwrap();
+            kernels::attention_tiled(&rt, S, &st.step, &work, &view, &shape, &io).unwrap();
             plan_bufs.extend([b_tiles, b_singles]);
         }
     }

@@ -5,7 +5,9 @@
 //! expert choices and positions) are bound-checked by the kernels themselves against the sizes
 //! passed here, so no input makes a kernel touch memory outside its slices.
 
-use super::{expect_aligned, expect_bytes, flat_blocks, to_u32, Kernel, FLAT_THREADS, ROW_THREADS};
+use super::{
+    expect_aligned, expect_bytes, flat_blocks, flat_grid, to_u32, Kernel, FLAT_THREADS, ROW_THREADS,
+};
 use crate::error::{CudaError, Result};
 use crate::runtime::{DType, DeviceSlice, KernelArg, LaunchDims, Runtime, Stream};
 
@@ -257,19 +259,7 @@ pub fn mamba_conv(
         KernelArg::U32(to_u32(k, "slots", slots.num_slots)?),
         step.snapshot_arg(),
     ];
-    let dims = LaunchDims {
-        grid: [
-            to_u32(
-                k,
-                "channel blocks",
-                conv_dim.div_ceil(FLAT_THREADS as usize),
-            )?,
-            to_u32(k, "runs", step.num_runs)?,
-            1,
-        ],
-        block: [FLAT_THREADS, 1, 1],
-        shared_bytes: 0,
-    };
+    let dims = flat_grid(k, ("channel blocks", conv_dim), ("runs", step.num_runs))?;
     // SAFETY: the arguments match `mamba_conv`'s parameters; out and proj hold `rows` rows, the
     // weights conv_dim * K floats, the states num_slots * slot_floats floats with the layer's
     // history inside each slot, the snapshot slots (if any) one word per row (all checked
@@ -565,49 +555,42 @@ pub fn kv_write(
         p2,
         p3,
     ];
-    let dims = LaunchDims {
-        grid: [
-            to_u32(k, "column blocks", width.div_ceil(FLAT_THREADS as usize))?,
-            to_u32(k, "rows", step.rows)?,
-            1,
-        ],
-        block: [FLAT_THREADS, 1, 1],
-        shared_bytes: 0,
-    };
+    let dims = flat_grid(k, ("column blocks", width), ("rows", step.rows))?;
     // SAFETY: the arguments match `kv_write`'s parameters; qkv holds rows rows, the pool
     // num_blocks blocks with the layer inside each, the step's arrays their checked lengths; the
     // kernel checks runs, table offsets and block ids against those lengths.
     unsafe { rt.launch(k, dims, &args, stream) }
 }
 
-/// Causal GQA attention of every row's queries (in `qkv`) over keys `0..=pos` of its run's block
-/// table, split across `splits` blocks of `split_keys` keys each and merged:
-/// `out [rows, heads * head_dim]`. `partial` holds `rows * heads * splits * (head_dim + 2)` f32.
-#[allow(clippy::too_many_arguments)] // The step, the pool, the shape, the split and three buffers.
+/// The buffers and the key split of one attention call ([`attention`], [`attention_tiled`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionIo {
+    /// Every row's `q | k | v` projections, `rows * qkv_dim` f32 (`AttentionShape::qkv_dim`).
+    pub qkv: DeviceSlice,
+    /// The splits' partial results, `rows * heads * splits * (head_dim + 2)` f32.
+    pub partial: DeviceSlice,
+    /// The merged output, `rows * heads * head_dim` f32.
+    pub out: DeviceSlice,
+    /// Thread blocks each row's keys are split across.
+    pub splits: usize,
+    /// Keys per split.
+    pub split_keys: usize,
+}
+
+/// Causal GQA attention of every row's queries (in `io.qkv`) over keys `0..=pos` of its run's
+/// block table, split across `io.splits` blocks of `io.split_keys` keys each and merged into
+/// `io.out`.
 pub fn attention(
     rt: &dyn Runtime,
     stream: Stream,
     step: &StepRows,
     pool: &KvPool,
     shape: &AttentionShape,
-    qkv: DeviceSlice,
-    partial: DeviceSlice,
-    out: DeviceSlice,
-    splits: usize,
-    split_keys: usize,
+    io: &AttentionIo,
 ) -> Result<()> {
-    let launch = AttentionLaunch::new(
-        Kernel::AttentionSplit,
-        step,
-        pool,
-        shape,
-        qkv,
-        partial,
-        splits,
-        split_keys,
-    )?;
+    let launch = AttentionLaunch::new(Kernel::AttentionSplit, step, pool, shape, io)?;
     launch.split(rt, stream, SplitRows::All)?;
-    attention_combine(rt, stream, step, shape, partial, out, splits)
+    attention_combine(rt, stream, step, shape, io.partial, io.out, io.splits)
 }
 
 /// What one attention call gives both of its kernels, `attention_split` and `attention_tile`
@@ -633,17 +616,14 @@ enum SplitRows {
 impl<'a> AttentionLaunch<'a> {
     /// Checks the step, the shape against the pool, and the split; `k` names the kernel in
     /// errors.
-    #[allow(clippy::too_many_arguments)] // The kernel, the step, the pool, the shape, two buffers and the split.
     fn new(
         k: Kernel,
         step: &'a StepRows,
         pool: &'a KvPool,
         shape: &'a AttentionShape,
-        qkv: DeviceSlice,
-        partial: DeviceSlice,
-        splits: usize,
-        split_keys: usize,
+        io: &AttentionIo,
     ) -> Result<Self> {
+        let (splits, split_keys) = (io.splits, io.split_keys);
         step.check(k)?;
         shape.check(k, pool)?;
         if splits == 0 || split_keys == 0 {
@@ -656,8 +636,8 @@ impl<'a> AttentionLaunch<'a> {
             step,
             pool,
             shape,
-            qkv,
-            partial,
+            qkv: io.qkv,
+            partial: io.partial,
             splits,
             split_keys,
         })
@@ -867,7 +847,6 @@ pub fn attention_plan(
 /// memory, tile by tile, so a prefill chunk reads each key once per tile of queries instead of
 /// once per query. Decode rows (`work.singles`) go to the split kernel as in [`attention`]; both
 /// write the same partials, merged by one combine.
-#[allow(clippy::too_many_arguments)] // The step, its plan, the pool, the shape, the split and three buffers.
 pub fn attention_tiled(
     rt: &dyn Runtime,
     stream: Stream,
@@ -875,14 +854,10 @@ pub fn attention_tiled(
     work: &AttentionWork,
     pool: &KvPool,
     shape: &AttentionShape,
-    qkv: DeviceSlice,
-    partial: DeviceSlice,
-    out: DeviceSlice,
-    splits: usize,
-    split_keys: usize,
+    io: &AttentionIo,
 ) -> Result<()> {
     let k = Kernel::AttentionTile;
-    let launch = AttentionLaunch::new(k, step, pool, shape, qkv, partial, splits, split_keys)?;
+    let launch = AttentionLaunch::new(k, step, pool, shape, io)?;
     let bad = |detail: String| CudaError::BadLaunch {
         kernel: k.name(),
         detail,
@@ -921,7 +896,7 @@ pub fn attention_tiled(
             .collect();
         let dims = LaunchDims {
             grid: [
-                to_u32(k, "splits", splits)?,
+                to_u32(k, "splits", io.splits)?,
                 to_u32(k, "heads", h)?,
                 to_u32(k, "tiles", work.num_tiles)?,
             ],
@@ -945,7 +920,7 @@ pub fn attention_tiled(
             },
         )?;
     }
-    attention_combine(rt, stream, step, shape, partial, out, splits)
+    attention_combine(rt, stream, step, shape, io.partial, io.out, io.splits)
 }
 
 /// The MoE router's settings (ARCH.md §6.1).
@@ -1247,19 +1222,7 @@ pub fn moe_combine(
         KernelArg::U32(to_u32(k, "dim", dim)?),
         KernelArg::U32(to_u32(k, "positions", dispatch.pad_cap)?),
     ];
-    let dims = LaunchDims {
-        grid: [
-            to_u32(
-                k,
-                "column blocks",
-                dim.div_ceil(FLAT_THREADS as usize).max(1),
-            )?,
-            to_u32(k, "tokens", tokens)?,
-            1,
-        ],
-        block: [FLAT_THREADS, 1, 1],
-        shared_bytes: 0,
-    };
+    let dims = flat_grid(k, ("column blocks", dim.max(1)), ("tokens", tokens))?;
     // SAFETY: the arguments match `moe_combine`'s parameters; every buffer holds the size checked
     // above and the kernel reads expert_out only at positions below pad_cap.
     unsafe { rt.launch(k, dims, &args, stream) }
