@@ -108,18 +108,10 @@ fn check_rmsnorm(rows: usize, dim: usize, dtype: DType, seed: u64) {
     };
     let x_buf = upload_f32(&rt, &x);
     let out = rt.alloc(rows * dim * 4).unwrap();
-    kernels::rmsnorm(
-        &rt,
-        S,
-        out.all(),
-        x_buf.all(),
-        w_buf.all(),
-        dtype,
-        rows,
-        dim,
-        eps,
-    )
-    .unwrap();
+    let norm_into = |out: DeviceSlice| {
+        kernels::rmsnorm(&rt, S, out, x_buf.all(), w_buf.all(), dtype, rows, dim, eps).unwrap()
+    };
+    norm_into(out.all());
     let got = download_f32(&rt, out.all());
     for r in 0..rows {
         let row = &x[r * dim..(r + 1) * dim];
@@ -150,18 +142,7 @@ fn check_rmsnorm(rows: usize, dim: usize, dtype: DType, seed: u64) {
         }
     }
     // In place gives the same bits.
-    kernels::rmsnorm(
-        &rt,
-        S,
-        x_buf.all(),
-        x_buf.all(),
-        w_buf.all(),
-        dtype,
-        rows,
-        dim,
-        eps,
-    )
-    .unwrap();
+    norm_into(x_buf.all());
     assert_eq!(download_f32(&rt, x_buf.all()), got);
 }
 
