@@ -84,18 +84,9 @@ pub(crate) fn prefill<'a>(
             PrefillOp::ZeroSlot(slot) => job.ops.push(Op::ZeroSlot(slot)),
             PrefillOp::CopyRow { from, to } => job.ops.push(Op::CopySlot { from, to }),
             PrefillOp::CopyBlock { from, to } => job.ops.push(Op::CopyBlock { from, to }),
-            PrefillOp::Run {
-                row,
-                start,
-                stop,
-                slot,
-                blocks,
-                emit,
-                lead,
-                stash,
-                lag,
-            } => {
-                let seq = &*rows[row];
+            PrefillOp::Run(run) => {
+                let (start, stop) = (run.start, run.stop);
+                let seq = &*rows[run.row];
                 let tokens = job.tokens.len()..job.tokens.len() + (stop - start);
                 job.tokens.extend_from_slice(&seq.tokens[start..stop]);
                 let mtp = shape.mtp.then(|| {
@@ -107,10 +98,7 @@ pub(crate) fn prefill<'a>(
                         track,
                         book.cache,
                         seq,
-                        (start, stop),
-                        lead,
-                        stash,
-                        lag,
+                        &run,
                         shape.head_lags,
                     );
                     let (from, known) = (head.run.from, head.run.known);
@@ -129,9 +117,9 @@ pub(crate) fn prefill<'a>(
                 job.ops.push(Op::Prefill {
                     tokens,
                     start_pos: start,
-                    blocks,
-                    slot,
-                    emit,
+                    blocks: run.blocks,
+                    slot: run.slot,
+                    emit: run.emit,
                     mtp,
                     lora: seq
                         .lora

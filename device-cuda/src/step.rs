@@ -264,18 +264,9 @@ fn prefill_work(
                 work.push(Work::Copy { from, to });
             }
             PrefillOp::CopyBlock { from, to } => work.push(Work::CopyBlock { from, to }),
-            PrefillOp::Run {
-                row,
-                start,
-                stop,
-                slot,
-                blocks,
-                emit,
-                lead,
-                stash,
-                lag,
-            } => {
-                let seq = &*rows[row];
+            PrefillOp::Run(run) => {
+                let (start, stop, slot, emit) = (run.start, run.stop, run.slot, run.emit);
+                let seq = &*rows[run.row];
                 let tokens = &seq.tokens;
                 // The head consumes positions `start..known` (after its rerun's); the prompt's
                 // last is kept.
@@ -290,10 +281,7 @@ fn prefill_work(
                         track,
                         book.cache,
                         seq,
-                        (start, stop),
-                        lead,
-                        stash,
-                        lag,
+                        &run,
                         book.head_lags,
                     );
                     known = head.run.known;
@@ -321,7 +309,7 @@ fn prefill_work(
                         start: pos,
                         len: end - pos,
                         slot,
-                        blocks: blocks.clone(),
+                        blocks: run.blocks.clone(),
                         snapshots: Vec::new(),
                     });
                     batch.tokens.extend_from_slice(&tokens[pos..end]);

@@ -89,7 +89,7 @@ pub struct BookShape {
     /// Whether the MTP head has Mamba layers: a checkpoint holds the head's state, so a prefill
     /// run ending at a checkpoint the head marks stops the head one position short (the
     /// checkpoint then holds its state before `L - 1`, which a rerun computes) and the row's
-    /// next run leads with that position (`PrefillOp::Run::lag`); at a checkpoint where the row's
+    /// next run leads with that position (`PrefillRun::lag`); at a checkpoint where the row's
     /// prefill plan ends its head state is past `L - 1`, so the mark names the row's token at
     /// `L` instead of a rerun (`crate::HeadMark::next`).
     pub head_lags: bool,

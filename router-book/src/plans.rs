@@ -138,34 +138,39 @@ pub enum PrefillOp {
         /// The sequence's copy.
         to: u32,
     },
-    /// Compute positions `start..stop` of plan row `row` (its tokens `tokens[start..stop]`).
-    Run {
-        /// The plan row.
-        row: usize,
-        /// The first position.
-        start: usize,
-        /// One past the last position.
-        stop: usize,
-        /// The row's live state slot.
-        slot: usize,
-        /// The row's block table in [`StepBook::blocks`].
-        blocks: Range<usize>,
-        /// The run ends the prompt: its last position's logits are the row's.
-        emit: bool,
-        /// The MTP head's rerun before the run's own positions, after a hit on a marked
-        /// checkpoint (only when [`BookShape::head_rerun`]).
-        lead: Option<HeadLead>,
-        /// The checkpoint taken at `stop`, for the router to store the main model's hidden
-        /// state at `stop - 1` with (`crate::spec::prefill_checkpoint_head` decides, and marks
-        /// it; only when [`BookShape::head_rerun`]). For a head with Mamba layers that does not
-        /// `lag` here (the row's plan ends at `stop`), the mark needs no hidden state.
-        stash: Option<CheckpointSlot>,
-        /// The MTP head consumes no further than `stop - 2` ([`BookShape::head_lags`]: the
-        /// checkpoint at `stop` then holds the head's state before `stop - 1`); the row's next
-        /// run, in the same plan, leads with `stop - 1` from the hidden state stored with
-        /// `stash`, which the router stores whether or not the head marks the checkpoint.
-        lag: bool,
-    },
+    /// Compute a run of positions of one row.
+    Run(PrefillRun),
+}
+
+/// Positions `start..stop` of plan row `row` (its tokens `tokens[start..stop]`), and what the
+/// MTP head does with them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillRun {
+    /// The plan row.
+    pub row: usize,
+    /// The first position.
+    pub start: usize,
+    /// One past the last position.
+    pub stop: usize,
+    /// The row's live state slot.
+    pub slot: usize,
+    /// The row's block table in [`StepBook::blocks`].
+    pub blocks: Range<usize>,
+    /// The run ends the prompt: its last position's logits are the row's.
+    pub emit: bool,
+    /// The MTP head's rerun before the run's own positions, after a hit on a marked
+    /// checkpoint (only when [`BookShape::head_rerun`]).
+    pub lead: Option<HeadLead>,
+    /// The checkpoint taken at `stop`, for the router to store the main model's hidden
+    /// state at `stop - 1` with (`crate::spec::prefill_checkpoint_head` decides, and marks
+    /// it; only when [`BookShape::head_rerun`]). For a head with Mamba layers that does not
+    /// `lag` here (the row's plan ends at `stop`), the mark needs no hidden state.
+    pub stash: Option<CheckpointSlot>,
+    /// The MTP head consumes no further than `stop - 2` ([`BookShape::head_lags`]: the
+    /// checkpoint at `stop` then holds the head's state before `stop - 1`); the row's next
+    /// run, in the same plan, leads with `stop - 1` from the hidden state stored with
+    /// `stash`, which the router stores whether or not the head marks the checkpoint.
+    pub lag: bool,
 }
 
 /// A prefix hit's MTP-head rerun (see `crate::spec`'s [`HeadRun`](crate::spec::HeadRun)): the
@@ -177,7 +182,7 @@ pub struct HeadLead {
     pub checkpoint: CheckpointSlot,
     /// The rerun's first position.
     pub from: usize,
-    /// The row's own lagged position (`PrefillOp::Run::lag`), not a hit: the head's K/V and
+    /// The row's own lagged position (`PrefillRun::lag`), not a hit: the head's K/V and
     /// state are the row's own through `from`.
     pub own: bool,
     /// After a hit: the positions `0..vouched` hold head K/V that are right for this sequence
@@ -473,7 +478,7 @@ pub fn prefill(
                 }
             }
             let run = plan.ops.len();
-            plan.ops.push(PrefillOp::Run {
+            plan.ops.push(PrefillOp::Run(PrefillRun {
                 row: i,
                 start: pos,
                 stop,
@@ -483,7 +488,7 @@ pub fn prefill(
                 lead: lead.take(),
                 stash: None,
                 lag: false,
-            });
+            }));
             pos = stop;
             seq.computed_len = pos;
             let mut taken = None;
@@ -501,9 +506,9 @@ pub fn prefill(
             // row continues in this plan; where the plan ends there, its mark names the token
             // after the checkpoint instead of a rerun (see `BookShape::head_lags`).
             let lags = shape.head_lags && taken.is_some() && pos < end;
-            if let PrefillOp::Run {
+            if let PrefillOp::Run(PrefillRun {
                 stash, lag, stop, ..
-            } = &mut plan.ops[run]
+            }) = &mut plan.ops[run]
             {
                 *stash = taken;
                 *lag = lags;

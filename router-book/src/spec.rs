@@ -439,7 +439,7 @@ pub fn prefill_checkpoint_head<H>(
 }
 
 /// What a router does for the MTP head in a prefill run of positions `start..stop` of `seq`
-/// ([`PrefillOp::Run`](crate::plans::PrefillOp::Run)'s `lead`, `stash` and `lag`).
+/// ([`PrefillRun`](crate::plans::PrefillRun)'s `lead`, `stash` and `lag`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadPrefill {
     /// The positions the head consumes ([`prefill_head`]).
@@ -453,21 +453,25 @@ pub struct HeadPrefill {
     pub rerun: Option<crate::plans::HeadLead>,
 }
 
-/// The MTP head's part of a prefill run of positions `start..stop` of `seq` (see [`HeadRun`]),
-/// its checkpoint `stash` marked when the head is exact (see [`prefill_checkpoint_head`];
+/// The MTP head's part of `run` (positions `start..stop` of `seq`, see [`HeadRun`]), its
+/// checkpoint `stash` marked when the head is exact (see [`prefill_checkpoint_head`];
 /// `head_lags`: [`crate::BookShape::head_lags`]), and the rerun it leads with: one rule for
 /// every router.
-#[allow(clippy::too_many_arguments)] // The fields of one `PrefillOp::Run` and the shape's flag.
 pub fn prefill_head_plan<H>(
     track: &mut MtpTrack<H>,
     cache: &mut crate::Caches,
     seq: &RouterSeq,
-    (start, stop): (usize, usize),
-    lead: Option<crate::plans::HeadLead>,
-    stash: Option<crate::CheckpointSlot>,
-    lag: bool,
+    run: &crate::plans::PrefillRun,
     head_lags: bool,
 ) -> HeadPrefill {
+    let crate::plans::PrefillRun {
+        start,
+        stop,
+        lead,
+        stash,
+        lag,
+        ..
+    } = *run;
     let run = prefill_head(track, seq, (start, stop), lead, lag);
     let consumed_past = head_lags && !lag;
     let stash = stash.filter(|&slot| {
