@@ -36,6 +36,15 @@ use crate::runtime::{
     RuntimeKind, Stream,
 };
 
+/// Which way a copy between device memory and a pinned buffer goes.
+#[derive(Debug, Clone, Copy)]
+enum PinnedCopy {
+    /// Device memory to the pinned buffer.
+    ToPinned,
+    /// The pinned buffer to device memory.
+    FromPinned,
+}
+
 #[derive(Debug)]
 enum Op {
     Copy {
@@ -376,6 +385,44 @@ impl SimRuntime {
         self.shared.work.notify_one();
     }
 
+    /// The copy between `device` and `pinned` at `offset` that `way` names, in stream order;
+    /// the buffer counts it in flight until the worker ran it.
+    fn copy_pinned(
+        &self,
+        way: PinnedCopy,
+        device: DeviceSlice,
+        pinned: &PinnedBuffer,
+        offset: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        let mut state = self.shared.lock();
+        sticky(&state)?;
+        let what = match way {
+            PinnedCopy::ToPinned => "copy to pinned",
+            PinnedCopy::FromPinned => "copy from pinned",
+        };
+        state.memory.check_live(device, what)?;
+        let address = state.memory.pinned_range(pinned, offset, device.bytes)?;
+        if let Some(p) = state.memory.pinned.get_mut(&pinned.id) {
+            p.in_flight += 1;
+        }
+        let (dst, src) = match way {
+            PinnedCopy::ToPinned => (address, device.ptr),
+            PinnedCopy::FromPinned => (device.ptr, address),
+        };
+        self.enqueue(
+            &mut state,
+            stream,
+            Op::Copy {
+                dst,
+                src,
+                bytes: device.bytes,
+                pinned: Some(pinned.id),
+            },
+        );
+        Ok(())
+    }
+
     fn wait_until<'a>(
         &'a self,
         mut state: MutexGuard<'a, State>,
@@ -550,24 +597,7 @@ impl Runtime for SimRuntime {
         src: DeviceSlice,
         stream: Stream,
     ) -> Result<()> {
-        let mut state = self.shared.lock();
-        sticky(&state)?;
-        state.memory.check_live(src, "copy to pinned")?;
-        let address = state.memory.pinned_range(dst, offset, src.bytes)?;
-        if let Some(p) = state.memory.pinned.get_mut(&dst.id) {
-            p.in_flight += 1;
-        }
-        self.enqueue(
-            &mut state,
-            stream,
-            Op::Copy {
-                dst: address,
-                src: src.ptr,
-                bytes: src.bytes,
-                pinned: Some(dst.id),
-            },
-        );
-        Ok(())
+        self.copy_pinned(PinnedCopy::ToPinned, src, dst, offset, stream)
     }
 
     fn copy_from_pinned(
@@ -577,24 +607,7 @@ impl Runtime for SimRuntime {
         offset: usize,
         stream: Stream,
     ) -> Result<()> {
-        let mut state = self.shared.lock();
-        sticky(&state)?;
-        state.memory.check_live(dst, "copy from pinned")?;
-        let address = state.memory.pinned_range(src, offset, dst.bytes)?;
-        if let Some(p) = state.memory.pinned.get_mut(&src.id) {
-            p.in_flight += 1;
-        }
-        self.enqueue(
-            &mut state,
-            stream,
-            Op::Copy {
-                dst: dst.ptr,
-                src: address,
-                bytes: dst.bytes,
-                pinned: Some(src.id),
-            },
-        );
-        Ok(())
+        self.copy_pinned(PinnedCopy::FromPinned, dst, src, offset, stream)
     }
 
     fn read_pinned(&self, src: &PinnedBuffer, offset: usize, dst: &mut [u8]) -> Result<()> {
