@@ -751,21 +751,17 @@ fn verify_matches_the_host_router_and_rewinds_exactly() {
         let step2 = decode(&device, &[drafts[0][0], follow1], &mut [&mut *b0, &mut *b1]);
         let step3 = decode(&device, &[follow0], &mut [&mut *b0]);
         let row = |logits: &[f32], r: usize| logits[r * vocab..(r + 1) * vocab].to_vec();
-        assert_eq!(
-            row(&d_logits, 0),
-            row(&step1, 0),
-            "{name}: row 0, position 0"
-        );
-        assert_eq!(
-            row(&d_logits, 1),
-            row(&step2, 0),
-            "{name}: row 0, position 1"
-        );
-        assert_eq!(
-            row(&d_logits, 4),
-            row(&step1, 1),
-            "{name}: row 1, position 0"
-        );
+        // Each check: a row's logits, the plain decoding logits they must equal, what they are.
+        let same_rows = |checks: &[(Vec<f32>, Vec<f32>, &str)]| {
+            for (got, want, what) in checks {
+                assert_eq!(got, want, "{name}: {what}");
+            }
+        };
+        same_rows(&[
+            (row(&d_logits, 0), row(&step1, 0), "row 0, position 0"),
+            (row(&d_logits, 1), row(&step2, 0), "row 0, position 1"),
+            (row(&d_logits, 4), row(&step1, 1), "row 1, position 0"),
+        ]);
 
         // Accept: row 0 keeps two positions (snapshot after input 1), row 1 one (after input 0).
         accept(&host, &mut on_host[0], lens[0] + 2, 1);
@@ -783,16 +779,10 @@ fn verify_matches_the_host_router_and_rewinds_exactly() {
             &[follow0, follow1],
             &mut on_host.iter_mut().collect::<Vec<_>>(),
         );
-        assert_eq!(
-            row(&after, 0),
-            row(&step3, 0),
-            "{name}: row 0 after the rewind"
-        );
-        assert_eq!(
-            row(&after, 1),
-            row(&step2, 1),
-            "{name}: row 1 after the rewind"
-        );
+        same_rows(&[
+            (row(&after, 0), row(&step3, 0), "row 0 after the rewind"),
+            (row(&after, 1), row(&step2, 1), "row 1 after the rewind"),
+        ]);
         seen.rows(vocab, &host_after, &after, None);
         assert!(seen.max_diff <= F32_TOLERANCE, "{name}: {}", seen.max_diff);
         worst = worst.max(seen.max_diff);
