@@ -140,6 +140,13 @@ fn release<D: Router>(router: &D, s: &mut RouterSeq, cache: bool) {
         .unwrap();
 }
 
+/// Releases every sequence of `seqs` without offering it to the prefix cache.
+fn release_all<D: Router>(router: &D, seqs: &mut [RouterSeq]) {
+    for s in seqs {
+        release(router, s, false);
+    }
+}
+
 fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits.chunks(vocab).map(model::parity::argmax).collect()
 }
@@ -258,16 +265,10 @@ fn run_cases(
                 *slot = Some(id);
             }
         }
-        for s in &mut on_host {
-            release(host, s, false);
-        }
-        for s in &mut on_device {
-            release(device, s, false);
-        }
+        release_all(host, &mut on_host);
+        release_all(device, &mut on_device);
         if let Some(shadow) = shadow {
-            for s in &mut on_shadow {
-                release(shadow, s, false);
-            }
+            release_all(shadow, &mut on_shadow);
         }
     }
 }
@@ -787,12 +788,8 @@ fn verify_matches_the_host_router_and_rewinds_exactly() {
         assert!(seen.max_diff <= F32_TOLERANCE, "{name}: {}", seen.max_diff);
         worst = worst.max(seen.max_diff);
 
-        for s in &mut on_device {
-            release(&device, s, false);
-        }
-        for s in &mut on_host {
-            release(&host, s, false);
-        }
+        release_all(&device, &mut on_device);
+        release_all(&host, &mut on_host);
         assert_eq!(device.facts(), initial);
         Box::new(device).teardown().unwrap();
     }
@@ -926,12 +923,8 @@ fn draft_matches_the_host_router_on_both_mtp_fixtures() {
             assert_eq!(d_next, h_next, "{name}: round {round}");
             next = d_next;
         }
-        for s in &mut on_device {
-            release(&device, s, false);
-        }
-        for s in &mut on_host {
-            release(&host, s, false);
-        }
+        release_all(&device, &mut on_device);
+        release_all(&host, &mut on_host);
         assert_eq!(device.facts(), initial);
         Box::new(device).teardown().unwrap();
     }
