@@ -180,10 +180,8 @@ fn stash_head(
     slot: router_book::CheckpointSlot,
     pos: usize,
 ) -> Result<()> {
-    let Some(track) = tenure.and_then(|tenure| inner.mtp.get(&tenure)) else {
-        return Ok(());
-    };
-    let Some(rows) = router_book::spec::checkpoint_head(track, &mut inner.cache, slot, pos) else {
+    let head = router_book::spec::checkpoint_head(&inner.mtp, tenure, &mut inner.cache, slot, pos);
+    let Some(rows) = head else {
         return Ok(());
     };
     let rows: Vec<f32> = rows.into_iter().flatten().copied().collect();

@@ -680,11 +680,9 @@ impl CudaRouter {
         slot: router_book::CheckpointSlot,
         pos: usize,
     ) -> Result<()> {
-        let Some(track) = tenure.and_then(|tenure| inner.mtp.get(&tenure)) else {
-            return Ok(());
-        };
-        let Some(cells) = router_book::spec::checkpoint_head(track, &mut inner.cache, slot, pos)
-        else {
+        let head =
+            router_book::spec::checkpoint_head(&inner.mtp, tenure, &mut inner.cache, slot, pos);
+        let Some(cells) = head else {
             return Ok(());
         };
         for (i, &cell) in cells.into_iter().enumerate() {

@@ -484,16 +484,19 @@ pub fn prefill_head_plan<H>(
     }
 }
 
-/// `MarconiCheckpoint` on a router that reruns the head: when `seq` just took a checkpoint at
-/// `pos` (`slot`) and its head is exact through the positions it consumed, whose next ones
-/// through `pos - 1` its ring holds (at most [`CATCHUP_RING`]), marks the checkpoint and
-/// answers those positions' hidden states for the router to store with it.
+/// `MarconiCheckpoint` on a router that reruns the head: when the sequence of `tenure` (its
+/// head in `tracks`, if it has one) just took a checkpoint at `pos` (`slot`) and its head is
+/// exact through the positions it consumed, whose next ones through `pos - 1` its ring holds (at
+/// most [`CATCHUP_RING`]), marks the checkpoint and answers those positions' hidden states for
+/// the router to store with it.
 pub fn checkpoint_head<'t, H>(
-    track: &'t MtpTrack<H>,
+    tracks: &'t std::collections::BTreeMap<u64, MtpTrack<H>>,
+    tenure: Option<u64>,
     cache: &mut crate::Caches,
     slot: crate::CheckpointSlot,
     pos: usize,
 ) -> Option<Vec<&'t H>> {
+    let track = tracks.get(&tenure?)?;
     let from = track.consumed;
     if from >= pos || track.exact < from {
         return None;
