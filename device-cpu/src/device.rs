@@ -227,6 +227,8 @@ pub(crate) struct StepJob {
     /// Keep the hidden states of the decode or verification rows (a model with an MTP head).
     pub keep_hidden: bool,
     pub hidden_size: usize,
+    /// Fail the step after it ran, with what it wrote overwritten (`router_book::StepFaults`).
+    pub injected_fault: bool,
 }
 
 /// A computed (or failed) step.
@@ -375,7 +377,25 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
     device.logits[index].step = None;
     logits.clear();
     let mut extra = Extra::default();
-    match compute(model, device, &job, &mut logits, &mut extra) {
+    let computed = compute(model, device, &job, &mut logits, &mut extra);
+    let computed = match computed {
+        Ok(()) if job.injected_fault => {
+            // An injected device fault: the step ran, then everything it wrote turns to garbage.
+            let scribbled = scribble(device, &job);
+            device.logits[index].data = logits;
+            let mut message = format!(
+                "an injected device fault (StepFaults) in step {}",
+                job.ticket
+            );
+            if let Err(err) = scribbled {
+                message += &format!("; overwriting what it wrote failed: {err}");
+            }
+            fail(device, &mut completed, forward_failed(message));
+            return completed;
+        }
+        computed => computed,
+    };
+    match computed {
         Ok(()) => {}
         Err(err @ model::ModelError::ExpertWorkerLost { .. }) => {
             // A lost expert worker leaves the step's layers half run: the router is lost.
@@ -502,6 +522,100 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         tokens,
     });
     completed
+}
+
+/// Overwrites everything `job` wrote with [`router_book::FAULT_GARBAGE`], as a device error
+/// inside the step may leave it: the K/V of every position it computed (the MTP head's rerun
+/// and drafts included), the Mamba layers of every state row it computed on, and every state
+/// row, block and stored hidden row it copied or zeroed.
+fn scribble(device: &mut Device, job: &StepJob) -> std::result::Result<(), model::ModelError> {
+    let garbage = router_book::FAULT_GARBAGE;
+    let block_size = device.kv.block_size();
+    let state_floats = device.states.layout().state_floats();
+    let Device {
+        kv,
+        states,
+        checkpoint_hidden,
+        ..
+    } = device;
+    let mut positions = |table: &[u32], range: Range<usize>| {
+        for pos in range {
+            let block = table.get(pos / block_size).copied().ok_or(
+                model::ModelError::PositionBeyondBlocks {
+                    position: pos,
+                    blocks: table.len(),
+                    block_size,
+                    capacity: table.len() * block_size,
+                },
+            )?;
+            kv.fill_offset(block, pos % block_size, garbage)?;
+        }
+        Ok::<(), model::ModelError>(())
+    };
+    let mut rows = Vec::new();
+    let mut whole_rows = Vec::new();
+    let mut hidden = Vec::new();
+    for op in &job.ops {
+        match op {
+            Op::ZeroSlot(slot) | Op::CopySlot { to: slot, .. } => whole_rows.push(*slot),
+            Op::CopyLayers { to, .. } => rows.push(*to),
+            Op::CopyBlock { to, .. } => positions(&[*to], 0..block_size)?,
+            Op::StoreHidden { checkpoint, .. } => hidden.push(*checkpoint),
+            Op::Prefill {
+                tokens,
+                start_pos,
+                blocks,
+                slot,
+                mtp,
+                ..
+            } => {
+                let lead = mtp
+                    .as_ref()
+                    .and_then(|chunk| chunk.lead)
+                    .map_or(0, |(_, rows)| rows);
+                let table = &job.blocks[blocks.clone()];
+                positions(table, start_pos - lead..start_pos + tokens.len())?;
+                rows.push(*slot);
+                hidden.extend(mtp.as_ref().and_then(|chunk| chunk.stash));
+            }
+        }
+    }
+    for row in &job.decode {
+        positions(&job.blocks[row.blocks.clone()], row.pos..row.pos + 1)?;
+        rows.push(row.slot);
+    }
+    for run in &job.runs {
+        let table = &job.blocks[run.blocks.clone()];
+        positions(table, run.start..run.start + run.tokens.len())?;
+        rows.push(run.slot);
+        rows.extend(&run.snapshots);
+    }
+    if let Some(draft) = &job.draft {
+        for row in &draft.rows {
+            let Some(catchup) = &row.catchup else {
+                continue;
+            };
+            let table = &job.blocks[row.blocks.clone()];
+            positions(table, catchup.start..catchup.start + catchup.next.len())?;
+            positions(
+                table,
+                row.next_pos..row.next_pos + draft.k.saturating_sub(1),
+            )?;
+            rows.extend([row.slot, row.scratch]);
+        }
+    }
+    for row in rows {
+        states.slot_mut(row)?[..state_floats].fill(garbage);
+    }
+    for row in whole_rows {
+        states.slot_mut(row)?.fill(garbage);
+    }
+    for checkpoint in hidden {
+        if let Some(stored) = checkpoint_hidden.get_mut(checkpoint) {
+            stored.fill(garbage);
+        }
+    }
+    Ok(())
 }
 
 /// What a step computes besides its logits.

@@ -139,7 +139,7 @@ pub use router_book::CacheStats;
 /// The host router's per-sequence bookkeeping: the record every router of the workspace keeps
 /// (`router_book::RouterSeq`).
 pub use router_book::RouterSeq as CpuSeq;
-pub use router_book::{LogitsHandle, Namespace};
+pub use router_book::{LogitsHandle, Namespace, StepFaults};
 
 /// Why a router could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -235,6 +235,8 @@ pub(crate) struct Inner {
     pub settled: Option<u64>,
     /// The LoRA adapter slots.
     pub lora: lora::LoraTable,
+    /// Fault injection at the device ([`CpuRouter::inject_step_faults`]).
+    pub step_faults: Option<StepFaults>,
 }
 
 impl Inner {
@@ -568,6 +570,7 @@ impl CpuRouter {
             step_hidden: VecDeque::new(),
             settled: None,
             lora: lora::LoraTable::new(config.lora_slots),
+            step_faults: None,
         };
         tracing::debug!(?shape, "host router ready");
         Ok(CpuRouter {
@@ -583,6 +586,14 @@ impl CpuRouter {
         self.inner
             .lock()
             .map_err(|_| DeviceError::DeviceLost("router state poisoned by a panic".to_string()))
+    }
+
+    /// Fails, from now on, the steps `faults` picks, as a device error after the commit would
+    /// ([`StepFaults`]: the step runs, what it wrote is overwritten, its rows are marked failed);
+    /// for soaks and recovery tests.
+    pub fn inject_step_faults(&self, faults: StepFaults) -> Result<()> {
+        self.lock()?.step_faults = Some(faults);
+        Ok(())
     }
 
     /// Whether the model has Mamba layers (and so uses the Marconi store for prefix reuse).
@@ -745,6 +756,10 @@ impl DeviceIo for CpuRouter {
             }
         };
         inner.next_step += 1;
+        job.injected_fault = inner
+            .step_faults
+            .as_ref()
+            .is_some_and(|faults| faults.fails(ticket));
         let last_rows: Vec<(u64, bool)> = job
             .tenures
             .iter()

@@ -320,3 +320,62 @@ fn batched_chunked_prefill_equals_one_row_at_a_time() {
         release(&batched, s, false);
     }
 }
+
+/// A step that fails at the device after it took a Marconi checkpoint at the tree's branch
+/// point (its prefill ran through the branch point, copied the state there, and then failed,
+/// leaving garbage wherever it wrote): nothing it wrote is served. The next request through that
+/// branch point computes from scratch and has a cold run's bits, and every block and checkpoint
+/// slot comes back.
+#[test]
+fn a_checkpoint_taken_by_a_step_that_failed_at_the_device_is_never_served() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let on = router(hybrid_model(), 16, true);
+    let off = router(hybrid_model(), 16, false);
+    let fail_next = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&fail_next);
+    on.inject_step_faults(device_cpu::StepFaults::new(move |_| {
+        flag.swap(false, Ordering::SeqCst)
+    }))
+    .unwrap();
+    let initial = on.facts();
+    let first = tokens(5, 40);
+    request(&on, 1, &first, 12, 40);
+    // Leaves the first request after 20 tokens: its one prefill step runs to the branch point
+    // at 16, checkpoints there, runs on, and fails.
+    let mut branch = first[..20].to_vec();
+    branch.extend(tokens(8, 20));
+    let mut failing = seq(4, &branch);
+    fail_next.store(true, Ordering::SeqCst);
+    let mut host = Vec::new();
+    let err = on
+        .launch(
+            device_io::StepPlan::Prefill {
+                budgets: &[64],
+                readback: device_io::Readback::HostLogits { into: &mut host },
+            },
+            &mut [&mut failing],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            device_io::DeviceError::Failed {
+                phase: device_io::Phase::Forward,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(failing.failed());
+    release(&on, &mut failing, false);
+    // The sibling through the branch point finds no checkpoint there: nothing cached, cold bits.
+    let mut sibling = first[..20].to_vec();
+    sibling.extend(tokens(9, 30));
+    assert_eq!(check_same_bits(&on, &off, 5, &sibling, 3), 0);
+    // Its own prefill took the branch checkpoint again; the next one through it hits it.
+    let mut third = first[..20].to_vec();
+    third.extend(tokens(10, 30));
+    assert_eq!(check_same_bits(&on, &off, 6, &third, 3), 16);
+    assert_back_to_initial(&on, initial);
+}

@@ -98,6 +98,8 @@ pub(crate) struct Inner {
     pub step_hidden: Vec<StepHidden>,
     /// The latest ticket `await_result` handed over.
     pub settled: Option<u64>,
+    /// Fault injection at the device ([`CudaRouter::inject_step_faults`]).
+    pub step_faults: Option<router_book::StepFaults>,
 }
 
 /// The hidden states a decode or verification kept in its half of the MTP regions'
@@ -140,6 +142,7 @@ impl Inner {
             free_cells: (0..cells as u32).rev().collect(),
             step_hidden: Vec::new(),
             settled: None,
+            step_faults: None,
         }
     }
 

@@ -221,6 +221,20 @@ impl CudaRouter {
         Ok(inner.cache.stats())
     }
 
+    /// Fails, from now on, the steps `faults` picks, as a device error after the commit would
+    /// ([`router_book::StepFaults`]: the step runs, what it wrote is overwritten on the compute
+    /// stream, and its await fails with its rows marked failed); for soaks and recovery tests.
+    pub fn inject_step_faults(
+        &self,
+        faults: router_book::StepFaults,
+    ) -> Result<(), device_io::DeviceError> {
+        let mut inner = self.inner.lock().map_err(|_| {
+            device_io::DeviceError::DeviceLost("router state poisoned by a panic".to_owned())
+        })?;
+        inner.step_faults = Some(faults);
+        Ok(())
+    }
+
     /// Whether the model has Mamba layers (and so uses the Marconi store for prefix reuse).
     pub fn is_hybrid(&self) -> bool {
         self.plan.state_slot_bytes > 0

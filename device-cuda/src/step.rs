@@ -95,6 +95,64 @@ pub(crate) struct Flight {
     /// A `Draft`: which rows drafted, and the drafts per row (the argmax is then the drafts,
     /// row after row).
     pub draft: Option<(Vec<bool>, usize)>,
+    /// Failed by fault injection (`router_book::StepFaults`): what it wrote was overwritten
+    /// after it ran, and its await fails.
+    pub injected: bool,
+}
+
+/// What a step wrote on the device, for fault injection to overwrite.
+#[derive(Debug, Default)]
+struct Wrote {
+    /// State rows (whole rows).
+    rows: Vec<usize>,
+    /// Whole KV blocks.
+    blocks: Vec<u32>,
+    /// Token positions: (block, offset inside it).
+    positions: Vec<(u32, usize)>,
+    /// Checkpoint slots whose stored hidden rows (marks) it wrote.
+    marks: Vec<usize>,
+}
+
+impl Wrote {
+    fn positions(&mut self, table: &[u32], block_size: usize, range: Range<usize>) {
+        for pos in range {
+            if let Some(&block) = table.get(pos / block_size) {
+                self.positions.push((block, pos % block_size));
+            }
+        }
+    }
+
+    /// What `work` writes.
+    fn step(work: &[Work], blocks: &[u32], block_size: usize) -> Wrote {
+        let mut wrote = Wrote::default();
+        for item in work {
+            match item {
+                Work::Zero(slot) | Work::Copy { to: slot, .. } => wrote.rows.push(*slot),
+                Work::CopyBlock { to, .. } => wrote.blocks.push(*to),
+                Work::Forward { runs, hidden, .. } => {
+                    for run in runs {
+                        let table = &blocks[run.blocks.clone()];
+                        wrote.positions(table, block_size, run.start..run.start + run.len);
+                        wrote.rows.push(run.slot);
+                        wrote.rows.extend(&run.snapshots);
+                    }
+                    if let Hidden::Prefill(pieces) = hidden {
+                        for piece in pieces {
+                            if let (Some(lead), Some(run)) = (&piece.lead, runs.get(piece.run)) {
+                                let table = &blocks[run.blocks.clone()];
+                                let end = lead.from + lead.next.len();
+                                wrote.positions(table, block_size, lead.from..end);
+                            }
+                            wrote
+                                .marks
+                                .extend(piece.stash.map(|(_, checkpoint)| checkpoint));
+                        }
+                    }
+                }
+            }
+        }
+        wrote
+    }
 }
 
 /// One run of a forward call: positions `start..start + len` on `slot`, with the block table
@@ -601,6 +659,16 @@ impl CudaRouter {
         if let Err(err) = enqueued {
             return Err(self.fail_step(inner, &step.tenures, err));
         }
+        let injected = inner
+            .step_faults
+            .as_ref()
+            .is_some_and(|faults| faults.fails(ticket));
+        if injected {
+            let wrote = Wrote::step(&work, &step.blocks, shape.block_size);
+            if let Err(err) = self.scribble(&wrote) {
+                return Err(self.fail_step(inner, &step.tenures, err));
+            }
+        }
         inner.step_hidden.retain(|held| held.half != half);
         if let Some(rows) = kept {
             inner.step_hidden.push(StepHidden { ticket, half, rows });
@@ -623,6 +691,7 @@ impl CudaRouter {
             argmax: None,
             runs,
             draft: None,
+            injected,
         });
         if let Some(into) = host {
             let read = || -> std::result::Result<Vec<f32>, CudaError> {
@@ -696,13 +765,73 @@ impl CudaRouter {
 
     /// Marks the rows of a failed step and answers its error.
     fn fail_step(&self, inner: &mut Inner, tenures: &[u64], err: CudaError) -> DeviceError {
+        self.mark_failed(inner, tenures);
+        tracing::error!(%err, "CUDA forward step failed; its rows are marked failed");
+        device_error(Phase::Forward, err)
+    }
+
+    /// Marks the rows (tenures) of a failed step.
+    fn mark_failed(&self, inner: &mut Inner, tenures: &[u64]) {
         for &tenure in tenures {
             if inner.tenures.contains_key(&tenure) {
                 inner.failed.insert(tenure);
             }
         }
-        tracing::error!(%err, "CUDA forward step failed; its rows are marked failed");
-        device_error(Phase::Forward, err)
+    }
+
+    /// Overwrites what a step failed by fault injection wrote with
+    /// [`router_book::FAULT_GARBAGE`], on the compute stream after the step (see [`Wrote`]).
+    fn scribble(&self, wrote: &Wrote) -> std::result::Result<(), CudaError> {
+        let rt = self.runtime();
+        let s = Stream::Compute;
+        let buffers = self.buffers()?;
+        let plan = self.plan();
+        let garbage = |bytes: usize| -> Vec<u8> {
+            (0..bytes / 4)
+                .flat_map(|_| router_book::FAULT_GARBAGE.to_le_bytes())
+                .collect()
+        };
+        let row_bytes = plan.state_slot_bytes as usize;
+        if row_bytes > 0 {
+            for &row in &wrote.rows {
+                rt.upload(
+                    buffers.states.range(row * row_bytes, row_bytes)?,
+                    &garbage(row_bytes),
+                    s,
+                )?;
+            }
+        }
+        let block_bytes = plan.kv_block_bytes as usize;
+        let kv = buffers.kv.all();
+        for &block in &wrote.blocks {
+            rt.upload(
+                kv.range(block as usize * block_bytes, block_bytes)?,
+                &garbage(block_bytes),
+                s,
+            )?;
+        }
+        if !wrote.positions.is_empty() {
+            // The host model's layout (one position's K and V in every attention layer).
+            let layout = model::KvPool::new(self.model_config(), 1, plan.block_size)
+                .map_err(|err| CudaError::BadRange(err.to_string()))?;
+            for &(block, offset) in &wrote.positions {
+                for range in layout.offset_ranges(offset) {
+                    let at = block as usize * block_bytes + 4 * range.start;
+                    rt.upload(kv.range(at, 4 * range.len())?, &garbage(4 * range.len()), s)?;
+                }
+            }
+        }
+        let mark_bytes = plan.mark_bytes as usize;
+        if let (Some(marks), true) = (&buffers.marks, mark_bytes > 0) {
+            for &checkpoint in &wrote.marks {
+                rt.upload(
+                    marks.range(checkpoint * mark_bytes, mark_bytes)?,
+                    &garbage(mark_bytes),
+                    s,
+                )?;
+            }
+        }
+        Ok(())
     }
 
     fn logits_half(&self, half: usize) -> std::result::Result<DeviceSlice, CudaError> {
@@ -882,6 +1011,13 @@ impl CudaRouter {
         if flight.argmax.is_some() {
             return Ok(());
         }
+        if flight.injected {
+            // A failed step: its rows are marked, its outputs never read; `await_result`
+            // answers the failure.
+            let tenures = flight.tenures.clone();
+            self.mark_failed(inner, &tenures);
+            return Ok(());
+        }
         let (half, rows, ticket) = (flight.half, flight.logit_rows, flight.ticket);
         let draft = flight
             .draft
@@ -961,6 +1097,13 @@ impl CudaRouter {
             .ok_or(DeviceError::UnknownTicket(ticket))?;
         settled?;
         inner.settled = Some(ticket.0);
+        if flight.injected {
+            tracing::error!(%ticket, "an injected device fault; the step's rows are marked failed");
+            return Err(DeviceError::Failed {
+                phase: Phase::Forward,
+                message: format!("an injected device fault (StepFaults) in step {}", ticket.0),
+            });
+        }
         let argmax = flight.argmax.unwrap_or_default();
         if let Some((drafting, k)) = flight.draft {
             // A draft: `k` tokens per drafting row, none for the others; no logits.
@@ -1156,7 +1299,26 @@ impl CudaRouter {
                 })
             })
             .collect();
-        let enqueued = self.enqueue_draft(half, &rows, k);
+        let mut enqueued = self.enqueue_draft(half, &rows, k);
+        let injected = inner
+            .step_faults
+            .as_ref()
+            .is_some_and(|faults| faults.fails(ticket));
+        if injected && enqueued.is_ok() {
+            let block_size = self.book_shape().block_size;
+            let row_bytes = self.plan().state_slot_bytes;
+            let mut wrote = Wrote::default();
+            for r in &rows {
+                let catchup = r.catchup.start..r.catchup.start + r.catchup.hidden.len();
+                wrote.positions(r.blocks, block_size, catchup);
+                wrote.positions(r.blocks, block_size, r.next_pos..r.next_pos + k - 1);
+                wrote.rows.push(r.slot);
+                if k > 1 && row_bytes > 0 {
+                    wrote.rows.push(self.plan().scratch_row(r.slot));
+                }
+            }
+            enqueued = self.scribble(&wrote);
+        }
         // The catch-up cells and the lent blocks are free again for work queued after.
         for r in &plan.rows {
             if let Some(catchup) = &r.catchup {
@@ -1187,6 +1349,7 @@ impl CudaRouter {
             argmax: None,
             runs: None,
             draft: Some((drafting, k)),
+            injected,
         });
         Ok(Ticket(ticket))
     }

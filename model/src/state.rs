@@ -20,6 +20,8 @@
 //! the model never zeroes it, because a prefill starting at position p > 0 legitimately continues
 //! from a restored state.
 
+use std::ops::Range;
+
 use crate::{Config, LayerKind, ModelError};
 
 /// `len` zeros, or an error (instead of an abort) when the allocation cannot be made.
@@ -153,6 +155,42 @@ impl KvPool {
             });
         }
         self.data[start..start + self.floats_per_block].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// The floats of token offset `offset` (`< block_size`) inside a block, relative to the
+    /// block's start: per attention layer its K, then its V (`2 × attention_layers` ranges of
+    /// `kv_heads × head_dim` floats). A router that keeps this layout on a device finds one
+    /// position's K/V there.
+    pub fn offset_ranges(&self, offset: usize) -> Vec<Range<usize>> {
+        let width = self.kv_heads * self.head_dim;
+        let mut ranges = Vec::with_capacity(2 * self.attention_layers);
+        if offset >= self.block_size {
+            return ranges;
+        }
+        for layer in 0..self.attention_layers {
+            let key = layer * 2 * self.block_size * width + offset * width;
+            ranges.push(key..key + width);
+            ranges.push(key + self.value_offset()..key + self.value_offset() + width);
+        }
+        ranges
+    }
+
+    /// Overwrites token offset `offset` of block `block` with `value` in every attention layer,
+    /// K and V (what a failed device step leaves where it wrote: a router's fault injection).
+    pub fn fill_offset(&mut self, block: u32, offset: usize, value: f32) -> Result<(), ModelError> {
+        let start = self.check(block)?;
+        if offset >= self.block_size {
+            return Err(ModelError::PositionBeyondBlocks {
+                position: offset,
+                blocks: 1,
+                block_size: self.block_size,
+                capacity: self.block_size,
+            });
+        }
+        for range in self.offset_ranges(offset) {
+            self.data[start + range.start..start + range.end].fill(value);
+        }
         Ok(())
     }
 
@@ -559,6 +597,26 @@ mod tests {
             Err(ModelError::LengthMismatch { .. })
         ));
         assert!(pool.block(0).unwrap().iter().all(|&x| x == 0.0));
+        // One offset's K/V in every layer: exactly those floats change.
+        pool.fill_offset(1, 2, -1.0).unwrap();
+        let filled = pool.block(1).unwrap();
+        let changed: Vec<usize> = (0..filled.len())
+            .filter(|&i| filled[i] != pattern[i])
+            .collect();
+        // Layer l, K or V (kv), offset 2: (l * 2 + kv) * 4 * 32 + 2 * 32 .. + 32.
+        let expected: Vec<usize> = (0..4)
+            .flat_map(|layer_kv| (0..32).map(move |i| layer_kv * 128 + 64 + i))
+            .collect();
+        assert_eq!(changed, expected);
+        assert!(changed.iter().all(|&i| filled[i] == -1.0));
+        assert_eq!(
+            pool.offset_ranges(2),
+            [64..96, 192..224, 320..352, 448..480]
+        );
+        assert!(matches!(
+            pool.fill_offset(1, 4, 0.0),
+            Err(ModelError::PositionBeyondBlocks { position: 4, .. })
+        ));
         assert!(KvPool::new(&config, 3, 0).is_err());
         // An impossible pool is an error that says so, not an abort.
         let err = KvPool::new(&config, u32::MAX as usize, 1 << 20).unwrap_err();

@@ -133,10 +133,14 @@ pub struct BookMut<'a> {
     pub resolved: &'a mut BTreeMap<u64, Vec<(usize, u32)>>,
     /// Tenures a failed step was a row of, until the sequence is next seen.
     pub failed: &'a mut BTreeSet<u64>,
+    /// The ticket of the step being planned (the router's next one).
+    pub step: u64,
+    /// The latest ticket `await_result` handed over (steps settle in launch order).
+    pub settled: Option<u64>,
 }
 
 /// A [`BookMut`] over the tables of a router's state `$state` (a place whose fields are named as
-/// `BookMut`'s), borrowed field by field, so the caller may borrow the state's other fields (a
+/// `BookMut`'s, with `next_step` and `settled` copied as `step` and `settled`), borrowed field by field, so the caller may borrow the state's other fields (a
 /// router's own: feed cells, catch-up rings, executors) at the same time.
 #[macro_export]
 macro_rules! book_mut {
@@ -149,6 +153,8 @@ macro_rules! book_mut {
             pending: &mut $state.pending,
             resolved: &mut $state.resolved,
             failed: &mut $state.failed,
+            step: $state.next_step,
+            settled: $state.settled,
         }
     };
 }
@@ -185,6 +191,20 @@ pub fn sync(book: &mut BookMut<'_>, seq: &mut RouterSeq) {
     }
     if book.failed.contains(&tenure) {
         seq.failed = true;
+    }
+    // The branch checkpoint enters the tree once the step that wrote it settled, never after
+    // it failed.
+    if let Some((ticket, pos, slot)) = seq.branch_taken {
+        if seq.failed {
+            seq.branch_taken = None;
+            book.cache.free_checkpoint_slot(slot);
+        } else if book.settled.is_some_and(|settled| settled >= ticket) {
+            seq.branch_taken = None;
+            match &seq.pin {
+                Some(pin) => book.cache.register_branch(pin, &seq.tokens[..pos], slot),
+                None => book.cache.free_checkpoint_slot(slot),
+            }
+        }
     }
 }
 
@@ -252,6 +272,10 @@ pub fn release(
     let full_blocks = known / shape.block_size;
     if let Some(superseded) = seq.reservation.take().and_then(|r| r.superseded) {
         book.cache.free_checkpoint_slot(superseded.1);
+    }
+    // A branch checkpoint whose step has not settled (or failed) is never registered.
+    if let Some((_, _, slot)) = seq.branch_taken.take() {
+        book.cache.free_checkpoint_slot(slot);
     }
     seq.state_ahead = false;
     let checkpoints: Vec<_> = [seq.input_checkpoint.take(), seq.output_checkpoint.take()]
@@ -547,6 +571,7 @@ pub fn restore_commit(
     };
     seq.pin = None;
     seq.branch_point = None;
+    seq.branch_taken = None;
     seq.input_checkpoint = None;
     seq.output_checkpoint = None;
     seq.checkpoint_due = false;

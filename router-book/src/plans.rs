@@ -539,8 +539,9 @@ pub fn prefill(
     Ok(plan)
 }
 
-/// Takes a checkpoint slot for the live state at the tree's branch point and registers it;
-/// answers it when registered.
+/// Takes a checkpoint slot for the live state at the tree's branch point, to be registered once
+/// this step settled without failing the row (`RouterSeq::branch_taken`, [`book::sync`]);
+/// answers it when taken.
 fn take_branch_checkpoint(
     shape: &BookShape,
     book: &mut BookMut<'_>,
@@ -550,9 +551,8 @@ fn take_branch_checkpoint(
     let pos = seq.computed_len;
     let checkpoint = take_checkpoint(shape, book, seq, ops)?;
     match &seq.pin {
-        Some(pin) => {
-            book.cache
-                .register_branch(pin, &seq.tokens[..pos], checkpoint);
+        Some(_) => {
+            seq.branch_taken = Some((book.step, pos, checkpoint));
             Some(checkpoint)
         }
         None => {

@@ -70,6 +70,10 @@ pub struct RouterSeq {
     pub pin: Option<crate::PinHandle>,
     /// Where the Marconi tree asked for a checkpoint during this sequence's prefill, if not taken yet.
     pub branch_point: Option<usize>,
+    /// The checkpoint taken at the branch point: `(ticket, pos, slot)`, taken by step `ticket`
+    /// and entered into the Marconi tree only once that step settled without failing this row
+    /// (`crate::book::sync`), so no other sequence restores a state a failed step wrote.
+    pub branch_taken: Option<(u64, usize, crate::CheckpointSlot)>,
     pub input_checkpoint: Option<(usize, crate::CheckpointSlot)>,
     pub output_checkpoint: Option<(usize, crate::CheckpointSlot)>,
     pub checkpoint_due: bool,
@@ -169,6 +173,7 @@ impl Sequence for RouterSeq {
             },
             pin: None,
             branch_point: None,
+            branch_taken: None,
             input_checkpoint: None,
             output_checkpoint: None,
             checkpoint_due: false,

@@ -69,7 +69,7 @@ mod cpu {
 
     /// The host router crate, for what the names below do not cover.
     pub use device_cpu;
-    pub use device_cpu::{default_threads, CpuRouter};
+    pub use device_cpu::{default_threads, CpuRouter, StepFaults};
     #[cfg(feature = "trace")]
     pub use device_trace::{TraceSink, TracingDeviceIo};
     /// The model crate, for what the names below do not cover.
@@ -227,6 +227,9 @@ mod cpu {
         /// Where traced calls go (feature `trace`); `None` sends them to `tracing` events.
         #[cfg(feature = "trace")]
         pub trace: Option<device_trace::TraceSink>,
+        /// Fault injection at the device, for soaks and recovery tests: the steps it picks fail
+        /// as a device error after the commit would ([`StepFaults`]). `None` (the default): none.
+        pub step_faults: Option<StepFaults>,
     }
 
     impl BackendOptions {
@@ -251,6 +254,7 @@ mod cpu {
                 lora_slots: device_cpu::DEFAULT_LORA_SLOTS,
                 #[cfg(feature = "trace")]
                 trace: None,
+                step_faults: None,
             }
         }
     }
@@ -288,6 +292,10 @@ mod cpu {
             #[cfg(feature = "cuda")]
             Device::Cuda | Device::CudaSim => Routers::Cuda(Box::new(open_cuda(&model, &options)?)),
         };
+        if let Some(faults) = options.step_faults.clone() {
+            each!(&router, r => r.inject_step_faults(faults))
+                .map_err(|err| BackendError::Router(err.to_string()))?;
+        }
         #[cfg(feature = "trace")]
         let router = {
             let sink = options

@@ -80,7 +80,8 @@ pub struct Metrics {
     pub verify_launches: u64,
     /// `Draft` plans that settled (the router's MTP head).
     pub draft_launches: u64,
-    /// `Draft` plans the router refused (those steps verified without drafts).
+    /// `Draft` plans the router refused (those steps verified without drafts) or that failed on
+    /// the device (their rows failed).
     pub draft_failures: u64,
     /// Rows a settled `Draft` proposed no drafts for, though they had a budget: the router's MTP
     /// head had no catch-up state for them (the hidden state of the row's latest position: the

@@ -42,7 +42,7 @@ use device_io::{
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use scheduler::backend::{self, BackendOptions, Device};
+use scheduler::backend::{self, BackendOptions, Device, StepFaults};
 use scheduler::{
     Drafter, EngineClient, EngineConfig, EngineThread, Event, FinishReason, LoraCommand,
     RandomSampling, Request, Sampling, ServeError, ShutdownMode, SpecOverlap, Speculation,
@@ -435,6 +435,8 @@ pub struct SoakReport {
     pub command_errors: Vec<String>,
     /// Faults injected.
     pub faults_injected: u64,
+    /// Of them, steps failed at the device (inside the router).
+    pub device_faults: u64,
     /// Requests sampled at random (the rest greedy).
     pub sampled: u64,
     /// Requests served with a LoRA adapter.
@@ -510,6 +512,7 @@ impl SoakReport {
             total.spills += r.spills;
             total.orphaned += r.orphaned;
             total.faults_injected += r.faults_injected;
+            total.device_faults += r.device_faults;
             total.sampled += r.sampled;
             total.with_adapter += r.with_adapter;
             total.prefix_hits += r.prefix_hits;
@@ -657,12 +660,12 @@ where
         Ok(metrics) => (metrics, None),
         Err(err) => (scheduler::Metrics::default(), Some(err.to_string())),
     };
-    let (hit, injected) = match faults {
+    let (hit, injected, device_faults) = match faults {
         Some(record) => {
-            let record = record.lock().unwrap_or_else(|e| e.into_inner());
-            (record.hit.clone(), record.injected)
+            let record = lock(record);
+            (record.hit.clone(), record.injected, record.device)
         }
-        None => (BTreeSet::new(), 0),
+        None => (BTreeSet::new(), 0, 0),
     };
     let mut report = count(run, &served, reference, &hit);
     if let Some((facts, orphans)) = idle {
@@ -675,6 +678,7 @@ where
     report.spills = metrics.spills;
     report.orphaned = metrics.orphaned_sequences;
     report.faults_injected = injected;
+    report.device_faults = device_faults;
     report.prefix_hits = metrics.prefix_hits;
     report.fed_launches = metrics.fed_launches;
     report.verify_launches = metrics.verify_launches;
@@ -693,55 +697,122 @@ where
 pub struct FaultRecord {
     /// Faults injected.
     pub injected: u64,
+    /// Of them, steps failed at the device (by the router's `StepFaults`).
+    pub device: u64,
     /// Ids of the requests a fault hit (the rows of a failed launch or await, the sequence of a
-    /// failed effect).
+    /// failed effect, and the rows of a fed step whose source step failed at the device).
     pub hit: BTreeSet<u64>,
 }
 
-/// A router that forwards to `inner` but fails launches, awaits and per-sequence effects at
-/// random (each with probability `percent`%), recording which requests each fault hit. A failed
-/// effect is not forwarded (a router's failed effect changes nothing). A failed
-/// await settles the step first, so the router's state is as after a device error in that step.
+/// The random faults of a run: each strikes with probability `percent`%, drawn from one seeded
+/// stream, and is recorded with the requests it hit. Shared by [`Chaos`] and the router's
+/// [`StepFaults`] (which asks it, inside `launch`, whether the step being launched fails at the
+/// device).
 #[derive(Debug)]
-pub struct Chaos<D> {
-    inner: D,
+pub struct Faults {
     percent: u32,
     rng: Mutex<ChaCha8Rng>,
     record: Arc<Mutex<FaultRecord>>,
-    /// The ids of each unsettled ticket's rows.
-    rows: Mutex<HashMap<u64, Vec<u64>>>,
+    /// The ids of the rows of the step being launched.
+    launching: Mutex<Vec<u64>>,
+    /// Tickets failed at the device.
+    doomed: Mutex<BTreeSet<u64>>,
 }
 
-impl<D> Chaos<D> {
-    /// Wraps `inner`; faults strike with probability `percent`%, drawn from `seed`.
-    pub fn new(inner: D, percent: u32, seed: u64) -> Self {
-        Chaos {
-            inner,
+impl Faults {
+    /// Faults with probability `percent`%, drawn from `seed`.
+    pub fn new(percent: u32, seed: u64) -> Arc<Faults> {
+        Arc::new(Faults {
             percent,
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
             record: Arc::default(),
+            launching: Mutex::default(),
+            doomed: Mutex::default(),
+        })
+    }
+
+    /// The hook a router takes (`scheduler::backend::BackendOptions::step_faults`): fails the
+    /// step being launched through [`Chaos`] with probability `percent`%.
+    pub fn step_faults(self: &Arc<Self>) -> StepFaults {
+        let faults = Arc::clone(self);
+        StepFaults::new(move |ticket| {
+            let rows = lock(&faults.launching).clone();
+            if !faults.strike(rows) {
+                return false;
+            }
+            lock(&faults.record).device += 1;
+            lock(&faults.doomed).insert(ticket);
+            true
+        })
+    }
+
+    fn strike(&self, hit: impl IntoIterator<Item = u64>) -> bool {
+        let roll = lock(&self.rng).random_range(0..100);
+        if roll >= self.percent {
+            return false;
+        }
+        let mut record = lock(&self.record);
+        record.injected += 1;
+        record.hit.extend(hit);
+        true
+    }
+
+    fn doomed(&self, ticket: u64) -> bool {
+        lock(&self.doomed).contains(&ticket)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A router that forwards to `inner` but fails launches and per-sequence effects at random (each
+/// with probability `percent`%), recording which requests each fault hit; and steps at the
+/// device, either through the router's own fault injection ([`Chaos::over`]: the step runs, what
+/// it wrote is overwritten, its rows are marked failed inside the router, and its await or
+/// synchronous launch fails), or, for a router without it ([`Chaos::new`]), by failing awaits
+/// here after the step settled. A failed launch or effect is not forwarded (a router's failed
+/// call changes nothing).
+#[derive(Debug)]
+pub struct Chaos<D> {
+    inner: D,
+    faults: Arc<Faults>,
+    /// Whether awaits fail here (the router has no fault injection of its own).
+    await_faults: bool,
+    /// The ids of each unsettled ticket's rows, and whether it is a fed step launched while a
+    /// step that failed at the device was unsettled (its inputs are that step's outputs).
+    rows: Mutex<HashMap<u64, (Vec<u64>, bool)>>,
+}
+
+impl<D> Chaos<D> {
+    /// Wraps `inner` (a router without fault injection); faults strike with probability
+    /// `percent`%, drawn from `seed`, awaits failing here.
+    pub fn new(inner: D, percent: u32, seed: u64) -> Self {
+        Chaos {
+            inner,
+            faults: Faults::new(percent, seed),
+            await_faults: true,
+            rows: Mutex::default(),
+        }
+    }
+
+    /// Wraps `inner`, a router built with `faults.step_faults()`: steps fail at the device.
+    pub fn over(inner: D, faults: Arc<Faults>) -> Self {
+        Chaos {
+            inner,
+            faults,
+            await_faults: false,
             rows: Mutex::default(),
         }
     }
 
     /// The shared record of what was injected.
     pub fn record(&self) -> Arc<Mutex<FaultRecord>> {
-        Arc::clone(&self.record)
+        Arc::clone(&self.faults.record)
     }
 
     fn strike(&self, hit: impl IntoIterator<Item = u64>) -> bool {
-        let roll = self
-            .rng
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .random_range(0..100);
-        if roll >= self.percent {
-            return false;
-        }
-        let mut record = self.record.lock().unwrap_or_else(|e| e.into_inner());
-        record.injected += 1;
-        record.hit.extend(hit);
-        true
+        self.faults.strike(hit)
     }
 }
 
@@ -779,22 +850,27 @@ where
         if self.strike(ids.iter().copied()) {
             return Err(injected(Phase::Forward));
         }
+        let fed = matches!(plan, StepPlan::DecodeFed { .. });
+        *lock(&self.faults.launching) = ids.clone();
         let ticket = self.inner.launch(plan, rows)?;
-        self.rows
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(ticket.0, ids);
+        let mut unsettled = lock(&self.rows);
+        let over_doomed = fed && unsettled.keys().any(|&t| self.faults.doomed(t));
+        unsettled.insert(ticket.0, (ids, over_doomed));
         Ok(ticket)
     }
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<D::Ptr>, DeviceError> {
-        let ids = self
-            .rows
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&ticket.0)
-            .unwrap_or_default();
-        let result = self.inner.await_result(ticket)?;
-        if self.strike(ids) {
+        let (ids, over_doomed) = lock(&self.rows).remove(&ticket.0).unwrap_or_default();
+        let result = match self.inner.await_result(ticket) {
+            Err(err) => {
+                if over_doomed {
+                    // A fed step whose source failed fails too (the contract).
+                    lock(&self.faults.record).hit.extend(ids);
+                }
+                return Err(err);
+            }
+            Ok(result) => result,
+        };
+        if self.await_faults && self.strike(ids) {
             return Err(injected(Phase::Readback));
         }
         Ok(result)
@@ -1056,8 +1132,9 @@ struct Shape {
 }
 
 /// The router `options` names, with `shape`'s sizes, through the one path a program takes
-/// (`scheduler::backend`), wrapped in [`Chaos`].
+/// (`scheduler::backend`), with [`Faults`] injected at its device and wrapped in [`Chaos`].
 fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<backend::Router> {
+    let faults = Faults::new(shape.fault_percent, shape.fault_seed);
     let snapshot_slots = if options.mtp > 0 {
         // Ring slots for half the rows' drafts: a step speculates on as many rows as the ring
         // holds drafts for, so the rows left out decode plainly next to the others.
@@ -1080,10 +1157,12 @@ fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<back
         max_depth: shape.depth,
         // One more than the run's adapters, for the control thread's.
         lora_slots: (adapters + 1).max(device_cpu::DEFAULT_LORA_SLOTS),
+        // Steps fail inside the router, as after a device error.
+        step_faults: Some(faults.step_faults()),
         ..BackendOptions::new(shape.kv_blocks, shape.slots)
     };
     let router = backend::build_router(options.model.clone(), backend_options).expect("the router");
-    Chaos::new(router, shape.fault_percent, shape.fault_seed)
+    Chaos::over(router, faults)
 }
 
 /// An engine over [`router`] with `config`, the run's adapters loaded.

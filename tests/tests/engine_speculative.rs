@@ -73,6 +73,10 @@ struct Setup {
     speculation: Option<Speculation>,
     fault: Option<SpecFault>,
     depth: usize,
+    /// Snapshot ring slots (`None`: four rows' drafts per step).
+    ring: Option<usize>,
+    /// Steps the router fails at the device.
+    step_faults: Option<device_cpu::StepFaults>,
 }
 
 impl Setup {
@@ -85,6 +89,8 @@ impl Setup {
             speculation: None,
             fault: None,
             depth: 1,
+            ring: None,
+            step_faults: None,
         }
     }
 
@@ -143,7 +149,7 @@ fn known_drafter(
 
 fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
     // The engine reads the ring's size from the router: four rows' drafts per step.
-    let ring = setup.speculation.as_ref().map_or(4, |s| 4 * s.k);
+    let ring = (setup.ring).unwrap_or_else(|| setup.speculation.as_ref().map_or(4, |s| 4 * s.k));
     let router_config = CpuRouterConfig {
         block_size: BLOCK,
         num_blocks: setup.num_blocks,
@@ -158,6 +164,9 @@ fn engine(model: &Model, setup: &Setup) -> Engine<CpuRouter> {
         ..CpuRouterConfig::new(setup.num_blocks, setup.max_running)
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
+    if let Some(faults) = &setup.step_faults {
+        router.inject_step_faults(faults.clone()).unwrap();
+    }
     let config = EngineConfig {
         max_running: setup.max_running,
         max_step_tokens: 64,
@@ -726,4 +735,51 @@ fn a_snapshot_ring_smaller_than_k_is_refused_at_engine_start() {
     let engine = Engine::new(router(3), config(3)).unwrap();
     assert_eq!(engine.router().facts().snapshot_slots_total, 3);
     engine.shutdown(ShutdownMode::Drain).unwrap();
+}
+
+/// A `Draft` that fails on the device (the host router's fault injection fails the first draft
+/// step: the head ran, and what it wrote is garbage) fails the row it drafted for, whose state is
+/// now unspecified; the row that was not in the draft (the ring holds one row's drafts) is
+/// verified and served exactly, and everything comes back. Before, the engine verified the
+/// failed row without drafts next to the other one, and the router refused that verification,
+/// failing both.
+#[test]
+fn a_draft_that_failed_on_the_device_fails_only_the_row_it_drafted_for() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let model = model("nemotron-h-tiny");
+    let requests = [
+        Request::greedy(vec![5, 6, 7, 8, 9], MAX_TOKENS).with_logits_digest(true),
+        Request::greedy(vec![11, 12, 13], MAX_TOKENS).with_logits_digest(true),
+    ];
+    let serve_with = |fail_ticket: u64| {
+        let launched = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&launched);
+        let setup = Setup {
+            // One row's drafts per step: the other row decodes plainly in the same verification.
+            ring: Some(2),
+            step_faults: Some(device_cpu::StepFaults::new(move |ticket| {
+                seen.fetch_add(1, Ordering::SeqCst);
+                ticket == fail_ticket
+            })),
+            ..Setup::mtp(2)
+        };
+        let (outcomes, metrics) = serve(&model, setup, &requests);
+        (outcomes, metrics, launched.load(Ordering::SeqCst))
+    };
+    let (reference, plain, _) = serve_with(0);
+    assert!(reference.iter().all(Result::is_ok), "{reference:?}");
+    assert!(plain.draft_launches > 0, "{plain:?}");
+    // Step 1 prefills both prompts; step 2 is the first draft, for the first request only.
+    let (outcomes, metrics, launched) = serve_with(2);
+    assert_eq!(
+        outcomes[0],
+        Err(
+            "device error during Draft: forward failed: an injected device fault \
+             (StepFaults) in step 2"
+                .to_string()
+        )
+    );
+    assert_eq!(outcomes[1], reference[1]);
+    assert_eq!(metrics.draft_failures, 1, "{metrics:?}");
+    assert!(launched > 2, "{metrics:?}");
 }

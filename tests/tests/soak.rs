@@ -223,15 +223,23 @@ fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_rou
     assert!(recomputed[0].fed_launches > 0, "{recomputed:?}");
     for report in [&spilled[0], &recomputed[0]] {
         assert!(report.faults_injected > 0, "{report:?}");
+        assert!(report.device_faults > 0, "{report:?}");
     }
 }
 
+/// With random faults: launches and effects refused, and steps failed inside the router as a
+/// device error would (what they wrote overwritten, their rows marked failed).
 #[test]
-fn depth_two_speculation_and_sampling_under_load_on_the_cuda_router() {
+fn depth_two_speculation_and_sampling_under_load_and_faults_on_the_cuda_router() {
     let workload = feature_workload(24, 0, 22);
     // The CUDA router does not compute on the host's cores: cohorts by default.
-    let options = mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto);
-    check_features(&soak::soak_load(&workload, &options));
+    let options = RouterOptions {
+        fault_percent: 3,
+        ..mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto)
+    };
+    let report = soak::soak_load(&workload, &options);
+    check_features(&report);
+    assert!(report.device_faults > 0, "{report:?}");
 }
 
 /// An abort with requests waiting, running and in flight (verifications by cohorts, LoRA

@@ -10,8 +10,10 @@
 //!    `EngineError::SnapshotRing`, when it is under `k`). The drafter proposes them once per step: [`Drafter::Mtp`] launches
 //!    [`StepPlan::Draft`] (the router's MTP head; a row whose head has no catch-up state drafts
 //!    nothing, counted in `Metrics::draft_misses`, and a refused draft step only costs this
-//!    step's drafts; the head's drafts for a verification that could not launch, on a dry pool,
-//!    are kept for the next launch at the same length, since the head consumed the row's
+//!    step's drafts, while one that failed on the device (`Failed` in phase `Forward`, or a lost
+//!    device) fails its rows, whose state the contract leaves unspecified; the head's drafts for
+//!    a verification that could not launch, on a dry pool, are kept for the next launch at the
+//!    same length, since the head consumed the row's
 //!    catch-up ring to propose them and a second `Draft` there would find none); [`Drafter::Known`]
 //!    proposes from continuations known from an earlier run (the tests' perfect and adversarial
 //!    drafters, which do not depend on the MTP weights).
@@ -94,7 +96,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use device_io::{
-    DeviceError, DeviceIo, Effect, Readback, RowOutput, Sequence, StepPlan, StepResult, Ticket,
+    DeviceError, DeviceIo, Effect, Phase, Readback, RowOutput, Sequence, StepPlan, StepResult,
+    Ticket,
 };
 
 use super::pipeline::in_order;
@@ -203,11 +206,11 @@ pub(super) struct SpecFlight {
 /// The rows of a `Draft`: each row's request id and draft budget, in row order.
 type DraftRows = Vec<(u64, usize)>;
 
-/// A `Draft` launched for a cohort and not awaited yet (`None`: no row drafts).
-type DraftLaunch = Option<Result<(Ticket, DraftRows), DeviceError>>;
+/// A `Draft` launched for a cohort and not awaited yet, with its rows (`None`: no row drafts).
+type DraftLaunch = Option<(Result<Ticket, DeviceError>, DraftRows)>;
 
-/// A settled `Draft` (`None`: no row drafted).
-type DraftSettled<P> = Option<Result<(StepResult<P>, DraftRows), DeviceError>>;
+/// A settled `Draft`, with its rows (`None`: no row drafted).
+type DraftSettled<P> = Option<(Result<StepResult<P>, DeviceError>, DraftRows)>;
 
 impl<D> Engine<D>
 where
@@ -232,11 +235,8 @@ where
             Drafter::Known { sequences, wrong } => self.propose_known(sequences, *wrong, &budgets),
             Drafter::Mtp => {
                 let launched = self.launch_draft(spec.k, &budgets);
-                let launched = launched.map(|l| {
-                    l.and_then(|(ticket, rows)| {
-                        self.router.await_result(ticket).map(|step| (step, rows))
-                    })
-                });
+                let launched = launched
+                    .map(|(ticket, rows)| (ticket.and_then(|t| self.router.await_result(t)), rows));
                 self.take_drafts(launched);
             }
         }
@@ -406,11 +406,8 @@ where
                 if let Some(flight) = settling.take() {
                     self.settle_verify(spec, flight, report);
                 }
-                let launched = launched.map(|l| {
-                    l.and_then(|(ticket, rows)| {
-                        self.router.await_result(ticket).map(|step| (step, rows))
-                    })
-                });
+                let launched = launched
+                    .map(|(ticket, rows)| (ticket.and_then(|t| self.router.await_result(t)), rows));
                 self.take_drafts(launched);
             }
         }
@@ -652,11 +649,7 @@ where
                 tokens: &scratch.tokens,
                 k,
             };
-            Some(
-                router
-                    .launch(plan, &mut rows)
-                    .map(|ticket| (ticket, drafting)),
-            )
+            Some((router.launch(plan, &mut rows), drafting))
         };
         scratch.rows = recycle(rows);
         launched
@@ -666,7 +659,7 @@ where
     fn take_drafts(&mut self, settled: DraftSettled<D::Ptr>) {
         match settled {
             None => {}
-            Some(Ok((step, drafting))) => {
+            Some((Ok(step), drafting)) => {
                 self.metrics.draft_launches += 1;
                 let ids: Vec<u64> = drafting.iter().map(|&(id, _)| id).collect();
                 let rows = in_order(&mut self.running, &ids);
@@ -684,8 +677,34 @@ where
                     active.drafts_at = Some(active.seq.computed_len());
                 }
             }
-            Some(Err(err)) => {
-                // Only this step's drafts are lost; the verification decodes plainly.
+            Some((
+                Err(
+                    err @ (DeviceError::Failed {
+                        phase: Phase::Forward,
+                        ..
+                    }
+                    | DeviceError::DeviceLost(_)),
+                ),
+                drafting,
+            )) => {
+                // The head ran on the rows and failed: their state is unspecified (the
+                // contract), so they fail; the router refuses any later step over them.
+                tracing::warn!(%err, "a draft step failed; failing its rows");
+                self.metrics.draft_failures += 1;
+                let ids: Vec<u64> = drafting.iter().map(|&(id, _)| id).collect();
+                for active in in_order(&mut self.running, &ids) {
+                    active.req.end.get_or_insert(End::Fail(match &err {
+                        DeviceError::DeviceLost(message) => ServeError::DeviceLost(message.clone()),
+                        err => ServeError::Device {
+                            during: "Draft",
+                            source: err.clone(),
+                        },
+                    }));
+                }
+            }
+            Some((Err(err), _)) => {
+                // Refused, nothing changed: only this step's drafts are lost; the verification
+                // decodes plainly.
                 tracing::debug!(%err, "draft step refused; decoding without drafts");
                 self.metrics.draft_failures += 1;
             }
