@@ -3,8 +3,10 @@
 //! on checked at the end of every run.
 //!
 //! A run generates a seeded workload (prompts sharing prefixes, so the prefix cache and Marconi
-//! checkpoints are used; random `max_tokens`; a share of requests cancelled mid-stream and a
-//! share of handles dropped unread), serves it from several client threads at once, and counts:
+//! checkpoints are used; later turns of earlier requests' conversations, whose prompts replay
+//! the earlier prompt and output, so they hit blocks and states another request wrote; random
+//! `max_tokens`; stop tokens; a share of requests cancelled mid-stream and a share of handles
+//! dropped unread), serves it from several client threads at once, and counts:
 //!
 //! - **lost final events**: accepted requests whose stream ended without exactly one `Finished`
 //!   or `Error` as its last event (or with anything after it);
@@ -85,6 +87,14 @@ pub struct WorkloadOptions {
     /// Abort the engine (`ShutdownMode::Abort`) this many milliseconds into the run, with
     /// requests waiting, running and in flight, instead of draining it at idle. Zero: drain.
     pub abort_after_ms: u64,
+    /// Percent of requests that are a later turn of an earlier request's conversation: its
+    /// prompt is that request's prompt and output (served alone) and a few new tokens, with
+    /// its adapter, submitted by the same client after it ended; the prefix cache and Marconi
+    /// checkpoints then hit on blocks and states another request wrote.
+    pub followup_percent: u32,
+    /// Percent of requests with a stop token: one their output served alone without it
+    /// generates (at a random place), so they end there.
+    pub stop_percent: u32,
     /// Seed of everything random.
     pub seed: u64,
 }
@@ -109,6 +119,20 @@ struct Planned {
     adapter: Option<u32>,
     /// Whether it asks for a logits digest.
     digest: bool,
+    /// Its stop tokens ([`alone`] writes them).
+    stop: Vec<u32>,
+    /// Whether it gets a stop token, and where in its output (a random draw).
+    stop_draw: Option<u64>,
+    /// A later turn of request `parent`'s conversation: its prompt is `parent`'s prompt and
+    /// output served alone, then `new` ([`complete_turn`] writes it).
+    turn: Option<Turn>,
+}
+
+/// A later turn of a conversation.
+#[derive(Debug, Clone)]
+struct Turn {
+    parent: usize,
+    new: Vec<u32>,
 }
 
 impl Planned {
@@ -121,8 +145,46 @@ impl Planned {
         if let Some(adapter) = self.adapter {
             request = request.with_adapter(adapter);
         }
+        if !self.stop.is_empty() {
+            request = request.with_stop_tokens(self.stop.clone());
+        }
         request.with_logits_digest(self.digest)
     }
+}
+
+/// Writes the prompt of `planned[index]` when it is a later turn: its parent's prompt and
+/// `output` (the parent's output served alone), then its new tokens, as many as fit
+/// `max_context` with its `max_tokens` (a turn that cannot fit a new token starts afresh from
+/// its new tokens alone, and is no later turn).
+fn complete_turn(planned: &mut [Planned], index: usize, output: &[u32], max_context: usize) {
+    let Some(turn) = planned[index].turn.clone() else {
+        return;
+    };
+    let mut prompt = planned[turn.parent].prompt.clone();
+    prompt.extend_from_slice(output);
+    let room = max_context.saturating_sub(prompt.len() + planned[index].max_tokens);
+    let item = &mut planned[index];
+    if room == 0 {
+        item.prompt = turn.new;
+        item.turn = None;
+        return;
+    }
+    prompt.extend(turn.new.iter().take(room));
+    item.prompt = prompt;
+}
+
+/// The client that serves each request: a later turn goes to its parent's client (which
+/// submits it after the parent ended), the others in turn.
+fn lanes(planned: &[Planned], clients: usize) -> Vec<usize> {
+    let mut lanes: Vec<usize> = Vec::with_capacity(planned.len());
+    for (index, item) in planned.iter().enumerate() {
+        let lane = match &item.turn {
+            Some(turn) => lanes[turn.parent],
+            None => index % clients,
+        };
+        lanes.push(lane);
+    }
+    lanes
 }
 
 /// Sampling parameters for one request: each filter on or off at random, so every path of the
@@ -154,6 +216,15 @@ fn plan(options: &WorkloadOptions) -> Vec<Planned> {
             item.adapter = (adapter > 0).then_some(adapter);
         }
         item.digest = features.random_range(0..100) < options.digest_percent;
+        if features.random_range(0..100) < options.stop_percent {
+            item.stop_draw = Some(features.random());
+        }
+    }
+    // A conversation keeps its adapter.
+    for index in 0..planned.len() {
+        if let Some(turn) = &planned[index].turn {
+            planned[index].adapter = planned[turn.parent].adapter;
+        }
     }
     planned
 }
@@ -169,7 +240,7 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
                 .collect()
         })
         .collect();
-    (0..options.requests)
+    let mut planned: Vec<Planned> = (0..options.requests)
         .map(|_| {
             let len = rng.random_range(options.prompt_len.clone());
             let base = &prefixes[rng.random_range(0..prefixes.len())];
@@ -192,16 +263,35 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
                 sampling: None,
                 adapter: None,
                 digest: false,
+                stop: Vec::new(),
+                stop_draw: None,
+                turn: None,
             }
         })
-        .collect()
+        .collect();
+    // Later turns, from a stream of their own (so switching them on leaves the other requests
+    // of a seed as they were): the parent is one of the 16 requests before, its new tokens a
+    // fresh user message of up to a quarter of the longest prompt.
+    let mut turns = ChaCha8Rng::seed_from_u64(options.seed ^ 0x7E2A_C0DE);
+    for index in 1..planned.len() {
+        if turns.random_range(0..100) >= options.followup_percent {
+            continue;
+        }
+        let parent = turns.random_range(index.saturating_sub(16)..index);
+        let len = turns.random_range(1..=(longest / 4).max(1));
+        let new = (0..len)
+            .map(|_| turns.random_range(0..options.vocab_size))
+            .collect();
+        planned[index].turn = Some(Turn { parent, new });
+    }
+    planned
 }
 
 /// How one request ended, as its client saw it.
 #[derive(Debug, Clone, PartialEq)]
 enum Outcome {
-    /// Its tokens and logits digest.
-    Completed(Vec<u32>, Option<u64>),
+    /// Its tokens and logits digest, and whether it ended on a stop token.
+    Completed(Vec<u32>, Option<u64>, bool),
     Cancelled(Vec<u32>),
     Failed(String),
     Refused(String),
@@ -242,10 +332,15 @@ fn read_stream(handle: &scheduler::RequestHandle, cancel_after: Option<usize>) -
                 reason: FinishReason::Cancelled,
                 ..
             } => outcome = Some(Outcome::Cancelled(std::mem::take(&mut tokens))),
-            Event::Finished { logits_digest, .. } => {
+            Event::Finished {
+                logits_digest,
+                reason,
+                ..
+            } => {
                 outcome = Some(Outcome::Completed(
                     std::mem::take(&mut tokens),
                     logits_digest,
+                    matches!(reason, FinishReason::Stop(_)),
                 ))
             }
             Event::Error(ServeError::Shutdown | ServeError::EngineStopped) => {
@@ -317,6 +412,7 @@ fn serve(
     control: Option<&Control>,
 ) -> (Vec<Served>, Controlled) {
     let clients = clients.max(1);
+    let lanes = lanes(planned, clients);
     let results: Vec<Mutex<Option<Served>>> = planned.iter().map(|_| Mutex::new(None)).collect();
     let finished = AtomicUsize::new(0);
     let controlled = std::thread::scope(|scope| {
@@ -329,8 +425,11 @@ fn serve(
             let client = client.clone();
             let results = &results;
             let finished = &finished;
+            let lanes = &lanes;
             scope.spawn(move || {
-                for (index, item) in planned.iter().enumerate().skip(worker).step_by(clients) {
+                let mine =
+                    (planned.iter().enumerate()).filter(|&(index, _)| lanes[index] == worker);
+                for (index, item) in mine {
                     let served = match client.submit(item.request()) {
                         Err(scheduler::RequestError::EngineStopped) => Served {
                             id: None,
@@ -389,6 +488,8 @@ pub struct SoakReport {
     pub requests: u64,
     /// Requests that finished (length or stop token).
     pub completed: u64,
+    /// Of them, those that ended on a stop token.
+    pub stopped_on_token: u64,
     /// Requests that ended cancelled.
     pub cancelled: u64,
     /// Requests that ended with an error.
@@ -441,6 +542,8 @@ pub struct SoakReport {
     pub sampled: u64,
     /// Requests served with a LoRA adapter.
     pub with_adapter: u64,
+    /// Requests that are a later turn of an earlier one's conversation.
+    pub later_turns: u64,
     /// Prefills that started from a cached prefix.
     pub prefix_hits: u64,
     /// Decode steps launched fed from the step before (depth 2).
@@ -480,6 +583,7 @@ impl SoakReport {
         for r in reports {
             total.requests += r.requests;
             total.completed += r.completed;
+            total.stopped_on_token += r.stopped_on_token;
             total.cancelled += r.cancelled;
             total.failed += r.failed;
             total.dropped += r.dropped;
@@ -515,6 +619,7 @@ impl SoakReport {
             total.device_faults += r.device_faults;
             total.sampled += r.sampled;
             total.with_adapter += r.with_adapter;
+            total.later_turns += r.later_turns;
             total.prefix_hits += r.prefix_hits;
             total.fed_launches += r.fed_launches;
             total.verify_launches += r.verify_launches;
@@ -569,8 +674,9 @@ fn count(
     };
     for (index, s) in served.iter().enumerate() {
         match &s.outcome {
-            Outcome::Completed(tokens, digest) => {
+            Outcome::Completed(tokens, digest, stopped) => {
                 report.completed += 1;
+                report.stopped_on_token += u64::from(*stopped);
                 let expected = reference(index, s);
                 if *tokens != expected.tokens {
                     report.mismatches += 1;
@@ -710,7 +816,7 @@ pub struct FaultRecord {
 /// device).
 #[derive(Debug)]
 pub struct Faults {
-    percent: u32,
+    per_mille: u32,
     rng: Mutex<ChaCha8Rng>,
     record: Arc<Mutex<FaultRecord>>,
     /// The ids of the rows of the step being launched.
@@ -720,10 +826,10 @@ pub struct Faults {
 }
 
 impl Faults {
-    /// Faults with probability `percent`%, drawn from `seed`.
-    pub fn new(percent: u32, seed: u64) -> Arc<Faults> {
+    /// Faults with probability `per_mille`‰, drawn from `seed`.
+    pub fn new(per_mille: u32, seed: u64) -> Arc<Faults> {
         Arc::new(Faults {
-            percent,
+            per_mille,
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed)),
             record: Arc::default(),
             launching: Mutex::default(),
@@ -747,8 +853,8 @@ impl Faults {
     }
 
     fn strike(&self, hit: impl IntoIterator<Item = u64>) -> bool {
-        let roll = lock(&self.rng).random_range(0..100);
-        if roll >= self.percent {
+        let roll = lock(&self.rng).random_range(0..1000);
+        if roll >= self.per_mille {
             return false;
         }
         let mut record = lock(&self.record);
@@ -790,7 +896,7 @@ impl<D> Chaos<D> {
     pub fn new(inner: D, percent: u32, seed: u64) -> Self {
         Chaos {
             inner,
-            faults: Faults::new(percent, seed),
+            faults: Faults::new(10 * percent, seed),
             await_faults: true,
             rows: Mutex::default(),
         }
@@ -968,8 +1074,9 @@ pub struct RouterOptions {
     pub drafter: DraftSource,
     /// Whether speculation at depth 2 runs by cohorts.
     pub overlap: SpecOverlap,
-    /// Percent of launches, awaits and per-sequence effects that fail ([`Chaos`]).
-    pub fault_percent: u32,
+    /// Per mille of launches, steps (inside the router) and per-sequence effects that fail
+    /// ([`Chaos`]).
+    pub fault_per_mille: u32,
 }
 
 impl RouterOptions {
@@ -985,7 +1092,7 @@ impl RouterOptions {
             mtp: 0,
             drafter: DraftSource::Head,
             overlap: SpecOverlap::Auto,
-            fault_percent: 0,
+            fault_per_mille: 0,
         }
     }
 
@@ -1049,8 +1156,8 @@ impl RouterOptions {
         if workload.abort_after_ms > 0 {
             label += &format!(" aborted after {} ms", workload.abort_after_ms);
         }
-        if self.fault_percent > 0 {
-            label += &format!(" faults {}%", self.fault_percent);
+        if self.fault_per_mille > 0 {
+            label += &format!(" faults {}‰", self.fault_per_mille);
         }
         format!("{label}: {what}")
     }
@@ -1127,14 +1234,14 @@ struct Shape {
     slots: usize,
     depth: usize,
     caches: bool,
-    fault_percent: u32,
+    fault_per_mille: u32,
     fault_seed: u64,
 }
 
 /// The router `options` names, with `shape`'s sizes, through the one path a program takes
 /// (`scheduler::backend`), with [`Faults`] injected at its device and wrapped in [`Chaos`].
 fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<backend::Router> {
-    let faults = Faults::new(shape.fault_percent, shape.fault_seed);
+    let faults = Faults::new(shape.fault_per_mille, shape.fault_seed);
     let snapshot_slots = if options.mtp > 0 {
         // Ring slots for half the rows' drafts: a step speculates on as many rows as the ring
         // holds drafts for, so the rows left out decode plainly next to the others.
@@ -1191,14 +1298,15 @@ fn engine(
 
 /// Each request of `planned` served alone on a fresh engine over `options`' router with both
 /// caches off, at depth 1, without speculation (one at a time on one engine: with the caches off
-/// nothing carries over from one request to the next).
-fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> Vec<Expected> {
+/// nothing carries over from one request to the next); writes the prompts of later turns from
+/// their parents' outputs, and the stop tokens, on the way.
+fn alone(options: &RouterOptions, planned: &mut [Planned], adapters: &Adapters) -> Vec<Expected> {
     let shape = Shape {
         kv_blocks: options.max_context.div_ceil(BLOCK) + 1,
         slots: 1,
         depth: 1,
         caches: false,
-        fault_percent: 0,
+        fault_per_mille: 0,
         fault_seed: 0,
     };
     let config = EngineConfig {
@@ -1206,18 +1314,30 @@ fn alone(options: &RouterOptions, planned: &[Planned], adapters: &Adapters) -> V
         ..EngineConfig::default()
     };
     let (mut engine, _) = engine(options, &shape, config, adapters);
-    let outputs = planned
-        .iter()
-        .map(|item| {
-            let handle = engine.submit(item.request()).expect("reference request");
+    let mut outputs: Vec<Expected> = Vec::with_capacity(planned.len());
+    for index in 0..planned.len() {
+        // A later turn's prompt holds its parent's output, served alone before it.
+        if let Some(turn) = &planned[index].turn {
+            let output = outputs[turn.parent].tokens.clone();
+            complete_turn(planned, index, &output, options.max_context);
+        }
+        let mut serve = |request: Request| {
+            let handle = engine.submit(request).expect("reference request");
             engine.run_until_idle();
-            let completion = handle.wait().expect("reference output");
-            Expected {
-                tokens: completion.tokens,
-                digest: completion.logits_digest,
-            }
-        })
-        .collect();
+            handle.wait().expect("reference output")
+        };
+        let mut completion = serve(planned[index].request());
+        // A stop token: one this output holds, at a random place; served alone again with it.
+        if let (Some(draw), false) = (planned[index].stop_draw, completion.tokens.is_empty()) {
+            let at = (draw % completion.tokens.len() as u64) as usize;
+            planned[index].stop = vec![completion.tokens[at]];
+            completion = serve(planned[index].request());
+        }
+        outputs.push(Expected {
+            tokens: completion.tokens,
+            digest: completion.logits_digest,
+        });
+    }
     engine
         .shutdown(ShutdownMode::Drain)
         .expect("reference shutdown");
@@ -1303,9 +1423,9 @@ fn soak_runs(
     if let Some(why) = options.refusal(workload) {
         panic!("the soak cannot run {why}");
     }
-    let planned = plan(workload);
+    let mut planned = plan(workload);
     let adapters = Adapters::new(&options.model, workload.adapters, workload.seed ^ 0xADA);
-    let alone = alone(options, &planned, &adapters);
+    let alone = alone(options, &mut planned, &adapters);
     let reference = |index: usize, _: &Served| alone[index].clone();
     let speculation = speculation(options, &planned, &alone);
     let control = (workload.command_every_ms > 0).then(|| Control {
@@ -1336,7 +1456,7 @@ fn soak_runs(
                 slots: options.slots,
                 depth: options.depth,
                 caches: true,
-                fault_percent: options.fault_percent,
+                fault_per_mille: options.fault_per_mille,
                 fault_seed: workload.seed ^ 0xFA17,
             };
             let config = engine_config(options.slots, preemption, speculation.clone());
@@ -1356,6 +1476,7 @@ fn soak_runs(
             );
             report.sampled = planned.iter().filter(|p| p.sampling.is_some()).count() as u64;
             report.with_adapter = planned.iter().filter(|p| p.adapter.is_some()).count() as u64;
+            report.later_turns = planned.iter().filter(|p| p.turn.is_some()).count() as u64;
             report
         })
         .collect()
@@ -1372,10 +1493,13 @@ pub fn soak_faults(
 ) -> SoakReport {
     use device_io::testing::{ScriptedConfig, ScriptedRouter};
     // The scripted router answers tokens of its own (greedy), has no adapters and no logits.
+    // Nor does it know stop tokens; a later turn's prompt would need an output.
     let planned = plan(&WorkloadOptions {
         sampled_percent: 0,
         adapters: 0,
         digest_percent: 0,
+        followup_percent: 0,
+        stop_percent: 0,
         ..workload.clone()
     });
     let shape = ScriptedConfig {

@@ -1,10 +1,11 @@
 //! A small soak in CI (the full one is `cargo xtask soak`): load on the host router with both
 //! caches on, the same workload under memory pressure (spill to memory, spill to a directory,
 //! recompute), and random faults on the scripted router; then the features that landed later,
-//! together: depth 2, MTP speculation, seeded sampled rows, logits digests and LoRA adapters on
-//! the host router (with random faults on it, and LoRA commands and prefix-cache clears while
-//! steps are in flight), and depth 2 with speculation and sampled rows on the CUDA router on
-//! `SimRuntime`.
+//! together: depth 2, MTP speculation, seeded sampled rows, logits digests, LoRA adapters, later
+//! turns of conversations and stop tokens on the host router (with random faults on it, steps
+//! failed inside the router among them, and LoRA commands and prefix-cache clears while steps
+//! are in flight), and depth 2 with speculation, sampled rows, later turns and stop tokens on the
+//! CUDA router on `SimRuntime`, with random faults.
 //! Every run must end with every failure count at zero: no lost final event, no mismatch against
 //! the request served alone, no leaked block or slot, no bystander failure.
 
@@ -69,6 +70,8 @@ fn load_workload() -> WorkloadOptions {
         digest_percent: 0,
         command_every_ms: 0,
         abort_after_ms: 0,
+        followup_percent: 0,
+        stop_percent: 0,
         seed: 11,
     }
 }
@@ -124,6 +127,8 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
         digest_percent: 0,
         command_every_ms: 0,
         abort_after_ms: 0,
+        followup_percent: 0,
+        stop_percent: 0,
         seed: 12,
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
@@ -146,8 +151,9 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
 }
 
 /// The workload of the feature runs: [`load_workload`]'s prompts (long enough for prefix hits
-/// at 16-token blocks), a third of the requests sampled, a fifth asking for logits digests, and
-/// `adapters` adapters bound at random.
+/// at 16-token blocks), a third of the requests sampled, a fifth asking for logits digests,
+/// `adapters` adapters bound at random, 30% later turns of an earlier request's conversation
+/// and a quarter with stop tokens.
 fn feature_workload(requests: usize, adapters: u32, seed: u64) -> WorkloadOptions {
     WorkloadOptions {
         requests,
@@ -157,6 +163,8 @@ fn feature_workload(requests: usize, adapters: u32, seed: u64) -> WorkloadOption
         sampled_percent: 34,
         adapters,
         digest_percent: 20,
+        followup_percent: 30,
+        stop_percent: 25,
         seed,
         ..load_workload()
     }
@@ -180,6 +188,8 @@ fn check_features(report: &SoakReport) {
     check(report);
     assert!(report.sampled > 0, "{report:?}");
     assert!(report.prefix_hits > 0, "{report:?}");
+    assert!(report.later_turns > 0, "{report:?}");
+    assert!(report.stopped_on_token > 0, "{report:?}");
     assert!(report.drafted > 0 && report.spec_flights > 0, "{report:?}");
 }
 
@@ -198,7 +208,7 @@ fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_rou
         kv_blocks: 4,
         mtp: 3,
         drafter: DraftSource::Perfect,
-        fault_percent: 2,
+        fault_per_mille: 20,
         ..options
     };
     // Short prompts and long outputs: admitted, then outgrowing the pool while decoding.
@@ -234,7 +244,7 @@ fn depth_two_speculation_and_sampling_under_load_and_faults_on_the_cuda_router()
     let workload = feature_workload(24, 0, 22);
     // The CUDA router does not compute on the host's cores: cohorts by default.
     let options = RouterOptions {
-        fault_percent: 3,
+        fault_per_mille: 5,
         ..mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto)
     };
     let report = soak::soak_load(&workload, &options);

@@ -26,7 +26,9 @@
 //!   `ARGS` go to the soak (`--requests`, `--clients`, `--seed`, ...; `-- --help` lists them),
 //!   among them the features served under load: `--router host|cuda-sim`, `--depth 1|2`,
 //!   `--mtp K` (with `--drafter head|perfect|adversarial`), `--sampled-percent P`, `--lora N`,
-//!   `--router-fault-percent P` and `--runs load,pressure,faults`.
+//!   `--followup-percent P` (later turns of conversations), `--stop-percent P`,
+//!   `--router-fault-per-mille M` (launches, steps failed inside the router, effects) and
+//!   `--runs load,pressure,faults`.
 //!
 //! xtask is a command-line tool, not a library: it prints, and it uses only std, `clap` for its
 //! command line, `serde_json` for `cargo metadata`, `thiserror`, and `cudarc`'s NVRTC bindings

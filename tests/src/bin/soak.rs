@@ -41,10 +41,10 @@ struct Args {
     /// Percent of launches, awaits and effects that fail in the scripted router's fault run
     #[arg(long, default_value_t = 1)]
     fault_percent: u32,
-    /// Percent of launches, awaits and per-sequence effects that fail in the load and pressure
-    /// runs, on the router they use
-    #[arg(long, default_value_t = 0)]
-    router_fault_percent: u32,
+    /// Per mille of launches, steps (failed inside the router, as by a device error) and
+    /// per-sequence effects that fail in the load and pressure runs, on the router they use
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=1000))]
+    router_fault_per_mille: u32,
     /// The router of the load and pressure runs
     #[arg(long, value_enum, default_value_t = RouterArg::Host)]
     router: RouterArg,
@@ -60,6 +60,13 @@ struct Args {
     /// Whether speculation at depth 2 runs by cohorts (auto: not on the host router)
     #[arg(long, value_enum, default_value_t = OverlapArg::Cohorts)]
     overlap: OverlapArg,
+    /// Percent of requests that are a later turn of an earlier request's conversation (its
+    /// prompt and output served alone, then new tokens; submitted by the same client after it)
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    followup_percent: u32,
+    /// Percent of requests with four random stop tokens
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    stop_percent: u32,
     /// Percent of requests sampled at random (seeded; the rest greedy)
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
     sampled_percent: u32,
@@ -156,6 +163,8 @@ fn main() -> ExitCode {
         digest_percent: args.digest_percent,
         command_every_ms: args.command_ms,
         abort_after_ms: 0,
+        followup_percent: args.followup_percent,
+        stop_percent: args.stop_percent,
         seed: args.seed,
     };
     let max_context = args.max_prompt + args.max_tokens;
@@ -176,7 +185,7 @@ fn main() -> ExitCode {
             OverlapArg::Off => SpecOverlap::Off,
             OverlapArg::Cohorts => SpecOverlap::Cohorts,
         },
-        fault_percent: args.router_fault_percent,
+        fault_per_mille: args.router_fault_per_mille,
         ..RouterOptions::host(
             model,
             args.clients * max_context.div_ceil(16) * 2,
