@@ -152,25 +152,23 @@ impl Planned {
     }
 }
 
-/// Writes the prompt of `planned[index]` when it is a later turn: its parent's prompt and
-/// `output` (the parent's output served alone), then its new tokens, as many as fit
-/// `max_context` with its `max_tokens` (a turn that cannot fit a new token starts afresh from
-/// its new tokens alone, and is no later turn).
-fn complete_turn(planned: &mut [Planned], index: usize, output: &[u32], max_context: usize) {
-    let Some(turn) = planned[index].turn.clone() else {
-        return;
-    };
-    let mut prompt = planned[turn.parent].prompt.clone();
-    prompt.extend_from_slice(output);
-    let room = max_context.saturating_sub(prompt.len() + planned[index].max_tokens);
-    let item = &mut planned[index];
-    if room == 0 {
-        item.prompt = turn.new;
-        item.turn = None;
-        return;
-    }
-    prompt.extend(turn.new.iter().take(room));
-    item.prompt = prompt;
+/// A later turn's prompt: its parent's `prompt` and `output` (served alone), then `new` tokens,
+/// as many as fit `max_context` with `max_tokens`; `None` when not one fits (the turn then
+/// starts afresh from its new tokens alone, and is no later turn).
+fn turn_prompt(
+    (prompt, output): (&[u32], &[u32]),
+    new: &[u32],
+    max_tokens: usize,
+    max_context: usize,
+) -> Option<Vec<u32>> {
+    let held = prompt.len() + output.len();
+    let room = max_context.saturating_sub(held + max_tokens);
+    (room > 0).then(|| {
+        let mut turn = prompt.to_vec();
+        turn.extend_from_slice(output);
+        turn.extend(new.iter().take(room));
+        turn
+    })
 }
 
 /// The client that serves each request: a later turn goes to its parent's client (which
@@ -273,7 +271,7 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
     // of a seed as they were): the parent is one of the 16 requests before, its new tokens a
     // fresh user message of up to a quarter of the longest prompt.
     let mut turns = ChaCha8Rng::seed_from_u64(options.seed ^ 0x7E2A_C0DE);
-    for index in 1..planned.len() {
+    for (index, item) in planned.iter_mut().enumerate().skip(1) {
         if turns.random_range(0..100) >= options.followup_percent {
             continue;
         }
@@ -282,7 +280,7 @@ fn plan_prompts(options: &WorkloadOptions) -> Vec<Planned> {
         let new = (0..len)
             .map(|_| turns.random_range(0..options.vocab_size))
             .collect();
-        planned[index].turn = Some(Turn { parent, new });
+        item.turn = Some(Turn { parent, new });
     }
     planned
 }
@@ -1236,6 +1234,8 @@ struct Shape {
     caches: bool,
     fault_per_mille: u32,
     fault_seed: u64,
+    /// Threads of the host router's forward pass.
+    threads: usize,
 }
 
 /// The router `options` names, with `shape`'s sizes, through the one path a program takes
@@ -1266,6 +1266,7 @@ fn router(options: &RouterOptions, shape: &Shape, adapters: usize) -> Chaos<back
         lora_slots: (adapters + 1).max(device_cpu::DEFAULT_LORA_SLOTS),
         // Steps fail inside the router, as after a device error.
         step_faults: Some(faults.step_faults()),
+        threads: shape.threads,
         ..BackendOptions::new(shape.kv_blocks, shape.slots)
     };
     let router = backend::build_router(options.model.clone(), backend_options).expect("the router");
@@ -1299,8 +1300,23 @@ fn engine(
 /// Each request of `planned` served alone on a fresh engine over `options`' router with both
 /// caches off, at depth 1, without speculation (one at a time on one engine: with the caches off
 /// nothing carries over from one request to the next); writes the prompts of later turns from
-/// their parents' outputs, and the stop tokens, on the way.
+/// their parents' outputs, and the stop tokens, on the way. A conversation (a request and its
+/// later turns) is served in plan order by one engine, the conversations spread over one engine
+/// per core: the CUDA router on `SimRuntime` runs each step on one thread, so the reference of
+/// a cuda-sim run is as parallel as the machine (the host router's reference engines compute on
+/// one thread each; its bits do not depend on the thread count).
 fn alone(options: &RouterOptions, planned: &mut [Planned], adapters: &Adapters) -> Vec<Expected> {
+    // Each request's conversation: the first request of its chain of turns.
+    let mut root: Vec<usize> = Vec::with_capacity(planned.len());
+    for (index, item) in planned.iter().enumerate() {
+        let first = item.turn.as_ref().map_or(index, |turn| root[turn.parent]);
+        root.push(first);
+    }
+    let conversations = root.iter().enumerate().filter(|&(i, &r)| i == r).count();
+    let engines = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(conversations)
+        .max(1);
     let shape = Shape {
         kv_blocks: options.max_context.div_ceil(BLOCK) + 1,
         slots: 1,
@@ -1308,40 +1324,88 @@ fn alone(options: &RouterOptions, planned: &mut [Planned], adapters: &Adapters) 
         caches: false,
         fault_per_mille: 0,
         fault_seed: 0,
+        threads: if engines > 1 {
+            1
+        } else {
+            device_cpu::default_threads()
+        },
     };
-    let config = EngineConfig {
-        max_running: 1,
-        ..EngineConfig::default()
-    };
-    let (mut engine, _) = engine(options, &shape, config, adapters);
-    let mut outputs: Vec<Expected> = Vec::with_capacity(planned.len());
+    // The conversations in turn: the k-th goes to engine k % engines.
+    let mut engine_of = vec![0; planned.len()];
+    let mut next = 0;
     for index in 0..planned.len() {
-        // A later turn's prompt holds its parent's output, served alone before it.
-        if let Some(turn) = &planned[index].turn {
-            let output = outputs[turn.parent].tokens.clone();
-            complete_turn(planned, index, &output, options.max_context);
+        if root[index] == index {
+            engine_of[index] = next % engines;
+            next += 1;
+        } else {
+            engine_of[index] = engine_of[root[index]];
         }
-        let mut serve = |request: Request| {
-            let handle = engine.submit(request).expect("reference request");
-            engine.run_until_idle();
-            handle.wait().expect("reference output")
-        };
-        let mut completion = serve(planned[index].request());
-        // A stop token: one this output holds, at a random place; served alone again with it.
-        if let (Some(draw), false) = (planned[index].stop_draw, completion.tokens.is_empty()) {
-            let at = (draw % completion.tokens.len() as u64) as usize;
-            planned[index].stop = vec![completion.tokens[at]];
-            completion = serve(planned[index].request());
-        }
-        outputs.push(Expected {
-            tokens: completion.tokens,
-            digest: completion.logits_digest,
-        });
     }
-    engine
-        .shutdown(ShutdownMode::Drain)
-        .expect("reference shutdown");
-    outputs
+    let shared: &[Planned] = planned;
+    let served: Vec<Vec<(usize, Planned, Expected)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..engines)
+            .map(|me| {
+                let (shape, engine_of) = (&shape, &engine_of);
+                scope.spawn(move || {
+                    let config = EngineConfig {
+                        max_running: 1,
+                        ..EngineConfig::default()
+                    };
+                    let (mut engine, _) = engine(options, shape, config, adapters);
+                    let mut mine: HashMap<usize, (Planned, Expected)> = HashMap::new();
+                    for index in (0..shared.len()).filter(|&i| engine_of[i] == me) {
+                        let mut item = shared[index].clone();
+                        // A later turn's prompt holds its parent's output, served before it.
+                        if let Some(turn) = item.turn.clone() {
+                            let (parent, output) = &mine[&turn.parent];
+                            let held = (&parent.prompt[..], &output.tokens[..]);
+                            match turn_prompt(held, &turn.new, item.max_tokens, options.max_context)
+                            {
+                                Some(prompt) => item.prompt = prompt,
+                                None => (item.prompt, item.turn) = (turn.new, None),
+                            }
+                        }
+                        let mut serve = |request: Request| {
+                            let handle = engine.submit(request).expect("reference request");
+                            engine.run_until_idle();
+                            handle.wait().expect("reference output")
+                        };
+                        let mut completion = serve(item.request());
+                        // A stop token: one this output holds, at a random place; served alone
+                        // again with it.
+                        if let (Some(draw), false) = (item.stop_draw, completion.tokens.is_empty())
+                        {
+                            let at = (draw % completion.tokens.len() as u64) as usize;
+                            item.stop = vec![completion.tokens[at]];
+                            completion = serve(item.request());
+                        }
+                        let expected = Expected {
+                            tokens: completion.tokens,
+                            digest: completion.logits_digest,
+                        };
+                        mine.insert(index, (item, expected));
+                    }
+                    engine
+                        .shutdown(ShutdownMode::Drain)
+                        .expect("reference shutdown");
+                    mine.into_iter()
+                        .map(|(i, (item, out))| (i, item, out))
+                        .collect()
+                })
+            })
+            .collect();
+        (workers.into_iter())
+            .map(|worker| worker.join().expect("a reference engine"))
+            .collect()
+    });
+    let mut outputs: Vec<Option<Expected>> = vec![None; planned.len()];
+    for (index, item, expected) in served.into_iter().flatten() {
+        planned[index] = item;
+        outputs[index] = Some(expected);
+    }
+    (outputs.into_iter())
+        .map(|output| output.expect("every request was served alone"))
+        .collect()
 }
 
 /// The speculation `options` asks for; the core's drafters know each request's reference
@@ -1458,6 +1522,7 @@ fn soak_runs(
                 caches: true,
                 fault_per_mille: options.fault_per_mille,
                 fault_seed: workload.seed ^ 0xFA17,
+                threads: device_cpu::default_threads(),
             };
             let config = engine_config(options.slots, preemption, speculation.clone());
             let (engine, record) = engine(options, &shape, config, &adapters);

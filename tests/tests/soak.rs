@@ -233,22 +233,30 @@ fn depth_two_speculation_sampling_and_lora_under_load_and_faults_on_the_host_rou
     assert!(recomputed[0].fed_launches > 0, "{recomputed:?}");
     for report in [&spilled[0], &recomputed[0]] {
         assert!(report.faults_injected > 0, "{report:?}");
-        assert!(report.device_faults > 0, "{report:?}");
     }
+    // About 4 per run: asked of both together, so that chance alone (e^-8) does not fail it.
+    assert!(
+        spilled[0].device_faults + recomputed[0].device_faults > 0,
+        "{spilled:?} {recomputed:?}"
+    );
 }
 
-/// With random faults: launches and effects refused, and steps failed inside the router as a
-/// device error would (what they wrote overwritten, their rows marked failed).
 #[test]
 fn depth_two_speculation_and_sampling_under_load_and_faults_on_the_cuda_router() {
     let workload = feature_workload(24, 0, 22);
     // The CUDA router does not compute on the host's cores: cohorts by default.
-    let options = RouterOptions {
-        fault_per_mille: 5,
-        ..mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto)
+    let options = mtp_at_depth_two(RouterKind::CudaSim, 16, SpecOverlap::Auto);
+    check_features(&soak::soak_load(&workload, &options));
+    // Random faults: launches and effects refused, and steps failed inside the router as a
+    // device error would (what they wrote overwritten, their rows marked failed). At 5% most
+    // requests fail, so the paths above are not asked for again; only that faults struck
+    // inside the router (about 8 in 48 requests) and every failure count is zero.
+    let faulty = RouterOptions {
+        fault_per_mille: 50,
+        ..options
     };
-    let report = soak::soak_load(&workload, &options);
-    check_features(&report);
+    let report = soak::soak_load(&feature_workload(48, 0, 24), &faulty);
+    check(&report);
     assert!(report.device_faults > 0, "{report:?}");
 }
 
