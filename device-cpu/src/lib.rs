@@ -807,16 +807,7 @@ impl DeviceIo for CpuRouter {
 
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<LogitsHandle>> {
         let mut inner = self.lock()?;
-        match inner.unsettled.front() {
-            Some(&oldest) if oldest == ticket.0 => {}
-            Some(&oldest) if inner.unsettled.contains(&ticket.0) => {
-                return Err(DeviceError::Invalid {
-                    what: "await_result",
-                    detail: format!("{ticket} awaited before ticket {oldest}"),
-                })
-            }
-            _ => return Err(DeviceError::UnknownTicket(ticket)),
-        }
+        router_book::plans::check_await(&inner.unsettled, ticket)?;
         let waited = inner.wait_for(ticket.0);
         inner.unsettled.pop_front();
         waited?;

@@ -1079,16 +1079,7 @@ impl CudaRouter {
         inner: &mut Inner,
         ticket: Ticket,
     ) -> Result<StepResult<LogitsHandle>> {
-        match inner.unsettled.front() {
-            Some(&oldest) if oldest == ticket.0 => {}
-            Some(&oldest) if inner.unsettled.contains(&ticket.0) => {
-                return Err(DeviceError::Invalid {
-                    what: "await_result",
-                    detail: format!("{ticket} awaited before ticket {oldest}"),
-                })
-            }
-            _ => return Err(DeviceError::UnknownTicket(ticket)),
-        }
+        plans::check_await(&inner.unsettled, ticket)?;
         let settled = self.settle(inner, 0);
         inner.unsettled.pop_front();
         let flight = inner

@@ -20,7 +20,7 @@
 
 use std::ops::Range;
 
-use device_io::{DeviceError, Feed, PrefillReport, Readback, Result};
+use device_io::{DeviceError, Feed, PrefillReport, Readback, Result, Ticket};
 
 use crate::book::{self, BookMut, BookShape, PendingFeed, SlotOwner, Tenure, FED_PLACEHOLDER};
 use crate::{Attach, Caches, CheckpointSlot, LoraBinding, Namespace, RouterSeq};
@@ -869,5 +869,48 @@ pub fn resolve_feeds(book: &mut BookMut<'_>, ticket: u64, tenures: &[u64], argma
             let resolved = book.resolved.entry(tenure).or_default();
             resolved.extend(hits.iter().map(|p| (p.pos, *token)));
         }
+    }
+}
+
+/// `await_result`'s order rule, the same on every router: `ticket` must be the oldest of
+/// `unsettled` (the launched, unclaimed tickets, in launch order); a later one of them is
+/// `Invalid` (awaited before the oldest), any other ticket `UnknownTicket`.
+pub fn check_await(unsettled: &std::collections::VecDeque<u64>, ticket: Ticket) -> Result<()> {
+    match unsettled.front() {
+        Some(&oldest) if oldest == ticket.0 => Ok(()),
+        Some(&oldest) if unsettled.contains(&ticket.0) => Err(DeviceError::Invalid {
+            what: "await_result",
+            detail: format!("{ticket} awaited before ticket {oldest}"),
+        }),
+        _ => Err(DeviceError::UnknownTicket(ticket)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[track_caller]
+    fn check(unsettled: &[u64], ticket: u64, expected: &str) {
+        let unsettled = unsettled.iter().copied().collect();
+        let got = match check_await(&unsettled, Ticket(ticket)) {
+            Ok(()) => "ok".to_string(),
+            Err(err) => format!("{err:?}"),
+        };
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn only_the_oldest_unsettled_ticket_may_be_awaited() {
+        check(&[3, 4], 3, "ok");
+        check(&[4], 4, "ok");
+        check(
+            &[3, 4],
+            4,
+            r#"Invalid { what: "await_result", detail: "ticket 4 awaited before ticket 3" }"#,
+        );
+        check(&[3, 4], 5, "UnknownTicket(Ticket(5))");
+        check(&[3, 4], 2, "UnknownTicket(Ticket(2))");
+        check(&[], 3, "UnknownTicket(Ticket(3))");
     }
 }
