@@ -14,7 +14,9 @@
 //!   shadow by more than `margin`. Unlike a replay from a snapshot, a shadow's score includes the
 //!   long-run effect of a setting on what stays cached. Plain [`LRU`] is always one of the
 //!   shadows and is where the live store starts and falls back to: it leaves LRU only for a
-//!   shadow whose lead over the LRU shadow is significant, and a ledger compares what the live
+//!   shadow whose lead over the LRU shadow is significant ([`DEPARTURE_Z`] standard errors, or
+//!   [`ALPHA_ZERO_DEPARTURE_Z`] for a setting without the FLOP-efficiency term), and a ledger
+//!   compares what the live
 //!   store reused since it left with what the LRU shadow reused on the same requests; when the
 //!   live store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens, it goes
 //!   back to LRU and every later departure needs twice the lead.
@@ -164,6 +166,19 @@ pub const FALLBACK_TOLERANCE: f64 = 0.001;
 /// store leaves LRU for it (see [`TuningMode::Shadow`]). 2 and 3 were measured on the tuning
 /// part of the policy grid (`crate::grid`): 3 lost less to LRU and won more on average.
 pub const DEPARTURE_Z: f64 = 3.0;
+
+/// [`DEPARTURE_Z`] for a setting with α = 0 (another recency basis, or guarded admission): the
+/// lead such a shadow needs over the [`LRU`] shadow before a trial of it starts. A setting
+/// without the FLOP-efficiency term keeps no old efficient entry over a recently used one, the
+/// kind of switch that lost where a trace's sessions drain (the short-trace scan's losses were
+/// switches to α ≥ 1), and its lead comes from few, one-sided events where evictions are rare
+/// (chat at 10 GB: the α = 0 adaptive shadow led LRU on 7 requests and trailed on none by
+/// request 450, 2.6 standard errors, and reached 3 only at 500). The trial and its confirmation
+/// still vet the switch. 2 was measured on the tuning part of the policy grid and the
+/// short-trace scan (see the crate report): 3 of the 10 cells below the paper's Marconi − 0.01
+/// came within it, none fell below LRU, and the scan gained; 1.5 and 2 for every setting lost
+/// on the scan.
+pub const ALPHA_ZERO_DEPARTURE_Z: f64 = 2.0;
 
 /// How many standard errors behind the [`LRU`] shadow the live store must be to be taken back
 /// to LRU at once, before the ledger's usual judgement (see [`TuningMode::Shadow`]).
@@ -702,14 +717,15 @@ impl AlphaTuner {
             .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
         // Trial a switch only on evidence: a lead of `margin` (doubled by every failed
         // excursion) and, when leaving LRU, a significant lead over the LRU shadow: its decayed
-        // per-request lead in hit tokens, `DEPARTURE_Z` times the square root of the decayed sum
-        // of squares (the lead's standard error if it had no mean). No wait after a switch: a
-        // trial costs the live store nothing, and its test keeps the live store from churning
-        // between close settings (the cooldown of the version before trials).
+        // per-request lead in hit tokens, `DEPARTURE_Z` (`ALPHA_ZERO_DEPARTURE_Z` for an α = 0
+        // setting) times the square root of the decayed sum of squares (the lead's standard
+        // error if it had no mean). No wait after a switch: a trial costs the live store
+        // nothing, and its test keeps the live store from churning between close settings (the
+        // cooldown of the version before trials).
         let lead = margin * (1u64 << self.failures.min(16)) as f64;
         let significant = !current.evicts_like(&LRU) || {
             let shadow = &self.shadows[best];
-            shadow.lead > DEPARTURE_Z * shadow.lead_squares.sqrt()
+            shadow.lead > departure_z(&target) * shadow.lead_squares.sqrt()
         };
         let rested = !self
             .rejected
@@ -768,6 +784,16 @@ impl AlphaTuner {
         {
             self.first_eviction_at = Some(self.seen);
         }
+    }
+}
+
+/// The lead, in standard errors, a shadow under `setting` needs over the [`LRU`] shadow before
+/// the live store leaves LRU for it.
+fn departure_z(setting: &Setting) -> f64 {
+    if setting.alpha == 0.0 {
+        ALPHA_ZERO_DEPARTURE_Z
+    } else {
+        DEPARTURE_Z
     }
 }
 

@@ -10,7 +10,11 @@
 //! sharegpt (40 sessions, seed 2) at 1 GB, 0.1953 against 0.2012. And one where the tuner
 //! that switched as soon as a trial's copy (started 100 requests earlier) led lost through the
 //! switch from the live store's later contents (α = 5 evicted the prefix every request reused):
-//! agentic (12 sessions, seed 2) at 1 GB, 0.4406 against 0.4582.
+//! agentic (12 sessions, seed 2) at 1 GB, 0.4406 against 0.4582. And one where the tuner left
+//! LRU only for a FLOP-aware setting late in the trace and lost as its sessions drained: mix
+//! (30 sessions, seed 4) at 2 GB, 0.3611 against 0.3993 (switched to α = 3 guarded at request
+//! 316 of 375); an α = 0 setting needs less evidence to leave LRU now, and the tuner moves to
+//! guarded α = 0 at request 248.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_short_cell, LRU_TOLERANCE};
@@ -41,6 +45,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::Agentic, 12, 1, 2_000_000_000),
         (TraceKind::ShareGpt, 40, 2, 1_000_000_000),
         (TraceKind::Agentic, 12, 2, 1_000_000_000),
+        (TraceKind::Mix, 30, 4, 2_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {
