@@ -348,12 +348,25 @@ impl Trial {
     /// standard errors of the sums; the live store switched 100 requests later.
     fn leads(&self) -> bool {
         let recency_only = self.setting.alpha == 0.0 && !self.setting.guard;
-        let decided = f64::from(self.wins) + f64::from(self.losses);
-        self.lead > TRIAL_Z * self.lead_squares.sqrt()
-            || (recency_only
-                && self.lead > 0.0
-                && f64::from(self.wins) - f64::from(self.losses) > TRIAL_Z * decided.sqrt())
+        leads_at_look(
+            recency_only,
+            self.lead,
+            self.lead_squares,
+            self.wins,
+            self.losses,
+        )
     }
+}
+
+/// The test of [`Trial::leads`] on a trial's sums: `lead` and `lead_squares` of the per-request
+/// differences in hit tokens, `wins` and `losses` the requests with a positive and a negative
+/// difference.
+fn leads_at_look(recency_only: bool, lead: f64, lead_squares: f64, wins: u32, losses: u32) -> bool {
+    let decided = f64::from(wins) + f64::from(losses);
+    lead > TRIAL_Z * lead_squares.sqrt()
+        || (recency_only
+            && lead > 0.0
+            && f64::from(wins) - f64::from(losses) > TRIAL_Z * decided.sqrt())
 }
 
 /// Where the live store stood when it last left [`LRU`]: the ledger that
@@ -925,4 +938,47 @@ pub fn best_setting(
         }
     }
     Ok(best.map_or(current, |(_, setting)| setting))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leads_at_look;
+
+    /// `(recency_only, per-request differences in hit tokens)`: whether a trial leads at a look.
+    fn check(recency_only: bool, differences: &[f64], expected: bool) {
+        let lead: f64 = differences.iter().sum();
+        let squares: f64 = differences.iter().map(|d| d * d).sum();
+        let wins = differences.iter().filter(|&&d| d > 0.0).count() as u32;
+        let losses = differences.iter().filter(|&&d| d < 0.0).count() as u32;
+        assert_eq!(
+            leads_at_look(recency_only, lead, squares, wins, losses),
+            expected,
+            "{recency_only} {differences:?}"
+        );
+    }
+
+    #[test]
+    fn a_recency_only_trial_also_leads_on_a_sign_test() {
+        // Six wins of very different sizes, no loss: 1.7 standard errors of the sums (2
+        // needed), 6 > 2 √6 on the sign test.
+        let one_sided = [
+            0.0, 1000.0, 0.0, 2000.0, 4000.0, 8000.0, 16000.0, 32000.0, 0.0,
+        ];
+        check(true, &one_sided, true);
+        check(false, &one_sided, false);
+        // Five wins and a loss: 4 < 2 √6, and 1.7 standard errors of the sums.
+        let mixed = [1000.0, 2000.0, 4000.0, 8000.0, 16000.0, -1000.0, 32000.0];
+        check(true, &mixed, false);
+        // Many small wins and one large loss: the sign test passes, the lead in tokens is
+        // negative.
+        let mut behind = vec![10.0; 20];
+        behind.push(-1000.0);
+        check(true, &behind, false);
+        // Nine equal wins: 3 standard errors of the sums, a lead for every setting.
+        let even = [500.0; 9];
+        check(false, &even, true);
+        check(true, &even, true);
+        // Nothing decided.
+        check(true, &[0.0; 5], false);
+    }
 }
