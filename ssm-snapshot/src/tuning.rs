@@ -26,7 +26,8 @@
 //!   LRU built; at small capacities a shadow's lead is often chaos that does not carry over).
 //!   So a leading shadow does not move the live store; it starts a **trial**: a copy of the
 //!   live store as it stands ([`SnapshotStore::detached_copy`]) switched to the leader's
-//!   setting, which serves every later request beside the live store. The trial measures the
+//!   setting, which serves every later request beside the live store (when the leader has
+//!   α > 0, the best recency-only shadow, α = 0 with plain admission, may start one too). The trial measures the
 //!   switch itself, transition included, against the live store on the same requests; the live
 //!   store takes the setting only after the copy led it by [`TRIAL_Z`] standard errors at one
 //!   of the trial's looks (every [`TRIAL_LOOK`] requests; for a recency-only setting, α = 0
@@ -745,68 +746,83 @@ impl AlphaTuner {
                 .retain(|(s, _)| !rejected.iter().any(|(r, _)| r.evicts_like(s)));
             self.rejected.extend(rejected);
         }
-        let mut best = 0;
-        for (i, shadow) in self.shadows.iter().enumerate() {
-            if shadow.score > self.shadows[best].score {
-                best = i;
-            }
-        }
-        let target = self.settings[best];
-        let current_score = self
-            .settings
-            .iter()
-            .position(|s| s.evicts_like(&current))
-            .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
-        // Trial a switch only on evidence: a lead of `margin` (doubled by every failed
-        // excursion) and, when leaving LRU, a significant lead over the LRU shadow: its decayed
-        // per-request lead in hit tokens, `DEPARTURE_Z` (`ALPHA_ZERO_DEPARTURE_Z` for an α = 0
-        // setting) times the square root of the decayed sum of squares (the lead's standard
-        // error if it had no mean). No wait after a switch: a trial costs the live store
-        // nothing, and its test keeps the live store from churning between close settings (the
-        // cooldown of the version before trials).
-        let lead = margin * (1u64 << self.failures.min(16)) as f64;
-        let significant = !current.evicts_like(&LRU) || {
-            let shadow = &self.shadows[best];
-            shadow.lead > departure_z(&target) * shadow.lead_squares.sqrt()
-        };
-        let rested = !self
-            .rejected
-            .iter()
-            .any(|(s, at)| s.evicts_like(&target) && self.seen < at.saturating_add(cooldown));
-        if rested
-            && significant
-            && !target.evicts_like(&current)
-            && !self.trials.iter().any(|t| t.setting.evicts_like(&target))
-            && self.shadows[best].score > current_score * (1.0 + lead)
-        {
-            if self.trials.len() >= TRIALS {
-                // Make room: drop the trial whose lead is the least significant.
-                // A confirmation stays: its trial already led.
-                let z = |t: &Trial| t.lead / t.lead_squares.sqrt().max(1.0);
-                let weakest = (0..self.trials.len())
-                    .filter(|&i| !self.trials[i].confirms)
-                    .min_by(|&a, &b| z(&self.trials[a]).total_cmp(&z(&self.trials[b])));
-                match weakest {
-                    Some(i) => {
-                        self.trials.swap_remove(i);
+        // The candidates for a trial: the best shadow, and when that has α > 0, the best
+        // recency-only one (α = 0, plain admission): its score often stays below the best's
+        // while it is the one whose lead carries over (longchat at 10 GB: α 0.75-1 shadows led
+        // from request 284 and their trials failed; the α = 0 adaptive shadow was 3 standard
+        // errors ahead of LRU from request 300 but not the best until 398).
+        let best_of = |keep: &dyn Fn(&Setting) -> bool| {
+            (0..self.shadows.len())
+                .filter(|&i| keep(&self.settings[i]))
+                .reduce(|a, b| {
+                    if self.shadows[b].score > self.shadows[a].score {
+                        b
+                    } else {
+                        a
                     }
-                    None => return Ok(None),
+                })
+        };
+        let best_overall = best_of(&|_| true).unwrap_or(self.baseline);
+        let best_recency_only = best_of(&|s| s.alpha == 0.0 && !s.guard && !s.evicts_like(&LRU))
+            .filter(|_| self.settings[best_overall].alpha != 0.0);
+        for best in std::iter::once(best_overall).chain(best_recency_only) {
+            let target = self.settings[best];
+            let current_score = self
+                .settings
+                .iter()
+                .position(|s| s.evicts_like(&current))
+                .map_or(f64::NEG_INFINITY, |i| self.shadows[i].score);
+            // Trial a switch only on evidence: a lead of `margin` (doubled by every failed
+            // excursion) and, when leaving LRU, a significant lead over the LRU shadow: its
+            // decayed per-request lead in hit tokens, `DEPARTURE_Z` (`ALPHA_ZERO_DEPARTURE_Z`
+            // for an α = 0 setting) times the square root of the decayed sum of squares (the
+            // lead's standard error if it had no mean). No wait after a switch: a trial costs
+            // the live store nothing, and its test keeps the live store from churning between
+            // close settings (the cooldown of the version before trials).
+            let lead = margin * (1u64 << self.failures.min(16)) as f64;
+            let significant = !current.evicts_like(&LRU) || {
+                let shadow = &self.shadows[best];
+                shadow.lead > departure_z(&target) * shadow.lead_squares.sqrt()
+            };
+            let rested = !self
+                .rejected
+                .iter()
+                .any(|(s, at)| s.evicts_like(&target) && self.seen < at.saturating_add(cooldown));
+            if rested
+                && significant
+                && !target.evicts_like(&current)
+                && !self.trials.iter().any(|t| t.setting.evicts_like(&target))
+                && self.shadows[best].score > current_score * (1.0 + lead)
+            {
+                if self.trials.len() >= TRIALS {
+                    // Make room: drop the trial whose lead is the least significant.
+                    // A confirmation stays: its trial already led.
+                    let z = |t: &Trial| t.lead / t.lead_squares.sqrt().max(1.0);
+                    let weakest = (0..self.trials.len())
+                        .filter(|&i| !self.trials[i].confirms)
+                        .min_by(|&a, &b| z(&self.trials[a]).total_cmp(&z(&self.trials[b])));
+                    match weakest {
+                        Some(i) => {
+                            self.trials.swap_remove(i);
+                        }
+                        None => break,
+                    }
                 }
+                let mut copy = store.detached_copy();
+                apply(&mut copy, target)?;
+                self.trials.push(Trial {
+                    setting: target,
+                    control: current,
+                    store: copy,
+                    blocks: SyntheticBlocks::new(u32::MAX / 2),
+                    since: self.seen,
+                    confirms: false,
+                    lead: 0.0,
+                    lead_squares: 0.0,
+                    wins: 0,
+                    losses: 0,
+                });
             }
-            let mut copy = store.detached_copy();
-            apply(&mut copy, target)?;
-            self.trials.push(Trial {
-                setting: target,
-                control: current,
-                store: copy,
-                blocks: SyntheticBlocks::new(u32::MAX / 2),
-                since: self.seen,
-                confirms: false,
-                lead: 0.0,
-                lead_squares: 0.0,
-                wins: 0,
-                losses: 0,
-            });
         }
         Ok(None)
     }
