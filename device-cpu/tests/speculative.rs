@@ -257,16 +257,23 @@ fn an_overflowing_catchup_ring_still_drafts() {
     assert_eq!(r.facts(), initial);
 }
 
-/// Skipping the SSM restore after a rejected draft (the planted bug) is caught: the router
-/// refuses to compute the sequence rather than compute on a state past its length.
-#[test]
-fn a_skipped_ssm_restore_is_refused() {
-    let case = &cases("nemotron-h-alt")[2];
+/// The alt fixture's third case prefilled on a fresh router: the case, the router, the sequence,
+/// its next token and a first draft that is not the greedy one.
+fn alt_after_prefill() -> (MtpCase, CpuRouter, CpuSeq, u32, u32) {
+    let case = cases("nemotron-h-alt").swap_remove(2);
     let r = router("nemotron-h-alt");
     let mut s = seq(1, &case.prompt);
     let (logits, _) = prefill(&r, &mut s, 64);
     let token = argmax(&logits);
     let wrong = (case.greedy[1] + 1) % 256;
+    (case, r, s, token, wrong)
+}
+
+/// Skipping the SSM restore after a rejected draft (the planted bug) is caught: the router
+/// refuses to compute the sequence rather than compute on a state past its length.
+#[test]
+fn a_skipped_ssm_restore_is_refused() {
+    let (case, r, mut s, token, wrong) = alt_after_prefill();
     speculate(&r, &mut s, token, &[wrong, 0], false).unwrap();
     let err = speculate(&r, &mut s, case.greedy[1], &[0], true).unwrap_err();
     assert!(
@@ -280,12 +287,7 @@ fn a_skipped_ssm_restore_is_refused() {
 /// (it is of a draft that was not kept), the snapshot at the kept length still restores.
 #[test]
 fn snapshots_of_rejected_positions_are_forgotten() {
-    let case = &cases("nemotron-h-alt")[2];
-    let r = router("nemotron-h-alt");
-    let mut s = seq(1, &case.prompt);
-    let (logits, _) = prefill(&r, &mut s, 64);
-    let token = argmax(&logits);
-    let wrong = (case.greedy[1] + 1) % 256;
+    let (case, r, mut s, token, wrong) = alt_after_prefill();
     // Slots 0, 1, 2 hold the states after the token and the first two drafts; none is accepted.
     let (emitted, _) = speculate(&r, &mut s, token, &[wrong, 0, 0], false).unwrap();
     assert_eq!(emitted, vec![case.greedy[1]]);
