@@ -88,8 +88,9 @@ pub struct CacheStats {
     /// its own checkpoints.
     pub head_unvouched_hits: u64,
     /// Checkpoint hits on an unmarked checkpoint (its taker's head was not exact there, its ring
-    /// lacked the positions, or a head with Mamba layers did not lag there): no rerun; the head
-    /// is not a cold run's.
+    /// lacked the positions, or a head with Mamba layers did not lag there), or on a marked one
+    /// whose rerun would copy blocks the pool cannot hold beside a sequence of `max_context`
+    /// tokens: no rerun; the head is not a cold run's.
     pub head_unmarked_hits: u64,
 }
 
@@ -100,7 +101,7 @@ pub enum HeadHit {
     Exact,
     /// A rerun over a marked checkpoint with cached K/V not vouched for.
     Unvouched,
-    /// No rerun (the checkpoint is unmarked).
+    /// No rerun (the checkpoint is unmarked, or the pool cannot hold the rerun's copies).
     Unmarked,
 }
 
@@ -408,6 +409,11 @@ impl Caches {
 
     pub fn free_blocks(&self) -> usize {
         self.kv.pool().free_blocks()
+    }
+
+    /// The pool's size in blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.kv.pool().num_blocks()
     }
 
     /// Cached blocks that `allocate` can take back without evicting from the Marconi tree.

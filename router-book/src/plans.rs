@@ -233,7 +233,14 @@ fn head_lead(
     }
     let blocks = mark.from / shape.block_size..(mark.pos - 1) / shape.block_size + 1;
     let blocks = blocks.start.min(blocks.end)..blocks.end;
-    (blocks.end <= attach.blocks.len()).then_some((
+    // The originals of the copied blocks stay held while the hit path is pinned (the
+    // sequence's lifetime), so the copies cost the sequence blocks that a run from scratch
+    // never needs. A hit must never need more of the pool than no hit: where a sequence of
+    // `max_context` tokens and the copies do not fit the pool together, the head takes the
+    // hit as it is served, unmarked (its drafts may differ from a cold run's; the output
+    // never does).
+    let room = shape.max_context.div_ceil(shape.block_size) + blocks.len() <= cache.num_blocks();
+    (room && blocks.end <= attach.blocks.len()).then_some((
         HeadLead {
             checkpoint,
             from: mark.from,

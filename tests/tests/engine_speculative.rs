@@ -10,7 +10,9 @@
 //! the other's settles, with preemption and a cancel while a verification is in flight (and at
 //! depth 1 there, the host router's default). Every block and slot is back at the end. Draft
 //! quality: the MTP head's drafts survive a dry pool at a cohort's launch, and a block boundary
-//! inside a kept run is checkpointed as plain decoding does it. Skipping the SSM restore after a
+//! inside a kept run is checkpointed as plain decoding does it. A prefix hit on a pool of exactly
+//! one longest sequence is served as a cold run (the head's rerun copies only where the pool
+//! has room for them). Skipping the SSM restore after a
 //! rejected draft, and a ring shared between the cohorts at depth 2 (the planted bugs), are
 //! caught.
 
@@ -782,4 +784,112 @@ fn a_draft_that_failed_on_the_device_fails_only_the_row_it_drafted_for() {
     assert_eq!(outcomes[1], reference[1]);
     assert_eq!(metrics.draft_failures, 1, "{metrics:?}");
     assert!(launched > 2, "{metrics:?}");
+}
+
+/// A prefix hit never needs more of the pool than a run from scratch: on a pool of exactly one
+/// sequence of `max_context` tokens, a follow-up turn that fills the context and hits the first
+/// turn's marked checkpoint is served (the MTP head's rerun would copy the hit's last block and
+/// hold the original, pinned, for the sequence's lifetime: one block more than the pool has),
+/// with a cold run's tokens and logits, with speculation off and on, and every block back.
+#[test]
+fn a_prefix_hit_on_a_pool_of_one_longest_sequence_is_served() {
+    let fixture = "nemotron-h-tiny";
+    let model = model(fixture);
+    let prompts = model::parity::prompts(&mtp_dir(fixture)).unwrap();
+    // A first turn whose end-of-input checkpoint (at 16) falls inside its prefill plan: the
+    // head lags there and marks it; and one whose output checkpoint (at 64) the drafting head
+    // marks (with speculation off it is unmarked and the hit needs no copy).
+    for (prompt_len, first_tokens) in [(17, MAX_TOKENS), (40, 30)] {
+        let prompt = prompts.iter().find(|p| p.len() == prompt_len).unwrap();
+        // Exactly one longest sequence: the hit is taken without the rerun's copy.
+        check_hit_on_a_full_pool(&model, prompt, first_tokens, 8, (0, 0, 1));
+        // One block more: the head reruns over the copy and is a cold run's.
+        check_hit_on_a_full_pool(&model, prompt, first_tokens, 9, (1, 0, 0));
+    }
+}
+
+/// Serves `prompt` for `first_tokens`, then a follow-up that replays it and fills the context,
+/// on a pool of `num_blocks`: the follow-up gives a cold run's output, and its hit counts as
+/// `head_hit` ((exact, unvouched, unmarked) head hits).
+fn check_hit_on_a_full_pool(
+    model: &Model,
+    prompt: &[u32],
+    first_tokens: usize,
+    num_blocks: usize,
+    head_hit: (u64, u64, u64),
+) {
+    let pool = Setup {
+        num_blocks,
+        max_running: 1,
+        ..Setup::plain()
+    };
+    let first = Request::greedy(prompt.to_vec(), first_tokens).with_logits_digest(true);
+    let (out, _) = serve(model, pool, std::slice::from_ref(&first));
+    let first_full: Vec<u32> = prompt
+        .iter()
+        .chain(&out[0].as_ref().unwrap().0)
+        .copied()
+        .collect();
+    // The follow-up's prompt and output fill `max_context` (8 blocks) exactly.
+    let follow_len = 8 * BLOCK - MAX_TOKENS;
+    let follow_prompt: Vec<u32> = (first_full.iter())
+        .chain(prompt.iter().cycle())
+        .take(follow_len)
+        .copied()
+        .collect();
+    let follow = Request::greedy(follow_prompt, MAX_TOKENS).with_logits_digest(true);
+    let case = format!("a first turn of {} + {first_tokens}", prompt.len());
+    for speculation in [None, Some(Speculation::mtp(2))] {
+        let cold = Setup {
+            num_blocks,
+            max_running: 1,
+            speculation: speculation.clone(),
+            ..Setup::plain()
+        };
+        let (reference, _) = serve(model, cold, std::slice::from_ref(&follow));
+        assert!(reference[0].is_ok(), "{case}: {reference:?}");
+        let cached = Setup {
+            caches: true,
+            num_blocks,
+            max_running: 1,
+            speculation: speculation.clone(),
+            ..Setup::plain()
+        };
+        let mut engine = engine(model, &cached);
+        let initial = engine.router().facts();
+        let mut outcomes = Vec::new();
+        for request in [&first, &follow] {
+            let handle = engine.submit(request.clone()).unwrap();
+            engine.run_until_idle();
+            let got = handle.wait();
+            outcomes.push(
+                got.map(|c| (c.tokens, c.logits_digest))
+                    .map_err(|e| e.to_string()),
+            );
+        }
+        let stats = engine.router().cache_stats().unwrap();
+        let m = *engine.metrics();
+        assert_eq!(outcomes[1], reference[0], "{case}, {speculation:?}: {m:?}");
+        assert_eq!(outcomes[0], out[0], "{case}: {m:?}");
+        // The follow-up hit the first turn's last checkpoint (the first turn found nothing).
+        assert_eq!(m.prefix_hits, 1, "{m:?}");
+        assert_eq!(
+            m.prefill_tokens_cached as usize,
+            (first_full.len() - 1) / BLOCK * BLOCK,
+            "{m:?}"
+        );
+        let counted = (
+            stats.head_exact_hits,
+            stats.head_unvouched_hits,
+            stats.head_unmarked_hits,
+        );
+        let want = match speculation {
+            // Without drafts the head marks no output checkpoint.
+            None if first_tokens > MAX_TOKENS => (0, 0, 1),
+            _ => head_hit,
+        };
+        assert_eq!(counted, want, "{case}, {speculation:?}: {stats:?}");
+        assert_everything_back(&engine, &initial);
+        engine.shutdown(ShutdownMode::Drain).unwrap();
+    }
 }
