@@ -115,21 +115,11 @@ fn load_and_memory_pressure_on_the_host_router_leave_nothing_behind() {
 fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
     let workload = WorkloadOptions {
         requests: 400,
-        clients: 4,
-        prompt_len: 1..=40,
         max_tokens: 1..=12,
-        cancel_percent: 10,
-        drop_percent: 5,
         prefixes: 4,
         vocab_size: 1000,
-        sampled_percent: 0,
-        adapters: 0,
-        digest_percent: 0,
-        command_every_ms: 0,
-        abort_after_ms: 0,
-        followup_percent: 0,
-        stop_percent: 0,
         seed: 12,
+        ..load_workload()
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
     // faults meet preemption (spills, restores) too; at depth 2 they meet fed steps.
