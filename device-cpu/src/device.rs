@@ -13,7 +13,8 @@
 //! # Invariants
 //!
 //! - `feed[i]` is the argmax (masked when the step was masked) of row `i` of step `feed_step`,
-//!   the latest step that computed successfully; a fed step whose source is not `feed_step` fails.
+//!   the latest step that computed successfully; a fed step whose source is not `feed_step` fails
+//!   (`router_book::plans::check_feed_source`, the CUDA router's rule too).
 //! - `logits` holds one buffer per step that may still be read (the router's depth); a buffer
 //!   names its step, and a failed step leaves none.
 //! - `failed` names the tenures of the rows of failed steps; a later step with such a row fails
@@ -349,6 +350,12 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         fail(device, &mut completed, err);
         return completed;
     }
+    // Before the rows' own check, which a fed step over a failed source also fails (its fed
+    // rows were that step's), so the error names the cause, as on the CUDA router.
+    if let Err(err) = router_book::plans::check_feed_source(job.fed_from, device.feed_step) {
+        fail(device, &mut completed, err);
+        return completed;
+    }
     if let Some(tenure) = completed
         .tenures
         .iter()
@@ -359,15 +366,6 @@ pub(crate) fn run_step(model: &Model, device: &mut Device, mut job: StepJob) -> 
         ));
         fail(device, &mut completed, err);
         return completed;
-    }
-    if let Some(source) = job.fed_from {
-        if device.feed_step != Some(source) {
-            let err = forward_failed(format!(
-                "its inputs come from ticket {source}, which failed"
-            ));
-            fail(device, &mut completed, err);
-            return completed;
-        }
     }
     // The buffer of the oldest step held is the one this step overwrites.
     let index = (0..device.logits.len())

@@ -55,7 +55,9 @@
 //! A device error after the commit (a lost device, or a router bug the forward step's own
 //! validation catches) fails the step: its rows' tenures are marked failed (the rows are marked
 //! the next time they are seen, and never cached), and the error is `DeviceLost` or `Failed` in
-//! phase `Forward`.
+//! phase `Forward`. A `DecodeFed` whose source step failed fails too when it settles (the
+//! contract; `router_book::plans::check_feed_source`, the host router's rule): it computed on a
+//! failed step's outputs and state.
 
 use std::ops::Range;
 
@@ -95,9 +97,13 @@ pub(crate) struct Flight {
     /// A `Draft`: which rows drafted, and the drafts per row (the argmax is then the drafts,
     /// row after row).
     pub draft: Option<(Vec<bool>, usize)>,
-    /// Failed by fault injection (`router_book::StepFaults`): what it wrote was overwritten
-    /// after it ran, and its await fails.
-    pub injected: bool,
+    /// The step its fed rows read their inputs from (the one launched before it), if any.
+    pub fed_from: Option<u64>,
+    /// Why it failed, once known without reading it: by fault injection
+    /// (`router_book::StepFaults`: what it wrote was overwritten after it ran), or, found when it
+    /// settles, because its source step failed (`plans::check_feed_source`). Its await answers
+    /// this error.
+    pub failed: Option<DeviceError>,
 }
 
 /// What a step wrote on the device, for fault injection to overwrite.
@@ -499,6 +505,14 @@ fn verify_work(plan: &VerifyPlan, max_rows: usize) -> Vec<Work> {
     work
 }
 
+/// What the await of a step failed by fault injection (`router_book::StepFaults`) answers.
+fn injected_fault(ticket: u64) -> DeviceError {
+    DeviceError::Failed {
+        phase: Phase::Forward,
+        message: format!("an injected device fault (StepFaults) in step {ticket}"),
+    }
+}
+
 fn u32_bytes(values: &[u32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
@@ -538,6 +552,7 @@ impl CudaRouter {
         // Per row of a decode or verification on a model with an MTP head: tenure, first
         // position, positions, first hidden row (what `SaveHiddenCatchup` may keep).
         let mut kept: Option<Vec<(u64, usize, usize, usize)>> = None;
+        let mut fed_from = None;
         let (step, mut work, reports, host, runs) = match plan {
             StepPlan::Prefill { budgets, readback } => {
                 let mut bind = |adapter: Option<u32>| match adapter {
@@ -589,6 +604,7 @@ impl CudaRouter {
                     self.decode_plan(inner, ticket, Inputs::Fed(sources), &readback, rows)?;
                 let work = decode_work(&plan, &inner.last_token_rows);
                 kept = mtp.then(|| decode_kept(&plan));
+                fed_from = plan.fed_from;
                 (plan.step, work, None, None, None)
             }
             StepPlan::Verify {
@@ -691,7 +707,8 @@ impl CudaRouter {
             argmax: None,
             runs,
             draft: None,
-            injected,
+            fed_from,
+            failed: injected.then(|| injected_fault(ticket)),
         });
         if let Some(into) = host {
             let read = || -> std::result::Result<Vec<f32>, CudaError> {
@@ -1011,11 +1028,17 @@ impl CudaRouter {
         if flight.argmax.is_some() {
             return Ok(());
         }
-        if flight.injected {
+        // The steps before it settled first: `last_argmax` names the latest that computed.
+        let last_computed = inner.last_argmax.as_ref().map(|(step, _)| *step);
+        let source = plans::check_feed_source(flight.fed_from, last_computed);
+        if flight.failed.is_some() || source.is_err() {
             // A failed step: its rows are marked, its outputs never read; `await_result`
             // answers the failure.
             let tenures = flight.tenures.clone();
             self.mark_failed(inner, &tenures);
+            if let Err(err) = source {
+                inner.flights[index].failed.get_or_insert(err);
+            }
             return Ok(());
         }
         let (half, rows, ticket) = (flight.half, flight.logit_rows, flight.ticket);
@@ -1088,12 +1111,9 @@ impl CudaRouter {
             .ok_or(DeviceError::UnknownTicket(ticket))?;
         settled?;
         inner.settled = Some(ticket.0);
-        if flight.injected {
-            tracing::error!(%ticket, "an injected device fault; the step's rows are marked failed");
-            return Err(DeviceError::Failed {
-                phase: Phase::Forward,
-                message: format!("an injected device fault (StepFaults) in step {}", ticket.0),
-            });
+        if let Some(err) = flight.failed {
+            tracing::error!(%ticket, %err, "the step failed; its rows are marked failed");
+            return Err(err);
         }
         let argmax = flight.argmax.unwrap_or_default();
         if let Some((drafting, k)) = flight.draft {
@@ -1340,7 +1360,8 @@ impl CudaRouter {
             argmax: None,
             runs: None,
             draft: Some((drafting, k)),
-            injected,
+            fed_from: None,
+            failed: injected.then(|| injected_fault(ticket)),
         });
         Ok(Ticket(ticket))
     }

@@ -893,6 +893,22 @@ pub fn check_await(unsettled: &std::collections::VecDeque<u64>, ticket: Ticket) 
     }
 }
 
+/// A fed step's source rule, the same on every router (the contract: a fed step whose source
+/// step failed fails too): a step that reads feed cells of `fed_from` (the step launched before
+/// it, [`DecodePlan::fed_from`]) fails unless that step is `last_computed`, the latest step whose
+/// device work completed without failing. Checked when the fed step's result is decided: before
+/// it computes on a router that runs its device work in order (the host router), when it settles
+/// on one that queues it behind its source (the CUDA router).
+pub fn check_feed_source(fed_from: Option<u64>, last_computed: Option<u64>) -> Result<()> {
+    match fed_from {
+        Some(source) if last_computed != Some(source) => Err(DeviceError::Failed {
+            phase: device_io::Phase::Forward,
+            message: format!("its inputs come from ticket {source}, which failed"),
+        }),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -905,6 +921,21 @@ mod tests {
             Err(err) => format!("{err:?}"),
         };
         assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn a_fed_step_fails_unless_its_source_is_the_latest_step_computed() {
+        let feed = |fed_from, last_computed| match check_feed_source(fed_from, last_computed) {
+            Ok(()) => "ok".to_string(),
+            Err(err) => err.to_string(),
+        };
+        assert_eq!(feed(None, None), "ok");
+        assert_eq!(feed(None, Some(2)), "ok");
+        assert_eq!(feed(Some(3), Some(3)), "ok");
+        let failed = "forward failed: its inputs come from ticket 3, which failed";
+        assert_eq!(feed(Some(3), Some(2)), failed);
+        assert_eq!(feed(Some(3), None), failed);
+        assert_eq!(feed(Some(3), Some(4)), failed);
     }
 
     #[test]

@@ -15,7 +15,13 @@
 //!   deterministic answer), and cancelled ones whose tokens are not a prefix of that;
 //! - **leaked blocks and slots**: at idle, after the prefix cache is cleared, KV blocks not free,
 //!   live slots in use, and orphans;
-//! - **bystander failures**: requests that failed although no injected fault hit them.
+//! - **bystander failures**: requests that failed although no injected fault hit them;
+//! - **fed steps served over a failure**: depth-2 fed steps that read a row of a step that then
+//!   failed, which the router served anyway (the contract fails them too; [`Chaos`] counts both).
+//!
+//! A run's requests reach the engine from client threads while it steps, or all before it
+//! steps ([`Submission`]); then, without cancels, nothing the engine sees depends on timing and
+//! a run repeats exactly.
 //!
 //! Every feature a user may serve under load can be switched on ([`RouterOptions`],
 //! [`WorkloadOptions`]): the host router or the CUDA router on its host runtime (`SimRuntime`),
@@ -39,7 +45,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, LoraError, Phase, Sequence,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Feed, LoraError, Phase, Sequence,
     StepPlan, StepResult, Ticket,
 };
 use rand::{Rng, SeedableRng};
@@ -95,6 +101,8 @@ pub struct WorkloadOptions {
     /// Percent of requests with a stop token: one their output served alone without it
     /// generates (at a random place), so they end there.
     pub stop_percent: u32,
+    /// When the requests reach the engine.
+    pub submission: Submission,
     /// Seed of everything random.
     pub seed: u64,
 }
@@ -401,13 +409,50 @@ fn send_commands(
     controlled
 }
 
-/// Serves `planned` from `clients` threads (while `control`'s thread sends its commands);
-/// answers every request's outcome, in plan order, and what the control thread did.
+/// When a run's requests reach the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Submission {
+    /// Each client submits its next request once its last one ended, while the engine steps.
+    Clients,
+    /// Every request is submitted, in plan order, and every handle to drop is dropped, before
+    /// the engine starts stepping; the clients then read (and cancel) the streams. Without
+    /// cancels nothing the engine sees depends on timing, so a run repeats exactly. (No later
+    /// turns: they wait for an output.)
+    Queued,
+}
+
+/// A request submitted before the engine started: its id and its handle (`None` once
+/// dropped), or why it was refused; the client serving it takes it.
+type Queued =
+    Mutex<Option<Result<(u64, Option<scheduler::RequestHandle>), scheduler::RequestError>>>;
+
+/// Submits every request of `planned` to `engine` (see [`Submission::Queued`]).
+fn queue<D>(engine: &mut scheduler::Engine<D>, planned: &[Planned]) -> Vec<Queued>
+where
+    D: DeviceIo,
+    D::Seq: Sequence,
+{
+    (planned.iter())
+        .map(|item| {
+            assert!(item.turn.is_none(), "a later turn cannot be queued");
+            let submitted = engine.submit(item.request()).map(|handle| {
+                let id = handle.id();
+                (id, (item.action != Action::Drop).then_some(handle))
+            });
+            Mutex::new(Some(submitted))
+        })
+        .collect()
+}
+
+/// Serves `planned` from `clients` threads (while `control`'s thread sends its commands), each
+/// submitting its requests or taking them from `queued`; answers every request's outcome, in
+/// plan order, and what the control thread did.
 fn serve(
     client: &EngineClient,
     planned: &[Planned],
     clients: usize,
     control: Option<&Control>,
+    queued: Option<&[Queued]>,
 ) -> (Vec<Served>, Controlled) {
     let clients = clients.max(1);
     let lanes = lanes(planned, clients);
@@ -428,7 +473,12 @@ fn serve(
                 let mine =
                     (planned.iter().enumerate()).filter(|&(index, _)| lanes[index] == worker);
                 for (index, item) in mine {
-                    let served = match client.submit(item.request()) {
+                    let submitted = match queued {
+                        Some(queued) => lock(&queued[index]).take().expect("queued once"),
+                        None => (client.submit(item.request()))
+                            .map(|handle| (handle.id(), Some(handle))),
+                    };
+                    let served = match submitted {
                         Err(scheduler::RequestError::EngineStopped) => Served {
                             id: None,
                             planned: item.clone(),
@@ -439,15 +489,19 @@ fn serve(
                             planned: item.clone(),
                             outcome: Outcome::Refused(err.to_string()),
                         },
-                        Ok(handle) => {
-                            let id = Some(handle.id());
-                            let outcome = match item.action {
-                                Action::Drop => {
+                        Ok((id, handle)) => {
+                            let id = Some(id);
+                            let outcome = match (item.action, handle) {
+                                (Action::Drop, handle) => {
                                     drop(handle);
                                     Outcome::Dropped
                                 }
-                                Action::Read => read_stream(&handle, None),
-                                Action::Cancel(after) => read_stream(&handle, Some(after)),
+                                (Action::Read, Some(handle)) => read_stream(&handle, None),
+                                (Action::Cancel(after), Some(handle)) => {
+                                    read_stream(&handle, Some(after))
+                                }
+                                // Only a handle to drop is dropped before it is read.
+                                (_, None) => Outcome::Lost,
                             };
                             Served {
                                 id,
@@ -536,6 +590,12 @@ pub struct SoakReport {
     pub faults_injected: u64,
     /// Of them, steps failed at the device (inside the router).
     pub device_faults: u64,
+    /// Fed steps launched over a step that then failed (they read its outputs on the device), each
+    /// failed too, as the contract requires.
+    pub fed_over_failures: u64,
+    /// Fed steps launched over a step that then failed that the router served anyway (it breaks
+    /// the contract: they computed on a failed step's outputs).
+    pub fed_over_failures_served: u64,
     /// Requests sampled at random (the rest greedy).
     pub sampled: u64,
     /// Requests served with a LoRA adapter.
@@ -569,6 +629,7 @@ impl SoakReport {
             && self.lost_final_events == 0
             && self.bystander_failures == 0
             && self.refused == 0
+            && self.fed_over_failures_served == 0
             && self.shutdown_error.is_none()
     }
 
@@ -615,6 +676,8 @@ impl SoakReport {
             total.orphaned += r.orphaned;
             total.faults_injected += r.faults_injected;
             total.device_faults += r.device_faults;
+            total.fed_over_failures += r.fed_over_failures;
+            total.fed_over_failures_served += r.fed_over_failures_served;
             total.sampled += r.sampled;
             total.with_adapter += r.with_adapter;
             total.later_turns += r.later_turns;
@@ -718,6 +781,8 @@ struct Serving<'a> {
     control: Option<&'a Control>,
     /// Abort the engine this long into the run (else drain it at idle).
     abort_after: Option<Duration>,
+    /// When the requests reach the engine.
+    submission: Submission,
 }
 
 /// Runs `planned` on `engine` (on its own thread), served as `serving` says, and checks it;
@@ -725,7 +790,7 @@ struct Serving<'a> {
 /// (if any).
 fn soak_engine<D>(
     run: &str,
-    engine: scheduler::Engine<D>,
+    mut engine: scheduler::Engine<D>,
     planned: &[Planned],
     serving: Serving<'_>,
     reference: &dyn Fn(usize, &Served) -> Expected,
@@ -736,16 +801,19 @@ where
     D::Seq: Sequence + 'static,
 {
     let start = Instant::now();
-    let thread = EngineThread::spawn(engine).expect("engine thread");
-    let client = thread.client();
     let Serving {
         clients,
         control,
         abort_after,
+        submission,
     } = serving;
+    let queued = (submission == Submission::Queued).then(|| queue(&mut engine, planned));
+    let queued = queued.as_deref();
+    let thread = EngineThread::spawn(engine).expect("engine thread");
+    let client = thread.client();
     let (served, controlled, idle, shutdown) = match abort_after {
         None => {
-            let (served, controlled) = serve(&client, planned, clients, control);
+            let (served, controlled) = serve(&client, planned, clients, control, queued);
             let idle = idle_facts(&client, Duration::from_secs(120));
             let shutdown = thread.shutdown(ShutdownMode::Drain);
             (served, controlled, Some(idle), shutdown)
@@ -753,7 +821,7 @@ where
         // The clients keep submitting and reading while the engine is aborted under them; what
         // it held is checked by the router's teardown (the shutdown answers what it reports).
         Some(after) => std::thread::scope(|scope| {
-            let serving = scope.spawn(|| serve(&client, planned, clients, control));
+            let serving = scope.spawn(|| serve(&client, planned, clients, control, queued));
             std::thread::sleep(after);
             let shutdown = thread.shutdown(ShutdownMode::Abort);
             let (served, controlled) = serving.join().expect("the clients");
@@ -764,14 +832,10 @@ where
         Ok(metrics) => (metrics, None),
         Err(err) => (scheduler::Metrics::default(), Some(err.to_string())),
     };
-    let (hit, injected, device_faults) = match faults {
-        Some(record) => {
-            let record = lock(record);
-            (record.hit.clone(), record.injected, record.device)
-        }
-        None => (BTreeSet::new(), 0, 0),
-    };
-    let mut report = count(run, &served, reference, &hit);
+    let record = faults
+        .map(|record| lock(record).clone())
+        .unwrap_or_default();
+    let mut report = count(run, &served, reference, &record.hit);
     if let Some((facts, orphans)) = idle {
         report.kv_blocks = facts.kv_blocks_total as u64;
         report.leaked_blocks = (facts.kv_blocks_total - facts.kv_blocks_free) as u64;
@@ -781,8 +845,10 @@ where
     report.preemptions = metrics.preemptions;
     report.spills = metrics.spills;
     report.orphaned = metrics.orphaned_sequences;
-    report.faults_injected = injected;
-    report.device_faults = device_faults;
+    report.faults_injected = record.injected;
+    report.device_faults = record.device;
+    report.fed_over_failures = record.fed_over_failures;
+    report.fed_over_failures_served = record.fed_over_failures_served;
     report.prefix_hits = metrics.prefix_hits;
     report.fed_launches = metrics.fed_launches;
     report.verify_launches = metrics.verify_launches;
@@ -797,15 +863,20 @@ where
 }
 
 /// What [`Chaos`] injected, and which requests its faults hit.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct FaultRecord {
     /// Faults injected.
     pub injected: u64,
     /// Of them, steps failed at the device (by the router's `StepFaults`).
     pub device: u64,
     /// Ids of the requests a fault hit (the rows of a failed launch or await, the sequence of a
-    /// failed effect, and the rows of a fed step whose source step failed at the device).
+    /// failed effect, and the rows of a fed step whose source step failed).
     pub hit: BTreeSet<u64>,
+    /// Fed steps launched over a step that then failed, failed too.
+    pub fed_over_failures: u64,
+    /// Fed steps launched over a step that then failed at the device, served by the router
+    /// anyway (a broken contract).
+    pub fed_over_failures_served: u64,
 }
 
 /// The random faults of a run: each strikes with probability `percent`%, drawn from one seeded
@@ -883,9 +954,20 @@ pub struct Chaos<D> {
     faults: Arc<Faults>,
     /// Whether awaits fail here (the router has no fault injection of its own).
     await_faults: bool,
-    /// The ids of each unsettled ticket's rows, and whether it is a fed step launched while a
-    /// step that failed at the device was unsettled (its inputs are that step's outputs).
-    rows: Mutex<HashMap<u64, (Vec<u64>, bool)>>,
+    /// Each unsettled ticket's rows and sources.
+    rows: Mutex<HashMap<u64, Launched>>,
+    /// Tickets whose await failed here (`await_faults`).
+    failed_here: Mutex<BTreeSet<u64>>,
+}
+
+/// A step [`Chaos`] launched.
+#[derive(Debug, Default)]
+struct Launched {
+    /// The ids of its rows.
+    ids: Vec<u64>,
+    /// For a fed step that reads a row of the step before on the device: the tickets unsettled
+    /// when it was launched (its source).
+    sources: Vec<u64>,
 }
 
 impl<D> Chaos<D> {
@@ -897,6 +979,7 @@ impl<D> Chaos<D> {
             faults: Faults::new(10 * percent, seed),
             await_faults: true,
             rows: Mutex::default(),
+            failed_here: Mutex::default(),
         }
     }
 
@@ -907,6 +990,7 @@ impl<D> Chaos<D> {
             faults,
             await_faults: false,
             rows: Mutex::default(),
+            failed_here: Mutex::default(),
         }
     }
 
@@ -954,27 +1038,64 @@ where
         if self.strike(ids.iter().copied()) {
             return Err(injected(Phase::Forward));
         }
-        let fed = matches!(plan, StepPlan::DecodeFed { .. });
+        let fed = match &plan {
+            StepPlan::DecodeFed { sources, .. } => {
+                sources.iter().any(|source| matches!(source, Feed::Row(_)))
+            }
+            _ => false,
+        };
         *lock(&self.faults.launching) = ids.clone();
         let ticket = self.inner.launch(plan, rows)?;
         let mut unsettled = lock(&self.rows);
-        let over_doomed = fed && unsettled.keys().any(|&t| self.faults.doomed(t));
-        unsettled.insert(ticket.0, (ids, over_doomed));
+        let sources = if fed {
+            unsettled.keys().copied().collect()
+        } else {
+            Vec::new()
+        };
+        unsettled.insert(ticket.0, Launched { ids, sources });
         Ok(ticket)
     }
     fn await_result(&self, ticket: Ticket) -> Result<StepResult<D::Ptr>, DeviceError> {
-        let (ids, over_doomed) = lock(&self.rows).remove(&ticket.0).unwrap_or_default();
+        let Launched { ids, sources } = lock(&self.rows).remove(&ticket.0).unwrap_or_default();
+        // Its source step was awaited first: whether that failed is known now.
+        let failed_here = {
+            let mut failed = lock(&self.failed_here);
+            let source = sources.iter().find(|&source| failed.contains(source));
+            // Awaits come in launch order: no later step reads an older ticket.
+            failed.retain(|&older| older >= ticket.0);
+            source
+        };
+        let over_failure =
+            failed_here.is_some() || sources.iter().any(|&source| self.faults.doomed(source));
         let result = match self.inner.await_result(ticket) {
             Err(err) => {
-                if over_doomed {
+                if over_failure {
                     // A fed step whose source failed fails too (the contract).
-                    lock(&self.faults.record).hit.extend(ids);
+                    let mut record = lock(&self.faults.record);
+                    record.hit.extend(ids);
+                    record.fed_over_failures += 1;
                 }
                 return Err(err);
             }
             Ok(result) => result,
         };
+        if let Some(source) = failed_here {
+            // Its source failed here, not in the router, which served it: it fails here too,
+            // as a device would fail a step fed by a step it failed.
+            let mut record = lock(&self.faults.record);
+            record.hit.extend(ids);
+            record.fed_over_failures += 1;
+            lock(&self.failed_here).insert(ticket.0);
+            return Err(DeviceError::Failed {
+                phase: Phase::Forward,
+                message: format!("its inputs came from ticket {source}, which failed"),
+            });
+        }
+        if over_failure {
+            lock(&self.faults.record).fed_over_failures_served += 1;
+        }
         if self.await_faults && self.strike(ids) {
+            lock(&self.failed_here).insert(ticket.0);
             return Err(injected(Phase::Readback));
         }
         Ok(result)
@@ -1109,6 +1230,12 @@ impl RouterOptions {
         if self.mtp > 0 && self.drafter == DraftSource::Head && !self.model.has_mtp() {
             return Some("MTP drafts from a model without MTP layers".to_string());
         }
+        if workload.submission == Submission::Queued && workload.followup_percent > 0 {
+            return Some(
+                "later turns with every request queued first (a turn waits for an output)"
+                    .to_string(),
+            );
+        }
         if workload.adapters > 0 && self.router == RouterKind::CudaSim {
             return Some("LoRA adapters on the CUDA router (it has no adapter slots)".to_string());
         }
@@ -1153,6 +1280,9 @@ impl RouterOptions {
         }
         if workload.abort_after_ms > 0 {
             label += &format!(" aborted after {} ms", workload.abort_after_ms);
+        }
+        if workload.submission == Submission::Queued {
+            label += " queued";
         }
         if self.fault_per_mille > 0 {
             label += &format!(" faults {}‰", self.fault_per_mille);
@@ -1535,6 +1665,7 @@ fn soak_runs(
                     control: control.as_ref(),
                     abort_after: (workload.abort_after_ms > 0)
                         .then(|| Duration::from_millis(workload.abort_after_ms)),
+                    submission: workload.submission,
                 },
                 &reference,
                 Some(&record),
@@ -1595,14 +1726,19 @@ pub fn soak_faults(
     };
     let engine =
         scheduler::Engine::new(chaos, engine_config(slots, preemption, None)).expect("engine");
+    let queued = match workload.submission {
+        Submission::Clients => "",
+        Submission::Queued => ", queued",
+    };
     soak_engine(
-        &format!("scripted depth {depth}: random faults"),
+        &format!("scripted depth {depth}: random faults{queued}"),
         engine,
         &planned,
         Serving {
             clients: workload.clients,
             control: None,
             abort_after: None,
+            submission: workload.submission,
         },
         &reference,
         Some(&record),

@@ -14,6 +14,8 @@
 //! the rows, within half the largest logit on every row, and give the same greedy ids.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
@@ -458,6 +460,108 @@ fn depth_two_with_fed_inputs_gives_the_serial_tokens() {
     assert_eq!(greedy(&device, &prompts, 6, true), serial);
     assert_eq!(greedy(&host, &prompts, 6, true), serial);
     assert_eq!(greedy(&host, &prompts, 6, false), serial);
+    Box::new(device).teardown().unwrap();
+}
+
+/// A decode step of `prompts` that fails at the device (`armed` makes the router's
+/// `StepFaults` fail the next step launched) with a `DecodeFed` launched over it: the failing
+/// step's ticket, what each of the two awaits answered, then (once the rows are released) the
+/// free blocks and used slots.
+fn fed_over_a_failed_step<D: Router>(
+    router: &D,
+    armed: &AtomicBool,
+    prompts: &[&[u32]],
+) -> (u64, Vec<String>, (usize, usize)) {
+    let mut seqs: Vec<RouterSeq> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| seq(i as u64 + 1, p))
+        .collect();
+    let mut rows: Vec<&mut RouterSeq> = seqs.iter_mut().collect();
+    let budgets = vec![CONTEXT; prompts.len()];
+    let plan = StepPlan::Prefill {
+        budgets: &budgets,
+        readback: Readback::Argmax,
+    };
+    let ticket = router.launch(plan, &mut rows).unwrap();
+    let first: Vec<u32> = (router.await_result(ticket).unwrap().rows.iter())
+        .map(|row| row.token.unwrap())
+        .collect();
+    armed.store(true, Ordering::SeqCst);
+    let plan = StepPlan::Decode {
+        tokens: &first,
+        readback: Readback::Argmax,
+    };
+    let failing = router.launch(plan, &mut rows).unwrap();
+    assert!(
+        !armed.load(Ordering::SeqCst),
+        "the router asked its StepFaults"
+    );
+    let sources: Vec<Feed> = (0..prompts.len()).map(Feed::Row).collect();
+    let plan = StepPlan::DecodeFed {
+        sources: &sources,
+        masks: &[],
+    };
+    let fed = router.launch(plan, &mut rows).unwrap();
+    let answers = [failing, fed]
+        .into_iter()
+        .map(|ticket| {
+            let answer = router
+                .await_result(ticket)
+                .map(|result| result.rows.iter().map(|row| row.token).collect::<Vec<_>>());
+            format!("{answer:?}")
+        })
+        .collect();
+    for s in rows {
+        release(router, s, false);
+    }
+    let facts = router.facts();
+    (
+        failing.0,
+        answers,
+        (facts.kv_blocks_free, facts.live_slots_used),
+    )
+}
+
+/// Depth 2: a fed step launched over a step that then fails at the device fails too (the
+/// contract), on the CUDA router as on the host router, and costs nothing else: once its rows
+/// are released every block and slot is free, and the same router serves the same prompts
+/// afterwards with the tokens of a fresh one.
+#[test]
+fn a_fed_step_over_a_step_that_failed_at_the_device_fails_too() {
+    let model = fixture("nemotron-h-tiny");
+    let cases = prompts("nemotron-h-tiny");
+    let prompts: Vec<&[u32]> = vec![&cases[1], &cases[3]];
+    let device = cuda(&model, DType::F32, false, 64);
+    let host = host_like(&model, &device, false);
+    let fresh = greedy(&host, &prompts, 3, false);
+    let armed = Arc::new(AtomicBool::new(false));
+    let faults = {
+        let armed = Arc::clone(&armed);
+        router_book::StepFaults::new(move |_| armed.swap(false, Ordering::SeqCst))
+    };
+    device.inject_step_faults(faults.clone()).unwrap();
+    host.inject_step_faults(faults).unwrap();
+    let blocks = device.facts().kv_blocks_total;
+    for (name, (ticket, answers, free)) in [
+        ("cuda", fed_over_a_failed_step(&device, &armed, &prompts)),
+        ("host", fed_over_a_failed_step(&host, &armed, &prompts)),
+    ] {
+        let failed =
+            |message: String| format!("Err(Failed {{ phase: Forward, message: {message:?} }})");
+        let expected = [
+            failed(format!(
+                "an injected device fault (StepFaults) in step {ticket}"
+            )),
+            failed(format!(
+                "its inputs come from ticket {ticket}, which failed"
+            )),
+        ];
+        assert_eq!(answers, expected, "{name}");
+        assert_eq!(free, (blocks, 0), "{name}");
+    }
+    assert_eq!(greedy(&device, &prompts, 3, true), fresh);
+    assert_eq!(greedy(&host, &prompts, 3, true), fresh);
     Box::new(device).teardown().unwrap();
 }
 

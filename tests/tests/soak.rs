@@ -1,18 +1,22 @@
 //! A small soak in CI (the full one is `cargo xtask soak`): load on the host router with both
 //! caches on, the same workload under memory pressure (spill to memory, spill to a directory,
-//! recompute), and random faults on the scripted router; then the features that landed later,
-//! together: depth 2, MTP speculation, seeded sampled rows, logits digests, LoRA adapters, later
-//! turns of conversations and stop tokens on the host router (with random faults on it, steps
-//! failed inside the router among them, and LoRA commands and prefix-cache clears while steps
-//! are in flight), and depth 2 with speculation, sampled rows, later turns and stop tokens on the
-//! CUDA router on `SimRuntime`, with random faults.
+//! recompute), and random faults on the scripted router (every request queued before the engine
+//! steps, so the run repeats exactly, then submitted by clients while it steps); then the
+//! features that landed later, together: depth 2, MTP speculation, seeded sampled rows, logits
+//! digests, LoRA adapters, later turns of conversations and stop tokens on the host router (with
+//! random faults on it, steps failed inside the router among them, and LoRA commands and
+//! prefix-cache clears while steps are in flight), and depth 2 with speculation, sampled rows,
+//! later turns and stop tokens on the CUDA router on `SimRuntime`, with random faults (and plain
+//! fed steps over failed ones).
 //! Every run must end with every failure count at zero: no lost final event, no mismatch against
-//! the request served alone, no leaked block or slot, no bystander failure.
+//! the request served alone, no leaked block or slot, no bystander failure, no fed step served
+//! over a failed one.
 
 use model::{Config, LayerKind, Model};
 use scheduler::SpecOverlap;
 use tests::soak::{
-    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, WorkloadOptions,
+    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, Submission,
+    WorkloadOptions,
 };
 
 /// A small hybrid model (Mamba, attention, MoE and MLP layers, hidden 32), so the soak stays
@@ -72,6 +76,7 @@ fn load_workload() -> WorkloadOptions {
         abort_after_ms: 0,
         followup_percent: 0,
         stop_percent: 0,
+        submission: Submission::Clients,
         seed: 11,
     }
 }
@@ -123,36 +128,50 @@ fn random_faults_on_the_scripted_router_cost_only_the_requests_they_hit() {
     };
     // 16 blocks of 4 tokens: the longest request (51 positions) fits, four at once do not, so
     // faults meet preemption (spills, restores) too; at depth 2 they meet fed steps.
-    // Whether requests overlap enough to preempt depends on the client threads' timing (the
-    // scripted router is fast: a run takes ~20 ms), so a run that happened to preempt nothing is
-    // followed by one on the next seed, up to four; every run is checked in full.
-    for depth in [1, 2] {
-        let mut preempted = Vec::new();
-        for seed in workload.seed..workload.seed + 4 {
-            let report = soak::soak_faults(
-                &WorkloadOptions {
-                    seed,
-                    ..workload.clone()
-                },
-                depth,
-                (16, 4),
-                3,
-                scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
-            );
-            check(&report);
-            assert!(report.faults_injected > 0, "{report:?}");
-            assert!(report.failed > 0, "{report:?}");
-            assert!(report.completed > 0, "{report:?}");
-            assert_eq!(report.fed_launches > 0, depth == 2, "{report:?}");
-            preempted.push(report.preemptions);
-            if report.preemptions > 0 {
-                break;
-            }
-        }
-        assert!(
-            preempted.last().is_some_and(|&p| p > 0),
-            "depth {depth}: no run preempted: {preempted:?}"
+    let run = |workload: &WorkloadOptions, depth| {
+        let report = soak::soak_faults(
+            workload,
+            depth,
+            (16, 4),
+            3,
+            scheduler::Preemption::Spill(scheduler::SpillTarget::Memory),
         );
+        check(&report);
+        assert!(report.faults_injected > 0, "{report:?}");
+        assert!(report.failed > 0, "{report:?}");
+        assert!(report.completed > 0, "{report:?}");
+        assert_eq!(report.fed_launches > 0, depth == 2, "{report:?}");
+        report
+    };
+    for depth in [1, 2] {
+        // Every request queued before the engine steps and none cancelled: nothing the engine
+        // sees depends on the client threads' timing, so the run repeats exactly (checked), and
+        // with 400 requests waiting from the first step on, four running outgrow the pool.
+        let queued = WorkloadOptions {
+            cancel_percent: 0,
+            submission: Submission::Queued,
+            ..workload.clone()
+        };
+        let report = run(&queued, depth);
+        assert!(report.preemptions > 0, "{report:?}");
+        assert!(report.spills > 0, "{report:?}");
+        // At depth 2 some fed steps read a step that then failed, and failed too.
+        assert_eq!(report.fed_over_failures > 0, depth == 2, "{report:?}");
+        let again = run(&queued, depth);
+        assert_eq!(
+            SoakReport {
+                wall_s: 0.0,
+                ..again
+            },
+            SoakReport {
+                wall_s: 0.0,
+                ..report
+            }
+        );
+        // The clients submitting while the engine steps, with cancels: how far requests overlap
+        // (and so whether they preempt, or a cancel lands before the request ends) depends on
+        // the threads' timing, so only what does not is asked of it.
+        run(&workload, depth);
     }
 }
 
@@ -264,6 +283,23 @@ fn depth_two_speculation_and_sampling_under_load_and_faults_on_the_cuda_router()
     let report = soak::soak_load(&feature_workload(48, 0, 24), &faulty);
     check(&report);
     assert!(report.device_faults > 0, "{report:?}");
+    // Plain fed decoding at depth 2 with those faults (short prompts, long outputs), every
+    // request queued before the engine steps and none cancelled, so the run repeats exactly: a
+    // fed step reads the outputs of a step that then fails at the device, and fails too (the
+    // contract; a router that served it would fail `check`).
+    let fed = RouterOptions { mtp: 0, ..faulty };
+    let queued = WorkloadOptions {
+        prompt_len: 1..=8,
+        max_tokens: 16..=32,
+        sampled_percent: 0,
+        followup_percent: 0,
+        cancel_percent: 0,
+        submission: Submission::Queued,
+        ..feature_workload(12, 0, 25)
+    };
+    let report = soak::soak_load(&queued, &fed);
+    check(&report);
+    assert!(report.fed_over_failures > 0, "{report:?}");
 }
 
 /// An abort with requests waiting, running and in flight (verifications by cohorts, LoRA

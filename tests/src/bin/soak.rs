@@ -10,7 +10,8 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use scheduler::SpecOverlap;
 use tests::soak::{
-    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, WorkloadOptions,
+    self, DraftSource, PressureMode, RouterKind, RouterOptions, SoakReport, Submission,
+    WorkloadOptions,
 };
 
 /// The soak's knobs; the defaults are the full run.
@@ -82,6 +83,10 @@ struct Args {
     /// each drains a step in flight); 0: none
     #[arg(long, default_value_t = 0)]
     command_ms: u64,
+    /// Submit every request (and drop the handles to drop) before the engine starts stepping;
+    /// the clients then read and cancel the streams (with no later turns)
+    #[arg(long)]
+    queued: bool,
     /// How long into the abort run the engine is aborted (with requests waiting, running and
     /// in flight), in milliseconds
     #[arg(long, default_value_t = 1000)]
@@ -165,6 +170,11 @@ fn main() -> ExitCode {
         abort_after_ms: 0,
         followup_percent: args.followup_percent,
         stop_percent: args.stop_percent,
+        submission: if args.queued {
+            Submission::Queued
+        } else {
+            Submission::Clients
+        },
         seed: args.seed,
     };
     let max_context = args.max_prompt + args.max_tokens;
