@@ -36,7 +36,6 @@ use model::Model;
 use router_book::book;
 
 use crate::device::{self, Device, Op};
-use crate::image;
 use crate::{CpuSeq, Inner, LogitsHandle, Shape};
 
 fn invalid(what: &'static str, detail: String) -> DeviceError {
@@ -223,26 +222,10 @@ fn save(
             .export_block(block, &mut kv)
             .map_err(effect_failed)?;
     }
-    // The MTP head goes in too (its K/V and state are in the blocks and the slot).
-    let mtp = seq
-        .tenure
-        .and_then(|tenure| inner.mtp.get(&tenure))
-        .filter(|_| shape.layout.hidden_size > 0)
-        .map(|track| {
-            router_book::spec::mtp_section(track, seq.computed_len, |row| {
-                Ok::<_, std::convert::Infallible>(row.clone())
-            })
-            .unwrap_or_else(|never| match never {})
-        });
-    let bytes = image::encode(
-        &shape.layout,
-        &plan.header,
-        &plan.tokens,
-        plan.blocks.len(),
-        &kv,
-        device.states.slot(plan.slot).map_err(effect_failed)?,
-        mtp.as_ref(),
-    );
+    let state = device.states.slot(plan.slot).map_err(effect_failed)?;
+    let bytes = book::encode_image(shape, &plan, seq, &inner.mtp, &kv, state, |row| {
+        Ok(row.clone())
+    })?;
     drop(device);
     book::write_image(seq.id, &bytes, writer)?;
     Ok(EffectOutcome::Unit)
@@ -313,30 +296,9 @@ fn read_logits(
     }
     let device = device::lock(dev.device)?;
     let Some((held_rows, logits)) = device.logits_of(handle.step) else {
-        let held = device.logits_steps();
-        return Err(invalid(
-            "ReadLogits",
-            if held.is_empty() {
-                format!(
-                    "the handle names step {}, the router holds no logits",
-                    handle.step
-                )
-            } else {
-                let held: Vec<String> = held.iter().map(u64::to_string).collect();
-                format!(
-                    "the handle names step {}, the router holds the logits of step {}",
-                    handle.step,
-                    held.join(" and ")
-                )
-            },
-        ));
+        return Err(book::logits_not_held(handle.step, &device.logits_steps()));
     };
-    if rows > held_rows {
-        return Err(invalid(
-            "ReadLogits",
-            format!("{rows} rows asked, step {} has {held_rows}", handle.step),
-        ));
-    }
+    book::check_logit_rows(handle.step, rows, held_rows)?;
     let vocab = logits.len() / held_rows.max(1);
     into.clear();
     into.reserve(rows * vocab * 4);

@@ -57,7 +57,6 @@ use device_io::{
     LoraCommand, LoraError, Phase, Result, StepPlan, StepResult, Ticket,
 };
 use router_book::book::{self, BookMut};
-use router_book::image;
 use router_book::spec::MtpTrack;
 use router_book::{Caches, LogitsHandle, PendingFeed, RingEntry, RouterSeq, SlotOwner, Tenure};
 
@@ -460,30 +459,10 @@ impl CudaRouter {
         self.settle_flights(inner)?;
         let plan = book::save_plan(&shape, &inner.book(), seq)?;
         let (kv, state) = self.export(&plan.blocks, plan.slot).map_err(effect_err)?;
-        // The MTP head goes in too: its K/V and state are in the blocks and the slot, its
-        // catch-up ring's cells are read here.
-        let track = seq
-            .tenure
-            .and_then(|tenure| inner.mtp.get(&tenure))
-            .filter(|_| shape.layout.hidden_size > 0);
-        let mtp = match track {
-            Some(track) => Some(
-                router_book::spec::mtp_section(track, seq.computed_len, |&cell| {
-                    self.read_cell(cell)
-                })
-                .map_err(effect_err)?,
-            ),
-            None => None,
-        };
-        let bytes = image::encode(
-            &shape.layout,
-            &plan.header,
-            &plan.tokens,
-            plan.blocks.len(),
-            &kv,
-            &state,
-            mtp.as_ref(),
-        );
+        // The MTP head's catch-up ring cells are read here.
+        let bytes = book::encode_image(&shape, &plan, seq, &inner.mtp, &kv, &state, |&cell| {
+            self.read_cell(cell).map_err(effect_err)
+        })?;
         book::write_image(seq.id, &bytes, writer)?;
         Ok(EffectOutcome::Unit)
     }
@@ -549,29 +528,10 @@ impl CudaRouter {
         into: &mut Vec<u8>,
     ) -> Result<EffectOutcome> {
         let Some(held) = inner.logits.iter().find(|l| l.step == handle.step).copied() else {
-            let steps: Vec<String> = inner.logits.iter().map(|l| l.step.to_string()).collect();
-            return Err(invalid(
-                "ReadLogits",
-                if steps.is_empty() {
-                    format!(
-                        "the handle names step {}, the router holds no logits",
-                        handle.step
-                    )
-                } else {
-                    format!(
-                        "the handle names step {}, the router holds the logits of step {}",
-                        handle.step,
-                        steps.join(" and ")
-                    )
-                },
-            ));
+            let steps: Vec<u64> = inner.logits.iter().map(|l| l.step).collect();
+            return Err(book::logits_not_held(handle.step, &steps));
         };
-        if rows > held.rows {
-            return Err(invalid(
-                "ReadLogits",
-                format!("{rows} rows asked, step {} has {}", handle.step, held.rows),
-            ));
-        }
+        book::check_logit_rows(handle.step, rows, held.rows)?;
         let row_bytes = 4 * self.model_config().vocab_size;
         let half = (self.plan().logits_bytes / 2) as usize;
         let bytes = rows * row_bytes;

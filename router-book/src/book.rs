@@ -1,6 +1,6 @@
 //! The effects' bookkeeping, shared by every router: which slot and which blocks a sequence
 //! holds, what a release offers to the prefix cache, the reservation ledger of `ReserveKv` and
-//! `Rollback`, the snapshot ring's owners, and the checks and header of a spill image.
+//! `Rollback`, the snapshot ring's owners, and the checks, header and encoding of a spill image.
 //!
 //! A router keeps its tables in the shape [`BookMut`] borrows and calls these functions for the
 //! bookkeeping of each effect; the device work (copying state rows, exporting and importing KV
@@ -20,6 +20,7 @@ use device_io::{DeviceError, EffectOutcome, Result};
 
 use crate::image::{self, Image, ImageHeader, Layout};
 use crate::seq::{new_tenure, Reservation};
+use crate::spec::{mtp_section, MtpTrack};
 use crate::{Caches, CheckpointSlot, LoraBinding, Namespace, RouterSeq};
 
 /// The token a fed position holds until the step that produced it has finished.
@@ -448,6 +449,36 @@ pub fn save_plan(shape: &BookShape, book: &BookMut<'_>, seq: &RouterSeq) -> Resu
     })
 }
 
+/// `SaveSequenceState`, once the device data of `plan` is read (`kv`: its blocks' K/V in
+/// position order; `state`: its slot's live state): the encoded image, to go to
+/// [`write_image`]. On a model with an MTP head the head goes in too (its K/V and state are in
+/// the blocks and the slot; `read` reads one hidden state of its catch-up ring, the router's way).
+pub fn encode_image<H>(
+    shape: &BookShape,
+    plan: &SavePlan,
+    seq: &RouterSeq,
+    mtp: &BTreeMap<u64, MtpTrack<H>>,
+    kv: &[f32],
+    state: &[f32],
+    read: impl FnMut(&H) -> Result<Vec<f32>>,
+) -> Result<Vec<u8>> {
+    let section = seq
+        .tenure
+        .and_then(|tenure| mtp.get(&tenure))
+        .filter(|_| shape.layout.hidden_size > 0)
+        .map(|track| mtp_section(track, seq.computed_len, read))
+        .transpose()?;
+    Ok(image::encode(
+        &shape.layout,
+        &plan.header,
+        &plan.tokens,
+        plan.blocks.len(),
+        kv,
+        state,
+        section.as_ref(),
+    ))
+}
+
 /// Writes an encoded image to `writer`; a failed write is `Failed` in phase `Effect`.
 pub fn write_image(seq_id: u64, bytes: &[u8], writer: &mut dyn std::io::Write) -> Result<()> {
     writer
@@ -457,6 +488,33 @@ pub fn write_image(seq_id: u64, bytes: &[u8], writer: &mut dyn std::io::Write) -
             phase: device_io::Phase::Effect,
             message: format!("writing the image of sequence {seq_id}: {err}"),
         })
+}
+
+/// `ReadLogits` of a step whose logits the router does not hold (`held`: the steps whose
+/// logits it holds, in the order to name them): `Invalid`, naming them.
+pub fn logits_not_held(step: u64, held: &[u64]) -> DeviceError {
+    let detail = if held.is_empty() {
+        format!("the handle names step {step}, the router holds no logits")
+    } else {
+        let held: Vec<String> = held.iter().map(u64::to_string).collect();
+        format!(
+            "the handle names step {step}, the router holds the logits of step {}",
+            held.join(" and ")
+        )
+    };
+    invalid("ReadLogits", detail)
+}
+
+/// `ReadLogits` of `rows` rows of step `step`, of which the router holds `held_rows`: more
+/// than it holds is `Invalid`.
+pub fn check_logit_rows(step: u64, rows: usize, held_rows: usize) -> Result<()> {
+    if rows > held_rows {
+        return Err(invalid(
+            "ReadLogits",
+            format!("{rows} rows asked, step {step} has {held_rows}"),
+        ));
+    }
+    Ok(())
 }
 
 /// `RestoreSequenceState`, before anything is reserved: the sequence must hold nothing here, and
@@ -499,6 +557,31 @@ pub fn read_image(
         )));
     }
     Ok(image)
+}
+
+/// Starts a tenure of `seq` in the free live slot `slot`: the tenure is registered (with
+/// `adapter`, the sequence's adapter id), the slot is its, and the sequence computes with
+/// `lora`, the router's binding of that adapter. A prefill's first chunk and a restore seat a
+/// sequence; only a release ends its tenure.
+pub(crate) fn seat(
+    book: &mut BookMut<'_>,
+    seq: &mut RouterSeq,
+    slot: usize,
+    adapter: Option<u32>,
+    lora: Option<LoraBinding>,
+) {
+    let tenure = new_tenure();
+    book.tenures.insert(
+        tenure,
+        Tenure {
+            seq_id: seq.id,
+            adapter,
+        },
+    );
+    book.slots[slot] = Some(SlotOwner { tenure });
+    seq.tenure = Some(tenure);
+    seq.slot = Some(slot);
+    seq.lora = lora;
 }
 
 /// `RestoreSequenceState`: a free live slot and fresh blocks for `image` (`SlotsExhausted` or
@@ -549,18 +632,7 @@ pub fn restore_commit(
     lora: Option<LoraBinding>,
 ) {
     let header = image.header;
-    let tenure = new_tenure();
-    book.tenures.insert(
-        tenure,
-        Tenure {
-            seq_id: seq.id,
-            adapter: header.adapter,
-        },
-    );
-    seq.lora = lora;
-    book.slots[slot] = Some(SlotOwner { tenure });
-    seq.tenure = Some(tenure);
-    seq.slot = Some(slot);
+    seat(book, seq, slot, header.adapter, lora);
     seq.prompt_len = header.prompt_len;
     seq.computed_len = header.computed_len;
     seq.tokens = image.tokens;

@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use device_io::{DeviceError, Feed, PrefillReport, Readback, Result, Ticket};
 
-use crate::book::{self, BookMut, BookShape, PendingFeed, SlotOwner, Tenure, FED_PLACEHOLDER};
+use crate::book::{self, BookMut, BookShape, PendingFeed, Tenure, FED_PLACEHOLDER};
 use crate::{Attach, Caches, CheckpointSlot, LoraBinding, Namespace, RouterSeq};
 
 fn invalid(what: &'static str, detail: String) -> DeviceError {
@@ -418,18 +418,8 @@ pub fn prefill(
             lead: head,
         }) = new_row
         {
-            let tenure = crate::new_tenure();
-            book.tenures.insert(
-                tenure,
-                Tenure {
-                    seq_id: seq.id,
-                    adapter: seq.namespace.adapter,
-                },
-            );
-            seq.lora = lora;
-            book.slots[slot] = Some(SlotOwner { tenure });
-            seq.tenure = Some(tenure);
-            seq.slot = Some(slot);
+            let adapter = seq.namespace.adapter;
+            book::seat(book, seq, slot, adapter, lora);
             seq.computed_len = attach.len;
             seq.blocks = attach.blocks;
             seq.pin = attach.pin;

@@ -978,6 +978,18 @@ fn speculate<D: Router>(
     following
 }
 
+/// An MTP fixture (`name`'s model with its head) and its prompt cases, a CUDA router over it with
+/// 48 KV blocks and no caches, and the host router like it.
+fn mtp_routers(name: &str) -> (Model, Vec<Vec<u32>>, CudaRouter, CpuRouter) {
+    let dir = fixture_dir(name).join("mtp");
+    let model = Model::load(&dir.join("model")).unwrap();
+    assert!(model.has_mtp());
+    let cases = model::parity::prompts(&dir).unwrap();
+    let device = cuda(&model, DType::F32, false, 48);
+    let host = host_like(&model, &device, false);
+    (model, cases, device, host)
+}
+
 /// `Draft` on the CUDA router (the MTP head's catch-up over the device's rings, then greedy
 /// drafts fed on the device) gives the host router's drafts on both MTP fixtures: after the
 /// prefill (whose head part keeps the prompt's last position), and again after a verification
@@ -985,12 +997,7 @@ fn speculate<D: Router>(
 #[test]
 fn draft_matches_the_host_router_on_both_mtp_fixtures() {
     for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
-        let dir = fixture_dir(name).join("mtp");
-        let model = Model::load(&dir.join("model")).unwrap();
-        assert!(model.has_mtp());
-        let cases = model::parity::prompts(&dir).unwrap();
-        let device = cuda(&model, DType::F32, false, 48);
-        let host = host_like(&model, &device, false);
+        let (_, cases, device, host) = mtp_routers(name);
         let vocab = host.facts().vocab_size;
         let initial = device.facts();
         let pair = [&cases[2][..], &cases[4][..]];
@@ -1034,6 +1041,87 @@ fn draft_matches_the_host_router_on_both_mtp_fixtures() {
     }
 }
 
+/// A sequence whose MTP head drafted and whose verification left kept positions in the head's
+/// catch-up ring carries the head in its spill image on the CUDA router, as on the host router:
+/// the same head positions and ring positions (each ring row, the main model's hidden state,
+/// within [`F32_TOLERANCE`] of the host router's); restored from that image on the device, it
+/// drafts what the host router drafts for the same sequence never spilled.
+#[test]
+fn an_mtp_spill_image_on_the_device_carries_the_head() {
+    for name in ["nemotron-h-tiny", "nemotron-h-alt"] {
+        let (model, cases, device, host) = mtp_routers(name);
+        let plan = *device.plan();
+        let vocab = host.facts().vocab_size;
+        let initial = device.facts();
+        let mut on_device = vec![seq(1, &cases[2])];
+        let mut on_host = vec![seq(1, &cases[2])];
+        let (_, d_logits) = prefill(&device, &[CONTEXT], &mut [&mut on_device[0]]);
+        let (_, h_logits) = prefill(&host, &[CONTEXT], &mut [&mut on_host[0]]);
+        let next = argmax_rows(&h_logits, vocab);
+        assert_eq!(argmax_rows(&d_logits, vocab), next);
+        let k = 2;
+        let d_drafts = draft(&device, &next, k, &mut [&mut on_device[0]]);
+        let h_drafts = draft(&host, &next, k, &mut [&mut on_host[0]]);
+        assert_eq!(d_drafts, h_drafts, "{name}");
+        let d_next = speculate(&device, &next, &d_drafts, k, &mut on_device);
+        let next = speculate(&host, &next, &h_drafts, k, &mut on_host);
+        assert_eq!(d_next, next, "{name}");
+
+        let d_image = image_of(&device, &model, &plan, &on_device[0]);
+        let h_image = image_of(&host, &model, &plan, &on_host[0]);
+        let (Some(d_head), Some(h_head)) = (&d_image.mtp, &h_image.mtp) else {
+            panic!(
+                "{name}: MTP sections: device {:?}, host {:?}",
+                d_image.mtp.is_some(),
+                h_image.mtp.is_some()
+            );
+        };
+        assert_eq!(
+            (d_head.consumed, d_head.exact),
+            (h_head.consumed, h_head.exact),
+            "{name}"
+        );
+        let positions = |head: &router_book::image::MtpSection| -> Vec<usize> {
+            head.ring.iter().map(|&(pos, _)| pos).collect()
+        };
+        assert_eq!(positions(d_head), positions(h_head), "{name}");
+        assert!(!d_head.ring.is_empty(), "{name}: the kept positions");
+        for ((pos, d_row), (_, h_row)) in d_head.ring.iter().zip(&h_head.ring) {
+            assert_eq!(d_row.len(), model.config().hidden_size);
+            let diff = d_row
+                .iter()
+                .zip(h_row)
+                .map(|(d, h)| (d - h).abs())
+                .fold(0.0f32, f32::max);
+            assert!(diff <= F32_TOLERANCE, "{name}: ring row at {pos}: {diff:e}");
+        }
+
+        // The image restored on the device drafts as the unspilled sequence on the host does.
+        let mut image = Vec::new();
+        device
+            .apply(Effect::SaveSequenceState {
+                seq: &on_device[0],
+                writer: &mut image,
+            })
+            .unwrap();
+        release_all(&device, &mut on_device);
+        let mut restored = vec![seq(1, &cases[2])];
+        device
+            .apply(Effect::RestoreSequenceState {
+                seq: &mut restored[0],
+                reader: &mut &image[..],
+            })
+            .unwrap();
+        let d_drafts = draft(&device, &next, k, &mut [&mut restored[0]]);
+        let h_drafts = draft(&host, &next, k, &mut [&mut on_host[0]]);
+        assert_eq!(d_drafts, h_drafts, "{name}: after the restore");
+        release_all(&device, &mut restored);
+        release_all(&host, &mut on_host);
+        assert_eq!(device.facts(), initial);
+        Box::new(device).teardown().unwrap();
+    }
+}
+
 /// The K/V of every attention layer (the MTP head's last) at each position `s` has computed, then
 /// its Mamba state (main layers, then the head's), as bits, from its spill image (block layout `model::state`: per layer K then V, each
 /// `[block, kv heads, dim]`).
@@ -1047,13 +1135,13 @@ fn kv_bits<D: Router>(
     kv.into_iter().flatten().chain(state).collect()
 }
 
-/// [`kv_bits`] by position (the K/V bits at each computed position) and the Mamba state's bits.
-fn head_bits<D: Router>(
+/// The spill image of `s` on `router`, decoded.
+fn image_of<D: Router>(
     router: &D,
     model: &Model,
     plan: &device_cuda::MemoryPlan,
-    s: &mut RouterSeq,
-) -> (Vec<Vec<u32>>, Vec<u32>) {
+    s: &RouterSeq,
+) -> router_book::image::Image {
     let mut bytes = Vec::new();
     router
         .apply(Effect::SaveSequenceState {
@@ -1061,8 +1149,13 @@ fn head_bits<D: Router>(
             writer: &mut bytes,
         })
         .unwrap();
+    router_book::image::decode(&image_layout(model, plan), &bytes).unwrap()
+}
+
+/// The spill image layout of a router with `plan`.
+fn image_layout(model: &Model, plan: &device_cuda::MemoryPlan) -> router_book::image::Layout {
     let config = model.config();
-    let layout = router_book::image::Layout {
+    router_book::image::Layout {
         fingerprint: model.fingerprint(),
         block_size: plan.block_size,
         floats_per_block: (plan.kv_block_bytes / 4) as usize,
@@ -1070,8 +1163,19 @@ fn head_bits<D: Router>(
         max_context: CONTEXT,
         vocab_size: config.vocab_size,
         hidden_size: config.hidden_size,
-    };
-    let image = router_book::image::decode(&layout, &bytes).unwrap();
+    }
+}
+
+/// [`kv_bits`] by position (the K/V bits at each computed position) and the Mamba state's bits.
+fn head_bits<D: Router>(
+    router: &D,
+    model: &Model,
+    plan: &device_cuda::MemoryPlan,
+    s: &mut RouterSeq,
+) -> (Vec<Vec<u32>>, Vec<u32>) {
+    let config = model.config();
+    let layout = image_layout(model, plan);
+    let image = image_of(router, model, plan, s);
     let (block_size, width) = (
         plan.block_size,
         config.num_key_value_heads * config.head_dim,
