@@ -321,15 +321,17 @@ pub fn eviction_line(cache: &CacheStats) -> Option<String> {
 /// What the checkpoint hits made of the MTP head (`None` when the router counted none: no head,
 /// or no rerun at a hit).
 pub fn head_line(cache: &CacheStats) -> Option<String> {
-    let (exact, unvouched, unmarked) = (
+    let (exact, unvouched, unmarked, skipped) = (
         cache.head_exact_hits,
         cache.head_unvouched_hits,
         cache.head_unmarked_hits,
+        cache.head_skipped_hits,
     );
-    (exact + unvouched + unmarked > 0).then(|| {
+    (exact + unvouched + unmarked + skipped > 0).then(|| {
         format!(
             "{exact} hits left a cold run's head; not so after {unvouched} on blocks whose head \
-             K/V another path wrote and {unmarked} on unmarked checkpoints"
+             K/V another path wrote, {unmarked} on unmarked checkpoints and {skipped} without \
+             the rerun the pool had no room for"
         )
     })
 }
@@ -471,13 +473,19 @@ mod tests {
             head_exact_hits: 5,
             head_unvouched_hits: 2,
             head_unmarked_hits: 1,
+            head_skipped_hits: 3,
             ..CacheStats::default()
         };
         assert_eq!(
             head_line(&counted).unwrap(),
             "5 hits left a cold run's head; not so after 2 on blocks whose head K/V another path \
-             wrote and 1 on unmarked checkpoints"
+             wrote, 1 on unmarked checkpoints and 3 without the rerun the pool had no room for"
         );
+        let skipped_only = CacheStats {
+            head_skipped_hits: 1,
+            ..CacheStats::default()
+        };
+        assert!(head_line(&skipped_only).is_some());
         assert_eq!(head_line(&CacheStats::default()), None);
     }
 

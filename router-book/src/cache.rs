@@ -78,7 +78,7 @@ pub struct CacheStats {
     /// Checkpoint hits after which the MTP head is a cold run's: the checkpoint is marked
     /// ([`HeadMark`]) and every cached position before the rerun holds head K/V its writer
     /// computed exactly for this path ([`Caches::head_vouched`]). Counted on a router that reruns
-    /// the head at a hit (`BookShape::head_rerun`), as are the next two.
+    /// the head at a hit (`BookShape::head_rerun`), as are the next three.
     pub head_exact_hits: u64,
     /// Checkpoint hits on a marked checkpoint where a cached position before the rerun holds head
     /// K/V written for another path (its writer's next token differed) or never computed
@@ -88,10 +88,14 @@ pub struct CacheStats {
     /// its own checkpoints.
     pub head_unvouched_hits: u64,
     /// Checkpoint hits on an unmarked checkpoint (its taker's head was not exact there, its ring
-    /// lacked the positions, or a head with Mamba layers did not lag there), or on a marked one
-    /// whose rerun would copy blocks the pool cannot hold beside a sequence of `max_context`
-    /// tokens: no rerun; the head is not a cold run's.
+    /// lacked the positions, or a head with Mamba layers did not lag there): no rerun; the head
+    /// is not a cold run's.
     pub head_unmarked_hits: u64,
+    /// Checkpoint hits on a marked checkpoint whose rerun would copy blocks the pool cannot hold
+    /// beside a sequence of `max_context` tokens: served without the rerun, so that a hit never
+    /// needs more blocks than no hit; the head is not a cold run's (drafts may differ from one;
+    /// the output never does).
+    pub head_skipped_hits: u64,
 }
 
 /// What a checkpoint hit made of the MTP head (see [`CacheStats::head_exact_hits`]).
@@ -101,8 +105,11 @@ pub enum HeadHit {
     Exact,
     /// A rerun over a marked checkpoint with cached K/V not vouched for.
     Unvouched,
-    /// No rerun (the checkpoint is unmarked, or the pool cannot hold the rerun's copies).
+    /// No rerun: the checkpoint is unmarked.
     Unmarked,
+    /// No rerun: the checkpoint is marked, but the pool cannot hold the rerun's copies beside a
+    /// sequence of `max_context` tokens.
+    Skipped,
 }
 
 /// The MTP head's part of a finished sequence's offer to the prefix cache: its head consumed
@@ -215,8 +222,8 @@ pub struct Caches {
     head_blocks: Vec<Option<BlockHead>>,
     /// Tokens per block.
     block_size: usize,
-    /// Checkpoint hits by what they made of the MTP head: exact, unvouched, unmarked.
-    head_hits: [u64; 3],
+    /// Checkpoint hits by what they made of the MTP head: exact, unvouched, unmarked, skipped.
+    head_hits: [u64; 4],
 }
 
 /// What a router stored with a checkpoint for the MTP head (`router_book::spec`'s prefix-hit
@@ -398,7 +405,7 @@ impl Caches {
                 Vec::new()
             },
             block_size: config.block_size,
-            head_hits: [0; 3],
+            head_hits: [0; 4],
         })
     }
 
@@ -450,6 +457,7 @@ impl Caches {
             head_exact_hits: self.head_hits[0],
             head_unvouched_hits: self.head_hits[1],
             head_unmarked_hits: self.head_hits[2],
+            head_skipped_hits: self.head_hits[3],
             ..self.marconi_counts()
         }
     }
@@ -638,6 +646,7 @@ impl Caches {
             HeadHit::Exact => 0,
             HeadHit::Unvouched => 1,
             HeadHit::Unmarked => 2,
+            HeadHit::Skipped => 3,
         };
         self.head_hits[at] += 1;
     }

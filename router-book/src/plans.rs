@@ -208,22 +208,28 @@ struct NewRow {
     slot: usize,
     attach: Attach,
     lora: Option<LoraBinding>,
-    /// The MTP head's rerun, and the hit's blocks (by index) it rewrites.
-    lead: Option<(HeadLead, Range<usize>)>,
+    /// The MTP head's rerun, and the hit's blocks (by index) it rewrites; or how a hit without
+    /// one counts.
+    lead: Result<(HeadLead, Range<usize>), crate::HeadHit>,
 }
 
 /// The MTP head's rerun after a hit (`attach`, for a sequence of `tokens`) on a checkpoint the
-/// router marked, with the indexes of the hit's blocks holding the rerun's positions.
+/// router marked, with the indexes of the hit's blocks holding the rerun's positions; or, with
+/// no rerun, how the hit counts: `Unmarked`, or `Skipped` where the pool cannot hold the copies.
 fn head_lead(
     shape: &BookShape,
     cache: &Caches,
     attach: &Attach,
     tokens: &[u32],
-) -> Option<(HeadLead, Range<usize>)> {
-    let checkpoint = attach.checkpoint.filter(|_| shape.head_rerun)?;
-    let mark = cache.head_mark(checkpoint)?;
+) -> Result<(HeadLead, Range<usize>), crate::HeadHit> {
+    let unmarked = crate::HeadHit::Unmarked;
+    let checkpoint = attach
+        .checkpoint
+        .filter(|_| shape.head_rerun)
+        .ok_or(unmarked)?;
+    let mark = cache.head_mark(checkpoint).ok_or(unmarked)?;
     if mark.pos != attach.len || mark.from > mark.pos || mark.pos == 0 {
-        return None;
+        return Err(unmarked);
     }
     // A mark with `from == pos` reruns nothing (an empty range of blocks to copy); its head
     // consumed `pos - 1` with its own token at `pos`, which must be this sequence's.
@@ -236,19 +242,22 @@ fn head_lead(
     // The originals of the copied blocks stay held while the hit path is pinned (the
     // sequence's lifetime), so the copies cost the sequence blocks that a run from scratch
     // never needs. A hit must never need more of the pool than no hit: where a sequence of
-    // `max_context` tokens and the copies do not fit the pool together, the head takes the
-    // hit as it is served, unmarked (its drafts may differ from a cold run's; the output
-    // never does).
-    let room = shape.max_context.div_ceil(shape.block_size) + blocks.len() <= cache.num_blocks();
-    (room && blocks.end <= attach.blocks.len()).then_some((
-        HeadLead {
-            checkpoint,
-            from: mark.from,
-            own: false,
-            vouched,
-        },
-        blocks,
-    ))
+    // `max_context` tokens and the copies do not fit the pool together, the head skips the
+    // rerun and takes the hit as it is served (its drafts may differ from a cold run's; the
+    // output never does).
+    if blocks.end > attach.blocks.len() {
+        return Err(unmarked);
+    }
+    if shape.max_context.div_ceil(shape.block_size) + blocks.len() > cache.num_blocks() {
+        return Err(crate::HeadHit::Skipped);
+    }
+    let lead = HeadLead {
+        checkpoint,
+        from: mark.from,
+        own: false,
+        vouched,
+    };
+    Ok((lead, blocks))
 }
 
 /// `Prefill`: validates every row, reserves slots, cached prefixes and blocks, then commits the
@@ -433,13 +442,13 @@ pub fn prefill(
                 });
                 if shape.head_rerun {
                     book.cache.count_head_hit(match &head {
-                        Some((lead, _)) if lead.vouched >= lead.from => crate::HeadHit::Exact,
-                        Some(_) => crate::HeadHit::Unvouched,
-                        None => crate::HeadHit::Unmarked,
+                        Ok((lead, _)) if lead.vouched >= lead.from => crate::HeadHit::Exact,
+                        Ok(_) => crate::HeadHit::Unvouched,
+                        Err(hit) => *hit,
                     });
                 }
             }
-            if let Some((head, copied)) = head {
+            if let Ok((head, copied)) = head {
                 for index in copied {
                     let to = fresh.pop().expect("reserved above");
                     let from = std::mem::replace(&mut seq.blocks[index], to);

@@ -431,6 +431,7 @@ mod cpu {
             head_exact_hits: stats.head_exact_hits,
             head_unvouched_hits: stats.head_unvouched_hits,
             head_unmarked_hits: stats.head_unmarked_hits,
+            head_skipped_hits: stats.head_skipped_hits,
         })
     }
 

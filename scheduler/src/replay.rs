@@ -115,7 +115,7 @@ pub struct CacheStats {
     pub tuner_switches: Option<u64>,
     /// Checkpoint hits after which the router's MTP head is a cold run's (the head reran over
     /// positions the checkpoint marks, and every cached position before them is vouched for).
-    /// This and the next two count only on a router that reruns the head at a hit.
+    /// This and the next three count only on a router that reruns the head at a hit.
     pub head_exact_hits: u64,
     /// Checkpoint hits on a marked checkpoint whose cached head K/V are not all right for the
     /// new sequence (the Marconi tree keeps blocks another sequence wrote): its drafts may
@@ -124,6 +124,10 @@ pub struct CacheStats {
     /// Checkpoint hits on a checkpoint the head did not mark: no rerun; the head is not a cold
     /// run's.
     pub head_unmarked_hits: u64,
+    /// Checkpoint hits on a marked checkpoint whose rerun's block copies the pool could not hold
+    /// beside a longest sequence: no rerun (a hit never needs more blocks than no hit); the
+    /// head is not a cold run's.
+    pub head_skipped_hits: u64,
 }
 
 /// The replay's report (the `--json` output of the `replay` example).

@@ -801,22 +801,22 @@ fn a_prefix_hit_on_a_pool_of_one_longest_sequence_is_served() {
     // marks (with speculation off it is unmarked and the hit needs no copy).
     for (prompt_len, first_tokens) in [(17, MAX_TOKENS), (40, 30)] {
         let prompt = prompts.iter().find(|p| p.len() == prompt_len).unwrap();
-        // Exactly one longest sequence: the hit is taken without the rerun's copy.
-        check_hit_on_a_full_pool(&model, prompt, first_tokens, 8, (0, 0, 1));
+        // Exactly one longest sequence: the hit is taken without the rerun's copy (skipped).
+        check_hit_on_a_full_pool(&model, prompt, first_tokens, 8, (0, 0, 0, 1));
         // One block more: the head reruns over the copy and is a cold run's.
-        check_hit_on_a_full_pool(&model, prompt, first_tokens, 9, (1, 0, 0));
+        check_hit_on_a_full_pool(&model, prompt, first_tokens, 9, (1, 0, 0, 0));
     }
 }
 
 /// Serves `prompt` for `first_tokens`, then a follow-up that replays it and fills the context,
 /// on a pool of `num_blocks`: the follow-up gives a cold run's output, and its hit counts as
-/// `head_hit` ((exact, unvouched, unmarked) head hits).
+/// `head_hit` ((exact, unvouched, unmarked, skipped) head hits).
 fn check_hit_on_a_full_pool(
     model: &Model,
     prompt: &[u32],
     first_tokens: usize,
     num_blocks: usize,
-    head_hit: (u64, u64, u64),
+    head_hit: (u64, u64, u64, u64),
 ) {
     let pool = Setup {
         num_blocks,
@@ -882,10 +882,11 @@ fn check_hit_on_a_full_pool(
             stats.head_exact_hits,
             stats.head_unvouched_hits,
             stats.head_unmarked_hits,
+            stats.head_skipped_hits,
         );
         let want = match speculation {
             // Without drafts the head marks no output checkpoint.
-            None if first_tokens > MAX_TOKENS => (0, 0, 1),
+            None if first_tokens > MAX_TOKENS => (0, 0, 1, 0),
             _ => head_hit,
         };
         assert_eq!(counted, want, "{case}, {speculation:?}: {stats:?}");
