@@ -20,10 +20,14 @@
 //! - `golden`: the golden files of tests that follow the bless protocol. A golden test compares
 //!   its output with a checked-in file; when the environment variable `XTASK_BLESS` is `1` it
 //!   writes its output to that file instead (creating it when missing) and passes. The packages
-//!   holding such tests are found by the text `XTASK_BLESS` in their sources; the generator
-//!   runs `cargo test -p <each>` with `XTASK_BLESS=1`. Blessing writes every golden file a test
-//!   checks, even an unchanged one (so orphans are found). A test that fails for another reason
-//!   fails the generator, and in `--check` mode the tree is restored all the same.
+//!   holding such tests are found by the text `XTASK_BLESS` in their sources, and their golden
+//!   tests are the integration test targets (`<package>/tests/<name>.rs` or
+//!   `<package>/tests/<name>/main.rs`) whose source mentions `XTASK_BLESS` or `golden::`; the
+//!   generator runs `cargo test --workspace --test <each>` with `XTASK_BLESS=1`: only those
+//!   targets, built with the workspace's features so that the binaries `cargo test --workspace`
+//!   built are reused. Blessing writes every golden file a test checks, even an unchanged one
+//!   (so orphans are found). A test that fails for another reason fails the generator, and in
+//!   `--check` mode the tree is restored all the same.
 //!
 //! - `ptx`: the PTX of the CUDA kernels (see [`crate::ptx`]); needs NVRTC, which it installs from
 //!   PyPI into `.nvrtc-venv` on first use.
@@ -107,15 +111,39 @@ fn golden_packages(root: &Path) -> Result<Vec<PathBuf>, Error> {
     Ok(packages)
 }
 
-/// Runs the tests of `packages` with `XTASK_BLESS=1`.
+/// The golden test targets of `packages`: the integration test targets (`<package>/tests/<name>.rs`
+/// or `<package>/tests/<name>/main.rs`) whose source mentions [`BLESS_VAR`] or `golden::`, by
+/// name, sorted and without repeats.
+fn golden_targets(files: &[tidy::SourceFile], packages: &[PathBuf]) -> Vec<String> {
+    let mut targets: Vec<String> = files
+        .iter()
+        .filter(|f| f.text.contains(BLESS_VAR) || f.text.contains("golden::"))
+        .filter_map(|f| {
+            let parts: Vec<&str> = f.path.split('/').collect();
+            let in_package = packages.iter().any(|p| Path::new(parts[0]) == p);
+            match parts[..] {
+                [_, "tests", file] if in_package => file.strip_suffix(".rs"),
+                [_, "tests", dir, "main.rs"] if in_package => Some(dir),
+                _ => None,
+            }
+        })
+        .map(str::to_owned)
+        .collect();
+    targets.sort();
+    targets.dedup();
+    targets
+}
+
+/// Runs the golden test targets of `packages` with `XTASK_BLESS=1`.
 fn bless_golden(root: &Path, packages: &[PathBuf]) -> Result<(), Error> {
-    if packages.is_empty() {
+    let targets = golden_targets(&tidy::source_files(root)?, packages);
+    if targets.is_empty() {
         return Ok(());
     }
-    let mut command = cmd::cargo(&["test"]);
+    let mut command = cmd::cargo(&["test", "--workspace"]);
     command.current_dir(root).env(BLESS_VAR, "1");
-    for package in packages {
-        command.arg("-p").arg(package);
+    for target in &targets {
+        command.arg("--test").arg(target);
     }
     eprintln!("$ {}", cmd::display(&command));
     cmd::run(&mut command)
@@ -330,6 +358,36 @@ mod tests {
             .iter()
             .map(|(p, c)| ((*p).to_owned(), c.as_bytes().to_vec()))
             .collect()
+    }
+
+    #[test]
+    fn golden_targets_are_the_integration_tests_that_check_golden_files() {
+        let file = |path: &str, text: &str| tidy::SourceFile {
+            path: path.to_owned(),
+            text: text.to_owned(),
+        };
+        let files = [
+            // The helper itself lives in the library: not a test target.
+            file("tests/src/lib.rs", "std::env::var(\"XTASK_BLESS\")"),
+            file(
+                "tests/tests/engine_golden.rs",
+                "tests::golden::check(\"a\", &t);",
+            ),
+            file("tests/tests/soak.rs", "fn soak() {}"),
+            file("tests/tests/multi/main.rs", "golden::check(\"b\", &t);"),
+            file("tests/tests/multi/helper.rs", "golden::check(\"c\", &t);"),
+            file(
+                "tests/tests/direct.rs",
+                "if var(\"XTASK_BLESS\").is_ok() {}",
+            ),
+            // A package not among the golden packages.
+            file("kv-cache/tests/other.rs", "golden::check(\"d\", &t);"),
+        ];
+        assert_eq!(
+            golden_targets(&files, &[PathBuf::from("tests")]),
+            vec!["direct", "engine_golden", "multi"]
+        );
+        assert!(golden_targets(&files, &[]).is_empty());
     }
 
     #[test]
