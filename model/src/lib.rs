@@ -86,7 +86,8 @@ pub use lora::{AdapterProblem, LoraAdapter, LoraSpec, ADAPTER_CONFIG_FILE, ADAPT
 pub use state::{KvPool, MambaLayout, MambaStates};
 
 use forward::{LoraRows, Rows, MAX_ROWS};
-use weights::{MapSource, RandomSource, SafetensorsSource, Weights};
+pub use weights::TensorVisitor;
+use weights::{save_safetensors, write_error, MapSource, RandomSource, SafetensorsSource, Weights};
 
 /// A chunk of one sequence's prompt: `tokens` at positions `start_pos..start_pos + tokens.len()`.
 #[derive(Debug, Clone, Copy)]
@@ -143,10 +144,6 @@ pub enum RunOutputs {
     /// Each run's last position, one row per run.
     Last,
 }
-
-/// What [`Model::visit_tensors`] calls with each weight tensor: its checkpoint name, shape and
-/// f32 values.
-pub type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
 
 /// Changes (checkpoint name, shape, values) in place for [`Model::map_tensors`].
 pub type TensorMap<'f> = dyn FnMut(&str, &[usize], &mut [f32]) + 'f;
@@ -212,35 +209,13 @@ impl Model {
     /// Writes `dir/config.json` and `dir/model.safetensors` (f32, checkpoint names), so that
     /// [`Model::load`] gives back the same model.
     pub fn save(&self, dir: &Path) -> Result<(), ModelError> {
-        let write_err = |path: &Path, reason: String| ModelError::Write {
-            path: path.to_owned(),
-            reason,
-        };
-        std::fs::create_dir_all(dir).map_err(|e| write_err(dir, e.to_string()))?;
+        std::fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
         let config_path = dir.join("config.json");
         std::fs::write(&config_path, self.config.to_hf_json())
-            .map_err(|e| write_err(&config_path, e.to_string()))?;
-        let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        self.weights
-            .visit_tensors(&self.config, &mut |name, shape, data| {
-                bytes.push((
-                    name.to_string(),
-                    shape.to_vec(),
-                    bytemuck::cast_slice::<f32, u8>(data).to_vec(),
-                ));
-            });
-        let views = bytes
-            .iter()
-            .map(|(name, shape, data)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                    .map(|view| (name.clone(), view))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| write_err(dir, e.to_string()))?;
-        let path = dir.join("model.safetensors");
-        let file =
-            safetensors::serialize(views, None).map_err(|e| write_err(dir, e.to_string()))?;
-        std::fs::write(&path, file).map_err(|e| write_err(&path, e.to_string()))
+            .map_err(|e| write_error(&config_path, e))?;
+        save_safetensors(dir, "model.safetensors", |visit| {
+            self.weights.visit_tensors(&self.config, visit)
+        })
     }
 
     /// The same model (same config) with every weight tensor passed through `map`, which gets its

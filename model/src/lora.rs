@@ -45,7 +45,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
-use crate::weights::{Linear, SafetensorsSource, TensorSource, TensorVisitor};
+use crate::weights::{
+    save_safetensors, write_error, Linear, SafetensorsSource, TensorSource, TensorVisitor,
+};
 use crate::{Config, LayerKind, Model, ModelError};
 
 /// The file PEFT writes the adapter's settings to.
@@ -967,11 +969,7 @@ impl LoraAdapter {
     /// `adapter_model.safetensors` with transformers' module names), so that
     /// [`LoraAdapter::load`] gives it back and PEFT can load it onto the same base model.
     pub fn save(&self, dir: &Path, config: &Config) -> Result<(), ModelError> {
-        let write_err = |path: &Path, reason: String| ModelError::Write {
-            path: path.to_owned(),
-            reason,
-        };
-        std::fs::create_dir_all(dir).map_err(|e| write_err(dir, e.to_string()))?;
+        std::fs::create_dir_all(dir).map_err(|e| write_error(dir, e))?;
         let settings = serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -986,29 +984,12 @@ impl LoraAdapter {
             "use_dora": false,
         });
         let config_path = dir.join(ADAPTER_CONFIG_FILE);
-        let text = serde_json::to_string_pretty(&settings)
-            .map_err(|e| write_err(&config_path, e.to_string()))?;
-        std::fs::write(&config_path, text).map_err(|e| write_err(&config_path, e.to_string()))?;
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        self.visit_tensors(config, &mut |name, shape, data| {
-            tensors.push((
-                name.to_string(),
-                shape.to_vec(),
-                bytemuck::cast_slice::<f32, u8>(data).to_vec(),
-            ));
-        });
-        let views = tensors
-            .iter()
-            .map(|(name, shape, data)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                    .map(|view| (name.clone(), view))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| write_err(dir, e.to_string()))?;
-        let path = dir.join(ADAPTER_WEIGHTS_FILE);
-        let file =
-            safetensors::serialize(views, None).map_err(|e| write_err(dir, e.to_string()))?;
-        std::fs::write(&path, file).map_err(|e| write_err(&path, e.to_string()))
+        let text =
+            serde_json::to_string_pretty(&settings).map_err(|e| write_error(&config_path, e))?;
+        std::fs::write(&config_path, text).map_err(|e| write_error(&config_path, e))?;
+        save_safetensors(dir, ADAPTER_WEIGHTS_FILE, |visit| {
+            self.visit_tensors(config, visit)
+        })
     }
 
     /// Calls `f` with every tensor's PEFT name, shape and values, in layer and module order.

@@ -120,8 +120,46 @@ pub(crate) struct Weights {
     pub mtp: Option<MtpWeights>,
 }
 
-/// Receives (checkpoint name, shape, values) from [`Weights::visit_tensors`].
-pub(crate) type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
+/// What [`Model::visit_tensors`](crate::Model::visit_tensors) (and the weights' and an
+/// adapter's own `visit_tensors`) calls with each weight tensor: its checkpoint name, shape and
+/// f32 values.
+pub type TensorVisitor<'f> = dyn FnMut(&str, &[usize], &[f32]) + 'f;
+
+/// A failed write of `path`.
+pub(crate) fn write_error(path: &Path, reason: impl std::fmt::Display) -> ModelError {
+    ModelError::Write {
+        path: path.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Writes the tensors `visit` passes on (name, shape, f32 values) to the safetensors file
+/// `dir/file`, as f32, under those names. `dir` must exist.
+pub(crate) fn save_safetensors(
+    dir: &Path,
+    file: &str,
+    visit: impl FnOnce(&mut TensorVisitor<'_>),
+) -> Result<(), ModelError> {
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    visit(&mut |name, shape, data| {
+        tensors.push((
+            name.to_string(),
+            shape.to_vec(),
+            bytemuck::cast_slice::<f32, u8>(data).to_vec(),
+        ));
+    });
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                .map(|view| (name.clone(), view))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| write_error(dir, e))?;
+    let path = dir.join(file);
+    let bytes = safetensors::serialize(views, None).map_err(|e| write_error(dir, e))?;
+    std::fs::write(&path, bytes).map_err(|e| write_error(&path, e))
+}
 
 /// Where [`Weights::build`] gets each tensor from.
 pub(crate) trait TensorSource {
