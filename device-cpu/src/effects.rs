@@ -314,45 +314,17 @@ fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Resu
     if !shape.mtp {
         return Ok(EffectOutcome::Unit);
     }
-    let Some(ticket) = inner.settled else {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            "no step has settled yet".to_string(),
-        ));
+    let step_hidden = &inner.step_hidden;
+    let kept = |ticket| {
+        step_hidden
+            .iter()
+            .find(|h| h.ticket == ticket)
+            .map(|h| (&h.rows[..], h))
     };
-    let Some(step) = inner.step_hidden.iter().find(|h| h.ticket == ticket) else {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            format!("step {ticket} kept no hidden states (a prefill keeps its own)"),
-        ));
-    };
-    let Some(&(tenure, start, len, offset)) = step.rows.get(row) else {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            format!(
-                "row {row} is outside step {ticket}'s {} rows",
-                step.rows.len()
-            ),
-        ));
-    };
-    if pos < start || pos >= start + len {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            format!(
-                "row {row} of step {ticket} computed positions {start}..{}, not {pos}",
-                start + len
-            ),
-        ));
-    }
+    let (step, tenure, hidden_row) =
+        router_book::spec::catchup_source(&inner.tenures, inner.settled, kept, row, pos)?;
     let d = step.width;
-    let at = (offset + pos - start) * d;
-    let data = step.data[at..at + d].to_vec();
-    if !inner.tenures.contains_key(&tenure) {
-        return Err(invalid(
-            "SaveHiddenCatchup",
-            format!("row {row}'s sequence was released"),
-        ));
-    }
+    let data = step.data[hidden_row * d..(hidden_row + 1) * d].to_vec();
     // A full ring forgets its oldest position: the head skips it at its next catch-up.
     inner.mtp.entry(tenure).or_default().keep(pos, data);
     Ok(EffectOutcome::Unit)

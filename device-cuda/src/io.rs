@@ -564,42 +564,19 @@ impl CudaRouter {
     /// messages. With every cell taken (more live tenures than slots hold rings) the position is
     /// not kept: the head skips it, as a full ring's oldest.
     fn save_hidden(&self, inner: &mut Inner, row: usize, pos: usize) -> Result<EffectOutcome> {
-        const WHAT: &str = "SaveHiddenCatchup";
         let layout = *self.mtp_layout();
         if layout.total == 0 {
             return Ok(EffectOutcome::Unit);
         }
-        let Some(ticket) = inner.settled else {
-            return Err(invalid(WHAT, "no step has settled yet".to_string()));
+        let step_hidden = &inner.step_hidden;
+        let kept = |ticket| {
+            step_hidden
+                .iter()
+                .find(|h| h.ticket == ticket)
+                .map(|h| (&h.rows[..], h.half))
         };
-        let Some(step) = inner.step_hidden.iter().find(|h| h.ticket == ticket) else {
-            return Err(invalid(
-                WHAT,
-                format!("step {ticket} kept no hidden states (a prefill keeps its own)"),
-            ));
-        };
-        let Some(&(tenure, start, len, offset)) = step.rows.get(row) else {
-            return Err(invalid(
-                WHAT,
-                format!(
-                    "row {row} is outside step {ticket}'s {} rows",
-                    step.rows.len()
-                ),
-            ));
-        };
-        if pos < start || pos >= start + len {
-            return Err(invalid(
-                WHAT,
-                format!(
-                    "row {row} of step {ticket} computed positions {start}..{}, not {pos}",
-                    start + len
-                ),
-            ));
-        }
-        if !inner.tenures.contains_key(&tenure) {
-            return Err(invalid(WHAT, format!("row {row}'s sequence was released")));
-        }
-        let half = step.half;
+        let (half, tenure, hidden_row) =
+            router_book::spec::catchup_source(&inner.tenures, inner.settled, kept, row, pos)?;
         let track = inner.mtp.entry(tenure).or_default();
         if pos < track.consumed || track.ring.contains_key(&pos) {
             return Ok(EffectOutcome::Unit);
@@ -613,7 +590,6 @@ impl CudaRouter {
             return Ok(EffectOutcome::Unit);
         };
         let row_bytes = layout.row as usize;
-        let hidden_row = offset + pos - start;
         let copied = (|| -> std::result::Result<(), CudaError> {
             let src = self.mtp_region(
                 layout.step_hidden as usize + half * layout.half as usize + hidden_row * row_bytes,

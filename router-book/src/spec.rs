@@ -26,7 +26,7 @@ use std::ops::Range;
 
 use device_io::{DeviceError, Readback, Result};
 
-use crate::book::{BookMut, BookShape, RingEntry};
+use crate::book::{BookMut, BookShape, RingEntry, Tenure};
 use crate::plans::{check_row, readback_masks, reserve_blocks, StepBook};
 use crate::{Reservation, RouterSeq};
 
@@ -272,6 +272,48 @@ impl<H> MtpTrack<H> {
         }
         self.consumed = to.max(from);
     }
+}
+
+/// `SaveHiddenCatchup { row, pos }`'s checks, the same on every router. `settled` is the latest
+/// step settled; `kept` gives the rows whose hidden states a step kept (per row: tenure, first
+/// position, positions, first hidden row), with whatever else the router needs of that step, or
+/// `None` when it kept none (a prefill keeps its own). Answers that step's extra, the row's
+/// tenure (still held) and the hidden row that holds `pos`; refusals are `Invalid`.
+pub fn catchup_source<'k, S>(
+    tenures: &std::collections::BTreeMap<u64, Tenure>,
+    settled: Option<u64>,
+    kept: impl FnOnce(u64) -> Option<(&'k [(u64, usize, usize, usize)], S)>,
+    row: usize,
+    pos: usize,
+) -> Result<(S, u64, usize)> {
+    let invalid = |detail: String| DeviceError::Invalid {
+        what: "SaveHiddenCatchup",
+        detail,
+    };
+    let Some(ticket) = settled else {
+        return Err(invalid("no step has settled yet".to_string()));
+    };
+    let Some((rows, step)) = kept(ticket) else {
+        return Err(invalid(format!(
+            "step {ticket} kept no hidden states (a prefill keeps its own)"
+        )));
+    };
+    let Some(&(tenure, start, len, first_hidden)) = rows.get(row) else {
+        return Err(invalid(format!(
+            "row {row} is outside step {ticket}'s {} rows",
+            rows.len()
+        )));
+    };
+    if pos < start || pos >= start + len {
+        return Err(invalid(format!(
+            "row {row} of step {ticket} computed positions {start}..{}, not {pos}",
+            start + len
+        )));
+    }
+    if !tenures.contains_key(&tenure) {
+        return Err(invalid(format!("row {row}'s sequence was released")));
+    }
+    Ok((step, tenure, first_hidden + pos - start))
 }
 
 /// The MTP section of a spill image for `track`, of a sequence of `computed` positions: the
@@ -678,4 +720,68 @@ pub fn draft<H>(
     }
     plan.lent = lent;
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `catchup_source`'s answer, or its refusal's detail.
+    fn catchup(
+        settled: Option<u64>,
+        row: usize,
+        pos: usize,
+    ) -> std::result::Result<(u64, usize), String> {
+        let mut tenures = std::collections::BTreeMap::new();
+        tenures.insert(
+            11,
+            Tenure {
+                seq_id: 1,
+                adapter: None,
+            },
+        );
+        // Step 5 kept two rows: tenure 11 at positions 7..10 (hidden rows 0..3) and the
+        // released tenure 12 at position 4 (hidden row 3); step 4 kept none.
+        let rows = [(11, 7, 3, 0), (12, 4, 1, 3)];
+        let kept = |ticket| (ticket == 5).then_some((&rows[..], ticket));
+        match catchup_source(&tenures, settled, kept, row, pos) {
+            Ok((step, tenure, hidden)) => {
+                assert_eq!(step, 5);
+                Ok((tenure, hidden))
+            }
+            Err(DeviceError::Invalid {
+                what: "SaveHiddenCatchup",
+                detail,
+            }) => Err(detail),
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_catchup_source_is_a_kept_position_of_a_held_sequence() {
+        assert_eq!(catchup(Some(5), 0, 7), Ok((11, 0)));
+        assert_eq!(catchup(Some(5), 0, 9), Ok((11, 2)));
+        let refused = |detail: &str| Err(detail.to_string());
+        assert_eq!(catchup(None, 0, 7), refused("no step has settled yet"));
+        assert_eq!(
+            catchup(Some(4), 0, 7),
+            refused("step 4 kept no hidden states (a prefill keeps its own)")
+        );
+        assert_eq!(
+            catchup(Some(5), 2, 7),
+            refused("row 2 is outside step 5's 2 rows")
+        );
+        assert_eq!(
+            catchup(Some(5), 0, 6),
+            refused("row 0 of step 5 computed positions 7..10, not 6")
+        );
+        assert_eq!(
+            catchup(Some(5), 0, 10),
+            refused("row 0 of step 5 computed positions 7..10, not 10")
+        );
+        assert_eq!(
+            catchup(Some(5), 1, 4),
+            refused("row 1's sequence was released")
+        );
+    }
 }

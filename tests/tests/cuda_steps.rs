@@ -20,7 +20,8 @@ use std::sync::Arc;
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
 use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
 use device_io::{
-    DeviceIo, Effect, Feed, PrefillReport, Readback, SeqSpec, Sequence, StepPlan, StepResult,
+    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, PrefillReport, Readback, SeqSpec, Sequence,
+    StepPlan, StepResult,
 };
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
@@ -1120,6 +1121,77 @@ fn an_mtp_spill_image_on_the_device_carries_the_head() {
         assert_eq!(device.facts(), initial);
         Box::new(device).teardown().unwrap();
     }
+}
+
+/// `SaveHiddenCatchup`'s answers over one script: before any step settled, after a prefill
+/// (which keeps its own hidden states), after a decode step (a row outside it, positions it did
+/// not compute, the one it did), and after the row's release; with the two steps' tickets.
+fn catchup_script<D: Router>(
+    router: &D,
+    prompt: &[u32],
+) -> (Vec<device_io::Result<EffectOutcome>>, u64, u64) {
+    let save = |row, pos| router.apply(Effect::SaveHiddenCatchup { row, pos });
+    let mut s = seq(1, prompt);
+    let mut answers = vec![save(0, 0)];
+    let plan = StepPlan::Prefill {
+        budgets: &[CONTEXT],
+        readback: Readback::Argmax,
+    };
+    let prefill = router.launch(plan, &mut [&mut s]).unwrap();
+    let token = router.await_result(prefill).unwrap().rows[0].token.unwrap();
+    answers.push(save(0, 0));
+    let n = prompt.len();
+    let plan = StepPlan::Decode {
+        tokens: &[token],
+        readback: Readback::Argmax,
+    };
+    let decode = router.launch(plan, &mut [&mut s]).unwrap();
+    router.await_result(decode).unwrap();
+    answers.extend([save(1, n), save(0, n - 1), save(0, n + 1), save(0, n)]);
+    release(router, &mut s, false);
+    answers.push(save(0, n));
+    (answers, prefill.0, decode.0)
+}
+
+/// `SaveHiddenCatchup` answers alike on the CUDA router and the host router (one rule,
+/// `router_book::spec::catchup_source`), each refusal an `Invalid` naming the problem.
+#[test]
+fn save_hidden_catchup_answers_alike_on_both_routers() {
+    let (_, cases, device, host) = mtp_routers("nemotron-h-tiny");
+    let prompt = &cases[2];
+    let n = prompt.len();
+    for (name, (answers, prefill, decode)) in [
+        ("host", catchup_script(&host, prompt)),
+        ("device", catchup_script(&device, prompt)),
+    ] {
+        let refused = |detail: String| {
+            Err(DeviceError::Invalid {
+                what: "SaveHiddenCatchup",
+                detail,
+            })
+        };
+        let expected = vec![
+            refused("no step has settled yet".to_string()),
+            refused(format!(
+                "step {prefill} kept no hidden states (a prefill keeps its own)"
+            )),
+            refused(format!("row 1 is outside step {decode}'s 1 rows")),
+            refused(format!(
+                "row 0 of step {decode} computed positions {n}..{}, not {}",
+                n + 1,
+                n - 1
+            )),
+            refused(format!(
+                "row 0 of step {decode} computed positions {n}..{}, not {}",
+                n + 1,
+                n + 1
+            )),
+            Ok(EffectOutcome::Unit),
+            refused("row 0's sequence was released".to_string()),
+        ];
+        assert_eq!(answers, expected, "{name}");
+    }
+    Box::new(device).teardown().unwrap();
 }
 
 /// The K/V of every attention layer (the MTP head's last) at each position `s` has computed, then
