@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use device_cuda::{
     CudaRuntime, DType, DeviceBuffer, DeviceModel, DeviceSlice, DeviceState, ForwardLimits,
-    Runtime, SimRuntime, StepArgs, StepOutput, StepRun, Stream, WeightImage, Workspace,
+    HiddenRows, Runtime, SimRuntime, StepArgs, StepOutput, StepRun, Stream, WeightImage, Workspace,
 };
 use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
@@ -322,7 +322,7 @@ fn mtp_parity(rt: &dyn Runtime, name: &str) -> (f32, bool) {
         let args = device.args(&runs, tokens.all(), out);
         device
             .model
-            .forward_hidden(rt, &args, main_hidden.all())
+            .forward_hidden(rt, &args, HiddenRows::Logit, main_hidden.all())
             .expect("device main");
         rt.upload(tokens.all(), bytemuck::cast_slice(&next), S)
             .expect("upload");

@@ -903,6 +903,18 @@ impl Staging {
     }
 }
 
+/// Whose final-normed hidden states [`DeviceModel::forward_hidden`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HiddenRows {
+    /// Each of `step.out.logit_rows`' (`logit_rows.len() * hidden_size` f32), as
+    /// `model::Model::forward_runs` gives them.
+    Logit,
+    /// Every row's of the step (`rows * hidden_size` f32): the MTP head's input over a prefill
+    /// chunk. (The norm is the residual-norm kernel's over all rows: equal to the logit rows'
+    /// selected norm only to rounding.)
+    All,
+}
+
 /// Which stack a step runs, and its hidden streams.
 #[derive(Debug, Clone, Copy)]
 enum Entry {
@@ -1461,13 +1473,13 @@ impl DeviceModel {
         )
     }
 
-    /// [`DeviceModel::forward`], also writing the final-normed hidden state of each of
-    /// `step.out.logit_rows` to `hidden_out` (`logit_rows.len() * hidden_size` f32): the MTP
-    /// head's input ([`DeviceModel::mtp`]), as `model::Model::forward_runs` gives it.
+    /// [`DeviceModel::forward`], also writing the final-normed hidden states of `rows` to
+    /// `hidden_out`: the MTP head's input ([`DeviceModel::mtp`]).
     pub fn forward_hidden(
         &self,
         rt: &dyn Runtime,
         step: &StepArgs<'_>,
+        rows: HiddenRows,
         hidden_out: DeviceSlice,
     ) -> Result<()> {
         self.run(
@@ -1475,27 +1487,7 @@ impl DeviceModel {
             step,
             Entry::Main {
                 hidden_out: Some(hidden_out),
-                all_rows: false,
-            },
-        )
-    }
-
-    /// [`DeviceModel::forward`], also writing the final-normed hidden state of every row of the
-    /// step to `hidden_out` (`rows * hidden_size` f32): the MTP head's input over a prefill
-    /// chunk. (The norm is the residual-norm kernel's over all rows: equal to the logit rows'
-    /// selected norm only to rounding.)
-    pub fn forward_all_hidden(
-        &self,
-        rt: &dyn Runtime,
-        step: &StepArgs<'_>,
-        hidden_out: DeviceSlice,
-    ) -> Result<()> {
-        self.run(
-            rt,
-            step,
-            Entry::Main {
-                hidden_out: Some(hidden_out),
-                all_rows: true,
+                all_rows: matches!(rows, HiddenRows::All),
             },
         )
     }

@@ -34,8 +34,8 @@ mod step;
 
 pub use error::{CudaError, Result};
 pub use forward::{
-    bf16_shadow, DeviceModel, DeviceState, ForwardLimits, ForwardMode, StepArgs, StepOutput,
-    StepRun, WeightImage, Workspace, DEFAULT_SPLIT_KEYS,
+    bf16_shadow, DeviceModel, DeviceState, ForwardLimits, ForwardMode, HiddenRows, StepArgs,
+    StepOutput, StepRun, WeightImage, Workspace, DEFAULT_SPLIT_KEYS,
 };
 pub use memory::{
     forward_limits, widest_activation, CudaRouterConfig, IoLayout, MemoryPlan, MtpLayout,

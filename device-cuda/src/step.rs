@@ -70,7 +70,7 @@ use router_book::spec::{DraftPlan, MtpTrack, VerifyPlan};
 use router_book::{Caches, LogitsHandle, RouterSeq};
 
 use crate::error::CudaError;
-use crate::forward::{DeviceState, StepArgs, StepOutput, StepRun};
+use crate::forward::{DeviceState, HiddenRows, StepArgs, StepOutput, StepRun};
 use crate::io::{device_error, Inner, LogitsHeld, StepHidden};
 use crate::kernels;
 use crate::router::CudaRouter;
@@ -972,11 +972,11 @@ impl CudaRouter {
                                 + half * mtp.half as usize
                                 + first_token_row * row;
                             let kept = self.mtp_region(at, call_rows.len() * row)?;
-                            model.forward_hidden(rt, &args, kept)?;
+                            model.forward_hidden(rt, &args, HiddenRows::Logit, kept)?;
                         }
                         Hidden::Prefill(pieces) => {
                             let staging = self.mtp_region(mtp.staging as usize, m * row)?;
-                            model.forward_all_hidden(rt, &args, staging)?;
+                            model.forward_hidden(rt, &args, HiddenRows::All, staging)?;
                             self.prefill_head(half, &state, &step_runs, pieces, staging)?;
                         }
                     }

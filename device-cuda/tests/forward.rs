@@ -10,7 +10,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{DeviceForward, Shape, S};
-use device_cuda::{DType, DeviceBuffer, ForwardLimits, Runtime, SimRuntime, StepOutput, StepRun};
+use device_cuda::{
+    DType, DeviceBuffer, ForwardLimits, HiddenRows, Runtime, SimRuntime, StepOutput, StepRun,
+};
 use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
 
 const F32_TOLERANCE: f32 = 1e-4;
@@ -635,7 +637,7 @@ impl MtpDevice {
             None => self
                 .dev
                 .device
-                .forward_hidden(rt, &args, hidden_out.all())
+                .forward_hidden(rt, &args, HiddenRows::Logit, hidden_out.all())
                 .unwrap(),
             Some(h) => {
                 let hidden_buf = rt.alloc(h.len() * 4).unwrap();
@@ -649,13 +651,24 @@ impl MtpDevice {
                 rt.free(hidden_buf).unwrap();
             }
         }
+        self.finish(token_buf, logits, hidden_out)
+    }
+
+    /// A step's logits and hidden outputs, read once the step is done; then frees its buffers.
+    fn finish(
+        &self,
+        tokens: DeviceBuffer,
+        logits: DeviceBuffer,
+        hidden_out: DeviceBuffer,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let rt = &self.dev.rt;
         let read = |buffer: &DeviceBuffer| {
             let mut bytes = vec![0u8; buffer.bytes()];
             rt.download(&mut bytes, buffer.all(), S).unwrap();
             bytemuck::cast_slice::<u8, f32>(&bytes).to_vec()
         };
         let answer = (read(&logits), read(&hidden_out));
-        for buffer in [token_buf, logits, hidden_out] {
+        for buffer in [tokens, logits, hidden_out] {
             rt.free(buffer).unwrap();
         }
         answer
@@ -691,6 +704,50 @@ impl MtpDevice {
         }
         (rows, ids)
     }
+}
+
+/// `forward_hidden` writes the hidden states of the rows it names: with [`HiddenRows::Logit`]
+/// the step's logit rows' only (here a 9-row chunk's last row), with [`HiddenRows::All`] every
+/// row's. The logits are the same bits either way; the last row's hidden state agrees within
+/// [`F32_TOLERANCE`] (the two norms differ only in rounding).
+#[test]
+fn forward_hidden_writes_the_rows_it_names() {
+    let model = Model::load(&fixture("nemotron-h-tiny").join("mtp").join("model")).unwrap();
+    let (d, vocab) = (model.config().hidden_size, model.config().vocab_size);
+    let tokens: Vec<u32> = (1..=9).collect();
+    let run = |rows: HiddenRows, hidden_rows: usize| -> (Vec<f32>, Vec<f32>) {
+        let device = MtpDevice::new(&model);
+        let rt = &device.dev.rt;
+        let token_buf = rt.alloc(tokens.len() * 4).unwrap();
+        rt.upload(token_buf.all(), bytemuck::cast_slice(&tokens), S)
+            .unwrap();
+        let logits = rt.alloc(vocab * 4).unwrap();
+        let hidden_out = rt.alloc(hidden_rows * d * 4).unwrap();
+        let runs = [StepRun {
+            start_pos: 0,
+            len: tokens.len(),
+            slot: 0,
+            blocks: &device.blocks,
+            snapshots: &[],
+        }];
+        let out = StepOutput {
+            logit_rows: &[8],
+            logits: logits.all(),
+        };
+        let args = device.dev.args(&runs, &token_buf, out);
+        device
+            .dev
+            .device
+            .forward_hidden(rt, &args, rows, hidden_out.all())
+            .unwrap();
+        device.finish(token_buf, logits, hidden_out)
+    };
+    let (logits, last) = run(HiddenRows::Logit, 1);
+    let (all_logits, all) = run(HiddenRows::All, tokens.len());
+    let bits = |values: &[f32]| values.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&logits), bits(&all_logits));
+    let diff = max_abs_diff(&last, &all[8 * d..]);
+    assert!(diff <= F32_TOLERANCE, "{diff:e}");
 }
 
 fn max_abs_diff(ours: &[f32], theirs: &[f32]) -> f32 {
