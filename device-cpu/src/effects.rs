@@ -314,13 +314,7 @@ fn save_hidden(shape: &Shape, inner: &mut Inner, row: usize, pos: usize) -> Resu
     if !shape.mtp {
         return Ok(EffectOutcome::Unit);
     }
-    let step_hidden = &inner.step_hidden;
-    let kept = |ticket| {
-        step_hidden
-            .iter()
-            .find(|h| h.ticket == ticket)
-            .map(|h| (&h.rows[..], h))
-    };
+    let kept = inner.step_hidden.iter().map(|h| (h.ticket, &h.rows[..], h));
     let (step, tenure, hidden_row) =
         router_book::spec::catchup_source(&inner.tenures, inner.settled, kept, row, pos)?;
     let d = step.width;

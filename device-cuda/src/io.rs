@@ -568,13 +568,10 @@ impl CudaRouter {
         if layout.total == 0 {
             return Ok(EffectOutcome::Unit);
         }
-        let step_hidden = &inner.step_hidden;
-        let kept = |ticket| {
-            step_hidden
-                .iter()
-                .find(|h| h.ticket == ticket)
-                .map(|h| (&h.rows[..], h.half))
-        };
+        let kept = inner
+            .step_hidden
+            .iter()
+            .map(|h| (h.ticket, &h.rows[..], h.half));
         let (half, tenure, hidden_row) =
             router_book::spec::catchup_source(&inner.tenures, inner.settled, kept, row, pos)?;
         let track = inner.mtp.entry(tenure).or_default();

@@ -275,14 +275,14 @@ impl<H> MtpTrack<H> {
 }
 
 /// `SaveHiddenCatchup { row, pos }`'s checks, the same on every router. `settled` is the latest
-/// step settled; `kept` gives the rows whose hidden states a step kept (per row: tenure, first
-/// position, positions, first hidden row), with whatever else the router needs of that step, or
-/// `None` when it kept none (a prefill keeps its own). Answers that step's extra, the row's
-/// tenure (still held) and the hidden row that holds `pos`; refusals are `Invalid`.
+/// step settled; `kept` lists the steps whose hidden states the router kept (a prefill keeps
+/// its own): each step's ticket, its rows (per row: tenure, first position, positions, first
+/// hidden row) and whatever else the router needs of it. Answers the settled step's extra, the
+/// row's tenure (still held) and the hidden row that holds `pos`; refusals are `Invalid`.
 pub fn catchup_source<'k, S>(
     tenures: &std::collections::BTreeMap<u64, Tenure>,
     settled: Option<u64>,
-    kept: impl FnOnce(u64) -> Option<(&'k [(u64, usize, usize, usize)], S)>,
+    kept: impl IntoIterator<Item = (u64, &'k [(u64, usize, usize, usize)], S)>,
     row: usize,
     pos: usize,
 ) -> Result<(S, u64, usize)> {
@@ -293,7 +293,8 @@ pub fn catchup_source<'k, S>(
     let Some(ticket) = settled else {
         return Err(invalid("no step has settled yet".to_string()));
     };
-    let Some((rows, step)) = kept(ticket) else {
+    let found = kept.into_iter().find(|&(step, _, _)| step == ticket);
+    let Some((_, rows, step)) = found else {
         return Err(invalid(format!(
             "step {ticket} kept no hidden states (a prefill keeps its own)"
         )));
@@ -726,12 +727,12 @@ pub fn draft<H>(
 mod tests {
     use super::*;
 
-    /// `catchup_source`'s answer, or its refusal's detail.
+    /// `catchup_source`'s answer (the step, the tenure, the hidden row), or its refusal's detail.
     fn catchup(
         settled: Option<u64>,
         row: usize,
         pos: usize,
-    ) -> std::result::Result<(u64, usize), String> {
+    ) -> std::result::Result<(u64, u64, usize), String> {
         let mut tenures = std::collections::BTreeMap::new();
         tenures.insert(
             11,
@@ -741,14 +742,13 @@ mod tests {
             },
         );
         // Step 5 kept two rows: tenure 11 at positions 7..10 (hidden rows 0..3) and the
-        // released tenure 12 at position 4 (hidden row 3); step 4 kept none.
-        let rows = [(11, 7, 3, 0), (12, 4, 1, 3)];
-        let kept = |ticket| (ticket == 5).then_some((&rows[..], ticket));
+        // released tenure 12 at position 4 (hidden row 3); step 3 kept one, tenure 11 at
+        // position 2 (hidden row 0); step 4 kept none.
+        let rows_5 = [(11, 7, 3, 0), (12, 4, 1, 3)];
+        let rows_3 = [(11, 2, 1, 0)];
+        let kept = [(5, &rows_5[..], 5), (3, &rows_3[..], 3)];
         match catchup_source(&tenures, settled, kept, row, pos) {
-            Ok((step, tenure, hidden)) => {
-                assert_eq!(step, 5);
-                Ok((tenure, hidden))
-            }
+            Ok((step, tenure, hidden)) => Ok((step, tenure, hidden)),
             Err(DeviceError::Invalid {
                 what: "SaveHiddenCatchup",
                 detail,
@@ -759,8 +759,9 @@ mod tests {
 
     #[test]
     fn a_catchup_source_is_a_kept_position_of_a_held_sequence() {
-        assert_eq!(catchup(Some(5), 0, 7), Ok((11, 0)));
-        assert_eq!(catchup(Some(5), 0, 9), Ok((11, 2)));
+        assert_eq!(catchup(Some(5), 0, 7), Ok((5, 11, 0)));
+        assert_eq!(catchup(Some(5), 0, 9), Ok((5, 11, 2)));
+        assert_eq!(catchup(Some(3), 0, 2), Ok((3, 11, 0)));
         let refused = |detail: &str| Err(detail.to_string());
         assert_eq!(catchup(None, 0, 7), refused("no step has settled yet"));
         assert_eq!(
@@ -782,6 +783,10 @@ mod tests {
         assert_eq!(
             catchup(Some(5), 1, 4),
             refused("row 1's sequence was released")
+        );
+        assert_eq!(
+            catchup(Some(3), 1, 2),
+            refused("row 1 is outside step 3's 1 rows")
         );
     }
 }
