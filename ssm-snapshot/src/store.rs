@@ -66,6 +66,18 @@
 //! reserved and the budget (or the slot pool) is full, after a finish adds KV under a budget
 //! that covers KV, and on [`SnapshotStore::evict_for_kv`] (leaves only: only they free KV).
 //!
+//! A returning sequence. Without the guard, an α > 0 score can evict the entry a request has
+//! just inserted at that request's own finish (a fresh leaf whose efficiency is the lowest), and
+//! when its conversation's next turn comes it misses and loses its new entry the same way, turn
+//! after turn, while the cache keeps entries nobody has used for far longer. So the store
+//! remembers such a sequence (a *ghost*: namespace, length, tokens' hash; only for as long as
+//! the dead age, at most 128 of them), and a lookup whose tokens extend a ghost is
+//! its conversation coming back after a gap `g` (clock ticks since the ghost's finish). For that
+//! sequence's reservations and finish, entries unused for longer than 1.5 · `g` (its own dead
+//! age, as the global one is 1.5 times the 90th percentile of hit ages) go first, least recently
+//! used first, then the score order. Under LRU this is the order anyway. Guarded admission keeps
+//! its own rules (a missed sequence is kept out deliberately there).
+//!
 //! # Router flow
 //!
 //! 1. [`SnapshotStore::lookup`] with the tokens whose state the router may reuse (the prompt
@@ -93,6 +105,9 @@ use crate::error::SnapshotError;
 use crate::slots::{SlotId, SlotPool};
 
 const NONE: u32 = u32::MAX;
+
+/// How many recent hit ages the dead age is estimated from, and how many ghosts are kept.
+const HIT_AGE_RING: usize = 128;
 
 /// The most checkpoint slots a store manages (16 Mi: far beyond any device's memory at tens of
 /// MB per checkpoint; the bound keeps the slot table's host memory in check).
@@ -401,6 +416,22 @@ struct PinRecord {
     /// The hit node (or the root); `NONE` when the record is free.
     node: u32,
     root: u32,
+    /// The sequence extends a ghost: entries unused for longer than this make room for it first.
+    returning: Option<u64>,
+}
+
+/// A sequence that lost its own new entry at its own finish (or could not reserve one): see
+/// "A returning sequence" in the module docs.
+#[derive(Debug, Clone)]
+struct Ghost {
+    namespace: Namespace,
+    /// Its length (a whole number of blocks).
+    end: usize,
+    /// Its last block (a cheap first test) and the hash of all its tokens.
+    last_block: Vec<u32>,
+    hash: u64,
+    /// Its finish (the store's clock).
+    at: u64,
 }
 
 /// How a walk down the tree ended.
@@ -467,6 +498,10 @@ pub struct SnapshotStore {
     dead_after: u64,
     /// Exponential average of the fraction of hits on a node with one child.
     mid_rate: f64,
+    /// Sequences that lost their own new entry, oldest first (none older than the dead age).
+    ghosts: Vec<Ghost>,
+    /// While reserving or finishing for a returning sequence: its own dead age.
+    returning: Option<u64>,
 }
 
 /// Hash of one block of tokens: the key of a child under its parent.
@@ -525,6 +560,8 @@ impl SnapshotStore {
             scratch_ages: Vec::new(),
             dead_after: 0,
             mid_rate: 0.0,
+            ghosts: Vec::new(),
+            returning: None,
         })
     }
 
@@ -693,7 +730,12 @@ impl SnapshotStore {
         }
         self.scratch_path = path;
         self.nodes[hit as usize].last_hit = now;
-        let pin = self.new_pin(hit, root);
+        let returning = if self.config.guard || self.ghosts.is_empty() {
+            None
+        } else {
+            self.returning_gap(namespace, &tokens[..n], now)
+        };
+        let pin = self.new_pin(hit, root, returning);
         self.stats.lookups += 1;
         if hit_tokens > 0 {
             self.stats.hits += 1;
@@ -732,7 +774,10 @@ impl SnapshotStore {
     ) -> Result<Option<SlotId>, SnapshotError> {
         let record = self.pin_record(pin)?;
         let members = !self.config.guard || record.node != record.root;
-        Ok(self.reserve(members, delta))
+        self.returning = record.returning;
+        let slot = self.reserve(members, delta);
+        self.returning = None;
+        Ok(slot)
     }
 
     fn reserve(&mut self, members: bool, delta: &mut StoreDelta) -> Option<SlotId> {
@@ -884,6 +929,7 @@ impl SnapshotStore {
         self.free_pin(&pin);
         let now = self.tick();
         let mut report = FinishReport::default();
+        let mut end_node = None;
         if let Some(&(last, _)) = checkpoints.last() {
             self.guarding = self.config.guard && record.node == record.root;
             let end = self.insert(
@@ -897,6 +943,7 @@ impl SnapshotStore {
                 delta,
             );
             self.guarding = false;
+            end_node = Some((end, last));
             let (_, whole) = self.refresh_rule();
             let mut at = end;
             while at != NONE {
@@ -910,7 +957,17 @@ impl SnapshotStore {
         }
         self.stats.admitted_checkpoints += report.admitted_checkpoints as u64;
         self.stats.dropped_checkpoints += report.dropped_checkpoints as u64;
+        self.returning = record.returning;
         self.enforce_budget(delta);
+        self.returning = None;
+        // The sequence's own new end is gone already (or was never reserved): remember it.
+        let kept = end_node.is_some_and(|(end, last)| {
+            let node = &self.nodes[end as usize];
+            node.live && node.end() == last
+        });
+        if !self.config.guard && n > 0 && !kept {
+            self.note_ghost(record.root, &tokens[..n], now);
+        }
         self.drop_root_if_empty(record.root);
         Ok(report)
     }
@@ -1263,11 +1320,12 @@ impl SnapshotStore {
         self.free_nodes.push(id);
     }
 
-    fn new_pin(&mut self, node: u32, root: u32) -> Pin {
+    fn new_pin(&mut self, node: u32, root: u32, returning: Option<u64>) -> Pin {
         if let Some(index) = self.free_pins.pop() {
             let record = &mut self.pins[index as usize];
             record.node = node;
             record.root = root;
+            record.returning = returning;
             Pin {
                 index,
                 generation: record.generation,
@@ -1277,6 +1335,7 @@ impl SnapshotStore {
                 generation: 0,
                 node,
                 root,
+                returning,
             });
             Pin {
                 index: (self.pins.len() - 1) as u32,
@@ -1600,7 +1659,7 @@ impl SnapshotStore {
     /// percentile of the latest 128 (measured best of 1, 1.5 and 2 times; 0 until 16 hits were
     /// seen: everything unused counts as dead).
     fn note_hit_age(&mut self, age: u64) {
-        const RING: usize = 128;
+        const RING: usize = HIT_AGE_RING;
         if self.hit_ages.len() < RING {
             self.hit_ages.push(age);
         } else {
@@ -1623,14 +1682,16 @@ impl SnapshotStore {
     /// guarded admission dead entries go first, then the checkpoints a missed sequence brought;
     /// with `members` false nothing else goes.
     fn pick_victim(&mut self, leaf_only: bool, members: bool) -> Option<u32> {
+        if let (false, Some(after)) = (self.config.guard, self.returning) {
+            // A returning sequence: entries unused for longer than its own dead age first.
+            let stale = self.least_recent_unused_for(after, leaf_only);
+            if stale.is_some() {
+                return stale;
+            }
+        }
         if self.config.guard {
             // Dead entries first, oldest first.
-            let dead = self
-                .candidates
-                .iter()
-                .take_while(|&&(t, _, _)| self.clock - t > self.dead_after)
-                .map(|&(_, _, id)| id)
-                .find(|&id| !leaf_only || self.nodes[id as usize].children.is_empty());
+            let dead = self.least_recent_unused_for(self.dead_after, leaf_only);
             if dead.is_some() {
                 return dead;
             }
@@ -1699,6 +1760,48 @@ impl SnapshotStore {
         }
         self.scratch_scores = scores;
         best.map(|(_, id)| id)
+    }
+
+    /// The least recently used candidate (a leaf if `leaf_only`) unused for more than `after`
+    /// clock ticks.
+    fn least_recent_unused_for(&self, after: u64, leaf_only: bool) -> Option<u32> {
+        self.candidates
+            .iter()
+            .take_while(|&&(t, _, _)| self.clock - t > after)
+            .map(|&(_, _, id)| id)
+            .find(|&id| !leaf_only || self.nodes[id as usize].children.is_empty())
+    }
+
+    /// If `tokens` (a lookup's) extend a ghost, forgets it and returns the new sequence's own
+    /// dead age: 1.5 times the gap since the ghost's finish. Ghosts older than the dead age are
+    /// dropped first (a conversation back after that is treated as new).
+    fn returning_gap(&mut self, namespace: Namespace, tokens: &[u32], now: u64) -> Option<u64> {
+        let dead_after = self.dead_after;
+        self.ghosts.retain(|g| now - g.at <= dead_after);
+        let block = self.block;
+        let found = self.ghosts.iter().position(|g| {
+            g.namespace == namespace
+                && g.end <= tokens.len()
+                && tokens[g.end - block..g.end] == g.last_block[..]
+                && xxh3_64(bytemuck::cast_slice(&tokens[..g.end])) == g.hash
+        })?;
+        let gap = now - self.ghosts.remove(found).at;
+        Some(gap + gap / 2)
+    }
+
+    /// Remembers a sequence that lost its own new entry (`tokens`: a whole number of blocks).
+    fn note_ghost(&mut self, root: u32, tokens: &[u32], now: u64) {
+        if self.ghosts.len() >= HIT_AGE_RING {
+            self.ghosts.remove(0);
+        }
+        let end = tokens.len();
+        self.ghosts.push(Ghost {
+            namespace: self.nodes[root as usize].namespace,
+            end,
+            last_block: tokens[end - self.block..].to_vec(),
+            hash: xxh3_64(bytemuck::cast_slice(tokens)),
+            at: now,
+        });
     }
 
     fn evict(&mut self, id: u32, delta: &mut StoreDelta) {
@@ -2426,6 +2529,42 @@ mod tests {
         s.cancel_checkpoint(first.unwrap()).unwrap();
         s.release(miss.pin).unwrap();
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_conversation_that_lost_its_own_entry_keeps_the_next_one() {
+        // Two 20-token members (30 bytes each) and room for one checkpoint more; α = 5 on the
+        // whole prefix's FLOPs: a 20-token entry saves 20 per 30 bytes, a fresh 5-token one 5
+        // per 15, so the fresh one is the lowest score however recent it is.
+        let members: Vec<Vec<u32>> = (1..=2).map(|t| vec![t; 20]).collect();
+        let mut s = store(1, 70, BudgetScope::CheckpointsAndKv, 5.0);
+        let mut dl = StoreDelta::default();
+        for seq in &members {
+            assert_eq!(serve_pinned(&mut s, seq, &mut dl), 0);
+        }
+        // Round-robin hits 3 ticks old: the dead age is 4 ticks.
+        for _ in 0..8 {
+            for seq in &members {
+                assert_eq!(serve_pinned(&mut s, seq, &mut dl), 20);
+            }
+        }
+        // A conversation starts; its first turn's entry is evicted at its own finish.
+        let turn1 = vec![9u32; 5];
+        let turn2 = [turn1.clone(), vec![6; 3]].concat();
+        let turn3 = [turn2.clone(), vec![7; 2]].concat();
+        assert_eq!(serve_pinned(&mut s, &turn1, &mut dl), 0);
+        assert_eq!(prefixes(&s), members);
+        // Its next turn comes one tick later and misses: back after a gap of 1, an entry unused
+        // for longer than 1 tick (the least recently used member) makes room for it rather than
+        // its own new entry (8 per 18 bytes, still the lowest score), and the turn after hits
+        // it. Without the return, every turn would miss and lose its entry the same way.
+        assert_eq!(serve_pinned(&mut s, &turn2, &mut dl), 0);
+        assert_eq!(prefixes(&s), vec![members[1].clone(), turn2.clone()]);
+        assert_eq!(serve_pinned(&mut s, &turn3, &mut dl), 8);
+        // A new sequence that extends nothing lost is scored as before: its entry goes.
+        let other = vec![8u32; 6];
+        assert_eq!(serve_pinned(&mut s, &other, &mut dl), 0);
+        assert!(!prefixes(&s).contains(&other));
     }
 
     #[test]
