@@ -32,7 +32,10 @@
 //!   store takes the setting only after the copy led it by [`TRIAL_Z`] standard errors at one
 //!   of the trial's looks (every [`TRIAL_LOOK`] requests; for a recency-only setting, α = 0
 //!   with plain admission, a lead in hit tokens with `TRIAL_Z` standard errors of a sign test
-//!   serves too: more requests won than lost) **and** a confirmation held up: the
+//!   serves too: more requests won than lost, and so does a copy that is not behind and won
+//!   more requests than it lost while its shadow still leads the LRU shadow by the departure
+//!   bar and no other trial is ahead of the live store; between looks such a trial may pass
+//!   at [`EARLY_TRIAL_Z`] standard errors) **and** a confirmation held up: the
 //!   copy started from the live store as it was when the trial began, and a switch from the
 //!   live store as it is at the look can fare otherwise (what the old setting kept meanwhile
 //!   may not suit the new one: at small capacities a switch can evict the one prefix every
@@ -203,6 +206,19 @@ pub const TRIAL_LENGTH: usize = 300;
 /// the policy grid: 1 fell below LRU on two cells (by up to 0.0092), 2 on none.
 pub const TRIAL_Z: f64 = 2.0;
 
+/// How many standard errors (of the sum of per-request differences in hit tokens) a
+/// recency-only trial's copy (α = 0, plain admission) must lead the live store by to count as
+/// leading at any request between its looks, once it has run [`EARLY_TRIAL_MIN`] requests. A
+/// test repeated on every request is passed by chance far more often than its z says, so the
+/// bar is higher than [`TRIAL_Z`] at the looks: a random walk of Gaussian steps judged on every
+/// request from the 20th to the 300th crosses 3 standard errors by chance less often (1.4% of
+/// walks, simulated) than it crosses 2 at the three looks (5.1%). Measured on the tuning data
+/// (see the crate report): chat at 10 GB, seed 8, the α = 0 adaptive trial was 3.7 standard
+/// errors ahead (18 requests won, none lost) 35 requests before its first look.
+pub const EARLY_TRIAL_Z: f64 = 3.0;
+/// Requests a recency-only trial runs before [`EARLY_TRIAL_Z`] is checked between looks.
+pub const EARLY_TRIAL_MIN: usize = 20;
+
 /// Requests a confirmation runs (see [`TuningMode::Shadow`]): a copy of the live store taken
 /// when a trial first led significantly, under the trial's setting. It is adopted when it has
 /// not fallen behind the live store by then, so a switch is made only after a switch from the
@@ -347,27 +363,62 @@ impl Trial {
     /// long conversation against one of a short one), which the test of sums undercounts: chat 2
     /// at 10 GB, the α = 0 adaptive trial had won 6 requests and lost none at its first look, 1.7
     /// standard errors of the sums; the live store switched 100 requests later.
-    fn leads(&self) -> bool {
-        let recency_only = self.setting.alpha == 0.0 && !self.setting.guard;
+    ///
+    /// A recency-only trial's copy starts from what LRU kept and differs from the live store on
+    /// few requests for a long time (longchat at 5 GB: 2 requests won, none lost, in 300),
+    /// while its shadow, which ran the setting from the first request, has the evidence: so
+    /// it also leads when its copy is not behind and won more requests than it lost
+    /// (`shadow_evidence`: the setting's shadow still leads the LRU shadow by
+    /// [`ALPHA_ZERO_DEPARTURE_Z`] standard errors, the bar for starting the trial, and no other
+    /// trial is ahead of the live store, so a switch on this weaker evidence never pre-empts a
+    /// stronger candidate: chat, 40 sessions, 2 GB at block size 16, an α = 3 trial about to
+    /// pass was dropped by such a switch and its win lost).
+    fn leads(&self, shadow_evidence: bool) -> bool {
         leads_at_look(
-            recency_only,
+            self.recency_only(),
             self.lead,
             self.lead_squares,
             self.wins,
             self.losses,
+            shadow_evidence,
         )
+    }
+
+    /// Whether the copy leads between looks: only a recency-only trial, by [`EARLY_TRIAL_Z`]
+    /// standard errors after [`EARLY_TRIAL_MIN`] requests.
+    fn leads_early(&self, ran: usize) -> bool {
+        leads_between_looks(self.recency_only(), self.lead, self.lead_squares, ran)
+    }
+
+    /// Whether the trial's setting is recency-only: α = 0 with plain admission, a setting that
+    /// differs from [`LRU`] only in which entries a request refreshes.
+    fn recency_only(&self) -> bool {
+        self.setting.alpha == 0.0 && !self.setting.guard
     }
 }
 
 /// The test of [`Trial::leads`] on a trial's sums: `lead` and `lead_squares` of the per-request
 /// differences in hit tokens, `wins` and `losses` the requests with a positive and a negative
-/// difference.
-fn leads_at_look(recency_only: bool, lead: f64, lead_squares: f64, wins: u32, losses: u32) -> bool {
+/// difference; `shadow_evidence` whether the setting's shadow and the other trials vouch for it.
+fn leads_at_look(
+    recency_only: bool,
+    lead: f64,
+    lead_squares: f64,
+    wins: u32,
+    losses: u32,
+    shadow_evidence: bool,
+) -> bool {
     let decided = f64::from(wins) + f64::from(losses);
     lead > TRIAL_Z * lead_squares.sqrt()
         || (recency_only
             && lead > 0.0
             && f64::from(wins) - f64::from(losses) > TRIAL_Z * decided.sqrt())
+        || (recency_only && shadow_evidence && lead >= 0.0 && wins > losses)
+}
+
+/// The test of [`Trial::leads_early`] on a trial's sums after `ran` requests.
+fn leads_between_looks(recency_only: bool, lead: f64, lead_squares: f64, ran: usize) -> bool {
+    recency_only && ran >= EARLY_TRIAL_MIN && lead > EARLY_TRIAL_Z * lead_squares.sqrt()
 }
 
 /// Where the live store stood when it last left [`LRU`]: the ledger that
@@ -685,6 +736,28 @@ impl AlphaTuner {
         if !self.trials.is_empty() {
             let seen = self.seen;
             self.trials.retain(|t| t.control.evicts_like(&current));
+            // Whether each trial's setting still has its shadow's lead over the LRU shadow at
+            // the bar that started it, and no other trial is ahead of the live store (see
+            // `Trial::leads`).
+            let shadow_evidence: Vec<bool> = (0..self.trials.len())
+                .map(|i| {
+                    let setting = self.trials[i].setting;
+                    let shadow_leads = self
+                        .settings
+                        .iter()
+                        .position(|s| s.evicts_like(&setting))
+                        .is_some_and(|k| {
+                            let shadow = &self.shadows[k];
+                            shadow.lead > departure_z(&setting) * shadow.lead_squares.sqrt()
+                        });
+                    let rival_ahead = self
+                        .trials
+                        .iter()
+                        .enumerate()
+                        .any(|(j, other)| j != i && other.lead > 0.0);
+                    shadow_leads && !rival_ahead
+                })
+                .collect();
             let mut adopt: Option<(f64, usize)> = None;
             let mut confirm: Option<(f64, usize)> = None;
             for (i, trial) in self.trials.iter().enumerate() {
@@ -697,7 +770,11 @@ impl AlphaTuner {
                             adopt = Some((z, i));
                         }
                     }
-                } else if ran >= TRIAL_LOOK && ran % TRIAL_LOOK == 0 && trial.leads() {
+                } else if (ran >= TRIAL_LOOK
+                    && ran % TRIAL_LOOK == 0
+                    && trial.leads(shadow_evidence[i]))
+                    || trial.leads_early(ran)
+                {
                     let z = trial.lead / sd;
                     if confirm.is_none_or(|(best, _)| z > best) {
                         confirm = Some((z, i));
@@ -958,19 +1035,80 @@ pub fn best_setting(
 
 #[cfg(test)]
 mod tests {
-    use super::leads_at_look;
+    use super::{leads_at_look, leads_between_looks};
 
-    /// `(recency_only, per-request differences in hit tokens)`: whether a trial leads at a look.
+    /// `(recency_only, per-request differences in hit tokens)`: whether a trial leads at a look
+    /// on its own evidence.
     fn check(recency_only: bool, differences: &[f64], expected: bool) {
+        check_with(recency_only, false, differences, expected);
+    }
+
+    /// `(recency_only, shadow_evidence, per-request differences in hit tokens)`: whether a
+    /// trial leads at a look.
+    fn check_with(recency_only: bool, shadow_evidence: bool, differences: &[f64], expected: bool) {
         let lead: f64 = differences.iter().sum();
         let squares: f64 = differences.iter().map(|d| d * d).sum();
         let wins = differences.iter().filter(|&&d| d > 0.0).count() as u32;
         let losses = differences.iter().filter(|&&d| d < 0.0).count() as u32;
         assert_eq!(
-            leads_at_look(recency_only, lead, squares, wins, losses),
+            leads_at_look(recency_only, lead, squares, wins, losses, shadow_evidence),
+            expected,
+            "{recency_only} {shadow_evidence} {differences:?}"
+        );
+    }
+
+    /// `(recency_only, per-request differences in hit tokens)`: whether a trial leads between
+    /// looks after as many requests as there are differences.
+    fn check_early(recency_only: bool, differences: &[f64], expected: bool) {
+        let lead: f64 = differences.iter().sum();
+        let squares: f64 = differences.iter().map(|d| d * d).sum();
+        assert_eq!(
+            leads_between_looks(recency_only, lead, squares, differences.len()),
             expected,
             "{recency_only} {differences:?}"
         );
+    }
+
+    #[test]
+    fn a_recency_only_trial_also_leads_on_its_shadows_evidence() {
+        // Two wins, no loss, in 100 requests (as longchat 1 at 5 GB): 1.3 standard errors, and
+        // 2 < 2 √2 on the sign test; it leads only when its shadow vouches for it.
+        let mut few = vec![0.0; 98];
+        few.extend([3000.0, 6000.0]);
+        check_with(true, false, &few, false);
+        check_with(true, true, &few, true);
+        check_with(false, true, &few, false);
+        // Behind in hit tokens though it won more requests: no lead.
+        check_with(true, true, &[100.0, 100.0, -1000.0, 100.0], false);
+        // Not behind, but as many losses as wins: no lead.
+        check_with(true, true, &[1000.0, -1000.0], false);
+        // Nothing differed yet: no lead.
+        check_with(true, true, &[0.0; 100], false);
+        // One win and nothing else: a lead.
+        check_with(true, true, &[0.0, 0.0, 5.0], true);
+    }
+
+    #[test]
+    fn a_recency_only_trial_may_lead_between_looks_at_a_higher_bar() {
+        // Eighteen equal wins in 20 requests: 4.2 standard errors.
+        let mut ahead = vec![700.0; 18];
+        ahead.extend([0.0, 0.0]);
+        check_early(true, &ahead, true);
+        check_early(false, &ahead, false);
+        // The same wins before the 20th request: too early.
+        check_early(true, &ahead[..19], false);
+        // Nine equal wins in 20 requests: exactly 3 standard errors, not more.
+        let mut nine = vec![700.0; 9];
+        nine.extend([0.0; 11]);
+        check_early(true, &nine, false);
+        // Ten: 3.2.
+        let mut ten = vec![700.0; 10];
+        ten.extend([0.0; 10]);
+        check_early(true, &ten, true);
+        // Six wins of very different sizes: 1.7 standard errors, below the bar.
+        let mut uneven = vec![0.0; 20];
+        uneven.extend([1000.0, 2000.0, 4000.0, 8000.0, 16000.0, 32000.0]);
+        check_early(true, &uneven, false);
     }
 
     #[test]
