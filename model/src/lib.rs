@@ -336,6 +336,25 @@ impl Model {
         }
     }
 
+    /// Checks a call's per-row (or per-run) adapters: none, or one for each of its `rows`, each
+    /// loaded for this model.
+    fn check_adapters(
+        &self,
+        adapters: &[Option<&LoraAdapter>],
+        rows: usize,
+    ) -> Result<(), ModelError> {
+        if !adapters.is_empty() && adapters.len() != rows {
+            return Err(ModelError::AdapterRows {
+                adapters: adapters.len(),
+                rows,
+            });
+        }
+        for adapter in adapters.iter().flatten() {
+            self.check_adapter(adapter)?;
+        }
+        Ok(())
+    }
+
     /// Prefills `row.tokens` of one sequence at positions `row.start_pos..`, reading and writing
     /// its K/V through `row.blocks` and its Mamba state in `row.slot`. `logits` is cleared and
     /// receives every position's logits (`n * vocab`) when `all_logits`, else the last
@@ -453,15 +472,7 @@ impl Model {
         if rows.is_empty() {
             return Err(ModelError::EmptyInput("decode with no rows"));
         }
-        if !adapters.is_empty() && adapters.len() != rows.len() {
-            return Err(ModelError::AdapterRows {
-                adapters: adapters.len(),
-                rows: rows.len(),
-            });
-        }
-        for adapter in adapters.iter().flatten() {
-            self.check_adapter(adapter)?;
-        }
+        self.check_adapters(adapters, rows.len())?;
         kv.check_layout(&self.config)?;
         states.check_layout(&self.config)?;
         for (index, row) in rows.iter().enumerate() {
@@ -473,39 +484,19 @@ impl Model {
                 .ok_or(ModelError::SizeOverflow("decode position"))?;
             self.check_blocks(kv, row.blocks, end)?;
         }
-        // Distinct slots: two rows stepping one recurrence would depend on their batch order.
         let pairs = &mut scratch.pairs;
         pairs.clear();
         pairs.extend(rows.iter().enumerate().map(|(i, r)| (r.slot, i)));
-        pairs.sort_unstable();
-        for w in pairs.windows(2) {
-            if w[0].0 == w[1].0 && states.floats_per_slot() > 0 {
-                return Err(ModelError::DuplicateSlot {
-                    slot: w[0].0,
-                    first: w[0].1,
-                    second: w[1].1,
-                });
-            }
-        }
+        check_distinct_slots(pairs, states)?;
         if self.config.has(LayerKind::Attention) {
             let block_size = kv.block_size();
             pairs.clear();
-            pairs.extend(rows.iter().enumerate().map(|(i, r)| {
-                let target =
-                    r.blocks[r.pos / block_size] as usize * block_size + r.pos % block_size;
-                (target, i)
-            }));
-            pairs.sort_unstable();
-            for w in pairs.windows(2) {
-                if w[0].0 == w[1].0 {
-                    return Err(ModelError::DuplicateKvWrite {
-                        block: (w[0].0 / block_size) as u32,
-                        offset: w[0].0 % block_size,
-                        first: w[0].1,
-                        second: w[1].1,
-                    });
-                }
-            }
+            pairs.extend(
+                rows.iter()
+                    .enumerate()
+                    .map(|(i, r)| (kv_position(r.blocks, r.pos, block_size), i)),
+            );
+            check_distinct_kv_writes(pairs, block_size)?;
         }
 
         let vocab = self.config.vocab_size;
@@ -533,6 +524,57 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Refuses a state slot that two rows (or runs) of one call name: they would step one
+/// recurrence in batch order. `pairs` holds (slot, row) for each slot a row names; sorted here.
+/// A model without Mamba state (no floats per slot) has nothing to collide.
+fn check_distinct_slots(
+    pairs: &mut [(usize, usize)],
+    states: &MambaStates,
+) -> Result<(), ModelError> {
+    match first_repeat(pairs) {
+        Some((slot, first, second)) if states.floats_per_slot() > 0 => {
+            Err(ModelError::DuplicateSlot {
+                slot,
+                first,
+                second,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a K/V position that two rows (or runs) of one call would write: `pairs` holds
+/// ([`kv_position`], row) for each position a row writes; sorted here.
+fn check_distinct_kv_writes(
+    pairs: &mut [(usize, usize)],
+    block_size: usize,
+) -> Result<(), ModelError> {
+    match first_repeat(pairs) {
+        Some((position, first, second)) => Err(ModelError::DuplicateKvWrite {
+            block: (position / block_size) as u32,
+            offset: position % block_size,
+            first,
+            second,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Where position `pos` of a sequence with block table `blocks` lives in the K/V pool, counted
+/// in positions from the pool's start: its block times `block_size`, plus its offset.
+fn kv_position(blocks: &[u32], pos: usize, block_size: usize) -> usize {
+    blocks[pos / block_size] as usize * block_size + pos % block_size
+}
+
+/// Sorts `pairs` (key, row) and answers the smallest key held twice, with its first two rows.
+fn first_repeat(pairs: &mut [(usize, usize)]) -> Option<(usize, usize, usize)> {
+    pairs.sort_unstable();
+    pairs
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0)
+        .map(|w| (w[0].0, w[0].1, w[1].1))
 }
 
 impl Model {
@@ -591,37 +633,15 @@ impl Model {
             pairs.push((run.slot, i));
             pairs.extend(run.snapshots.iter().map(|&s| (s, i)));
         }
-        pairs.sort_unstable();
-        for w in pairs.windows(2) {
-            if w[0].0 == w[1].0 && states.floats_per_slot() > 0 {
-                return Err(ModelError::DuplicateSlot {
-                    slot: w[0].0,
-                    first: w[0].1,
-                    second: w[1].1,
-                });
-            }
-        }
+        check_distinct_slots(pairs, states)?;
         if attention {
             let block_size = kv.block_size();
             pairs.clear();
             for (i, run) in runs.iter().enumerate() {
-                for pos in run.start_pos..run.start_pos + run.tokens.len() {
-                    let target =
-                        run.blocks[pos / block_size] as usize * block_size + pos % block_size;
-                    pairs.push((target, i));
-                }
+                let positions = run.start_pos..run.start_pos + run.tokens.len();
+                pairs.extend(positions.map(|pos| (kv_position(run.blocks, pos, block_size), i)));
             }
-            pairs.sort_unstable();
-            for w in pairs.windows(2) {
-                if w[0].0 == w[1].0 {
-                    return Err(ModelError::DuplicateKvWrite {
-                        block: (w[0].0 / block_size) as u32,
-                        offset: w[0].0 % block_size,
-                        first: w[0].1,
-                        second: w[1].1,
-                    });
-                }
-            }
+            check_distinct_kv_writes(pairs, block_size)?;
         }
         Ok(total)
     }
@@ -666,15 +686,7 @@ impl Model {
         hidden: Option<&mut Vec<f32>>,
     ) -> Result<(), ModelError> {
         logits.clear();
-        if !adapters.is_empty() && adapters.len() != runs.len() {
-            return Err(ModelError::AdapterRows {
-                adapters: adapters.len(),
-                rows: runs.len(),
-            });
-        }
-        for adapter in adapters.iter().flatten() {
-            self.check_adapter(adapter)?;
-        }
+        self.check_adapters(adapters, runs.len())?;
         let attention = self.config.has(LayerKind::Attention);
         let total = self.check_runs(scratch, kv, states, runs, attention)?;
         let adapted = adapters.iter().any(Option::is_some);

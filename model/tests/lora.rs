@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use model::{
     AdapterProblem, DecodeRow, KvPool, LoraAdapter, LoraSpec, MambaStates, Model, ModelError,
-    PrefillRow, Scratch,
+    PrefillRow, RunOutputs, RunRow, Scratch,
 };
 use safetensors::{Dtype, SafeTensors};
 use serde_json::json;
@@ -538,23 +538,48 @@ fn adapter_rows_and_foreign_adapters_are_refused() {
         )
         .unwrap_err();
     assert!(matches!(err, ModelError::AdapterMismatch { .. }), "{err}");
+    // A decode batch and a batch of runs check their per-row adapters alike: none, or one per
+    // row, each loaded for this model.
     let rows = [DecodeRow {
         token: 1,
         pos: 0,
         blocks: &run.table,
         slot: 0,
     }];
-    let err = model
-        .decode_with_adapters(
-            &mut run.scratch,
-            &mut run.kv,
-            &mut run.states,
-            &rows,
-            &[None, None],
-            &mut logits,
-        )
-        .unwrap_err();
-    assert_eq!(err.to_string(), "2 adapters given for 1 rows");
+    let runs = [RunRow {
+        tokens: &[1, 2],
+        start_pos: 0,
+        blocks: &run.table,
+        slot: 0,
+        snapshots: &[],
+    }];
+    for decode in [true, false] {
+        let mut refusal = |adapters: &[Option<&LoraAdapter>]| {
+            let (scratch, kv, states) = (&mut run.scratch, &mut run.kv, &mut run.states);
+            let answer = if decode {
+                model.decode_with_adapters(scratch, kv, states, &rows, adapters, &mut logits)
+            } else {
+                model.forward_runs_with_adapters(
+                    scratch,
+                    kv,
+                    states,
+                    &runs,
+                    adapters,
+                    RunOutputs::All,
+                    &mut logits,
+                    None,
+                )
+            };
+            answer.unwrap_err()
+        };
+        let err = refusal(&[None, None]);
+        assert_eq!(err.to_string(), "2 adapters given for 1 rows", "{decode}");
+        let err = refusal(&[Some(&foreign)]);
+        assert!(
+            matches!(err, ModelError::AdapterMismatch { .. }),
+            "{decode}: {err}"
+        );
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
