@@ -762,31 +762,31 @@ mod tests {
         assert_eq!(catchup(Some(5), 0, 7), Ok((5, 11, 0)));
         assert_eq!(catchup(Some(5), 0, 9), Ok((5, 11, 2)));
         assert_eq!(catchup(Some(3), 0, 2), Ok((3, 11, 0)));
-        let refused = |detail: &str| Err(detail.to_string());
-        assert_eq!(catchup(None, 0, 7), refused("no step has settled yet"));
-        assert_eq!(
-            catchup(Some(4), 0, 7),
-            refused("step 4 kept no hidden states (a prefill keeps its own)")
+        let refused = |settled: Option<u64>, row: usize, pos: usize, detail: &str| {
+            let answer = catchup(settled, row, pos);
+            assert_eq!(answer, Err(detail.to_string()), "{settled:?} {row} {pos}");
+        };
+        refused(None, 0, 7, "no step has settled yet");
+        refused(
+            Some(4),
+            0,
+            7,
+            "step 4 kept no hidden states (a prefill keeps its own)",
         );
-        assert_eq!(
-            catchup(Some(5), 2, 7),
-            refused("row 2 is outside step 5's 2 rows")
+        refused(Some(5), 2, 7, "row 2 is outside step 5's 2 rows");
+        refused(
+            Some(5),
+            0,
+            6,
+            "row 0 of step 5 computed positions 7..10, not 6",
         );
-        assert_eq!(
-            catchup(Some(5), 0, 6),
-            refused("row 0 of step 5 computed positions 7..10, not 6")
+        refused(
+            Some(5),
+            0,
+            10,
+            "row 0 of step 5 computed positions 7..10, not 10",
         );
-        assert_eq!(
-            catchup(Some(5), 0, 10),
-            refused("row 0 of step 5 computed positions 7..10, not 10")
-        );
-        assert_eq!(
-            catchup(Some(5), 1, 4),
-            refused("row 1's sequence was released")
-        );
-        assert_eq!(
-            catchup(Some(3), 1, 2),
-            refused("row 1 is outside step 3's 1 rows")
-        );
+        refused(Some(5), 1, 4, "row 1's sequence was released");
+        refused(Some(3), 1, 2, "row 1 is outside step 3's 1 rows");
     }
 }
