@@ -19,6 +19,93 @@ pub mod models {
     }
 }
 
+pub mod cuda_sim {
+    //! The CUDA router on `SimRuntime` sized for a test, and the host router of the same shape,
+    //! for the tests that run them side by side or need a pool of a given size.
+
+    use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
+    use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, MemoryPlan, PlanError};
+    use device_io::{SeqSpec, Sequence};
+    use model::Model;
+    use router_book::RouterSeq;
+
+    /// The CUDA router of `config(budget)` with the smallest budget it accepts: a budget's
+    /// refusal says what it needs, which is tried next.
+    ///
+    /// # Panics
+    /// When a budget is refused for another reason (a test helper: the config is the test's).
+    pub fn smallest(model: &Model, config: impl Fn(u64) -> CudaRouterConfig) -> CudaRouter {
+        let mut budget = 0;
+        loop {
+            match CudaRouter::sim(model, config(budget)) {
+                Ok(router) => return router,
+                Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => {
+                    budget = needed;
+                }
+                Err(other) => panic!("budget {budget} answered {other:?}"),
+            }
+        }
+    }
+
+    /// The CUDA router of `config(budget)` with `blocks` KV blocks' worth of budget past its
+    /// fixed regions: a zero budget's refusal says what the fixed regions and one sequence of
+    /// `max_context` tokens need, and that sequence's blocks are taken off.
+    ///
+    /// # Panics
+    /// When a zero budget is not refused as too small, or the budget found is refused.
+    pub fn with_blocks(
+        model: &Model,
+        config: impl Fn(u64) -> CudaRouterConfig,
+        blocks: u64,
+    ) -> CudaRouter {
+        let needed = match CudaRouter::sim(model, config(0)) {
+            Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => needed,
+            other => panic!("a zero budget answered {other:?}"),
+        };
+        let large = config(1 << 40);
+        let kv = MemoryPlan::from_budget(model.config(), 0, &large)
+            .unwrap()
+            .kv_block_bytes;
+        let fixed = needed - (large.max_context / large.block_size) as u64 * kv;
+        CudaRouter::sim(model, config(fixed + blocks * kv)).unwrap()
+    }
+
+    /// The host router of `model` with `cuda`'s shape: its pool, slots, checkpoint region and
+    /// ring, context, depth and caches (prefix cache, Marconi tree), on one thread.
+    ///
+    /// # Panics
+    /// When the host router refuses that config (a test helper).
+    pub fn host_like(model: &Model, cuda: &CudaRouter) -> CpuRouter {
+        let plan = cuda.plan();
+        let config = cuda.router_config();
+        CpuRouter::new(
+            model.clone(),
+            CpuRouterConfig {
+                block_size: plan.block_size,
+                checkpoints: CheckpointBudget::Slots(plan.checkpoint_slots),
+                snapshot_slots: plan.snapshot_slots,
+                prefix_cache: config.prefix_cache,
+                marconi: config.marconi,
+                max_context: Some(config.max_context),
+                max_depth: config.max_depth,
+                threads: 1,
+                ..CpuRouterConfig::new(plan.num_blocks, plan.live_slots)
+            },
+        )
+        .unwrap()
+    }
+
+    /// A sequence of both routers (no adapter, no cache salt).
+    pub fn seq(id: u64, prompt: &[u32]) -> RouterSeq {
+        RouterSeq::create(SeqSpec {
+            id,
+            prompt,
+            adapter: None,
+            cache_salt: None,
+        })
+    }
+}
+
 pub mod golden {
     //! Golden files: a test renders what it observed as text and compares it with a checked-in
     //! file under `tests/golden/`.

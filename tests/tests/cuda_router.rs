@@ -7,13 +7,12 @@
 //! counts must agree. (The states come from the host router; the CUDA router's own steps against
 //! the host router's are `cuda_steps.rs`.)
 
-use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, PlanError};
-use device_io::{
-    DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, SeqSpec, Sequence, StepPlan,
-};
+use device_cpu::CpuRouter;
+use device_cuda::{CudaRouter, CudaRouterConfig};
+use device_io::{DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan};
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
+use tests::cuda_sim::{self, seq};
 
 const SLOTS: usize = 4;
 const CONTEXT: usize = 128;
@@ -40,46 +39,15 @@ fn cuda_config(budget: u64) -> CudaRouterConfig {
 /// same pool, slots, checkpoint region and ring.
 fn pair() -> (CpuRouter, CudaRouter) {
     let model = fixture();
-    let probe =
-        device_cuda::MemoryPlan::from_budget(model.config(), 0, &cuda_config(1 << 40)).unwrap();
-    let kv = probe.kv_block_bytes;
-    let needed = match CudaRouter::sim(model, cuda_config(0)) {
-        Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => needed,
-        other => panic!("a zero budget answered {other:?}"),
-    };
-    let fixed = needed - (CONTEXT / 16) as u64 * kv;
-    let cuda = CudaRouter::sim(model, cuda_config(fixed + 22 * kv)).unwrap();
+    let cuda = cuda_sim::with_blocks(model, cuda_config, 22);
     let plan = *cuda.plan();
     assert!(
         plan.checkpoint_slots >= 1 && plan.num_blocks < 20,
         "{plan:?}"
     );
-    let cpu = CpuRouter::new(
-        model.clone(),
-        CpuRouterConfig {
-            block_size: plan.block_size,
-            checkpoints: CheckpointBudget::Slots(plan.checkpoint_slots),
-            snapshot_slots: plan.snapshot_slots,
-            prefix_cache: true,
-            marconi: true,
-            max_context: Some(CONTEXT),
-            max_depth: 2,
-            threads: 1,
-            ..CpuRouterConfig::new(plan.num_blocks, plan.live_slots)
-        },
-    )
-    .unwrap();
+    let cpu = cuda_sim::host_like(model, &cuda);
     assert_eq!(cpu.facts(), cuda.facts());
     (cpu, cuda)
-}
-
-fn seq(id: u64, prompt: &[u32]) -> RouterSeq {
-    RouterSeq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
-    })
 }
 
 fn prompt(len: u32, salt: u32) -> Vec<u32> {

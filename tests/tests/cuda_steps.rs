@@ -17,14 +17,15 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_cpu::CpuRouter;
+use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, DType};
 use device_io::{
-    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, PrefillReport, Readback, SeqSpec, Sequence,
-    StepPlan, StepResult,
+    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, PrefillReport, Readback, StepPlan,
+    StepResult,
 };
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
+use tests::cuda_sim::{self, host_like, seq};
 
 const SLOTS: usize = 4;
 const CONTEXT: usize = 128;
@@ -56,48 +57,7 @@ fn cuda_config(budget: u64, dtype: DType, caches: bool) -> CudaRouterConfig {
 
 /// A CUDA router with `blocks` KV blocks' worth of budget past its fixed regions.
 fn cuda(model: &Model, dtype: DType, caches: bool, blocks: u64) -> CudaRouter {
-    let needed = match CudaRouter::sim(model, cuda_config(0, dtype, caches)) {
-        Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => needed,
-        other => panic!("a zero budget answered {other:?}"),
-    };
-    let probe = device_cuda::MemoryPlan::from_budget(
-        model.config(),
-        0,
-        &cuda_config(1 << 40, dtype, caches),
-    )
-    .unwrap();
-    let kv = probe.kv_block_bytes;
-    let fixed = needed - (CONTEXT / 16) as u64 * kv;
-    CudaRouter::sim(model, cuda_config(fixed + blocks * kv, dtype, caches)).unwrap()
-}
-
-/// The host router with the CUDA router's pool, slots, checkpoint region and ring.
-fn host_like(model: &Model, cuda: &CudaRouter, caches: bool) -> CpuRouter {
-    let plan = *cuda.plan();
-    CpuRouter::new(
-        model.clone(),
-        CpuRouterConfig {
-            block_size: plan.block_size,
-            checkpoints: CheckpointBudget::Slots(plan.checkpoint_slots),
-            snapshot_slots: plan.snapshot_slots,
-            prefix_cache: caches,
-            marconi: caches,
-            max_context: Some(CONTEXT),
-            max_depth: 2,
-            threads: 1,
-            ..CpuRouterConfig::new(plan.num_blocks, plan.live_slots)
-        },
-    )
-    .unwrap()
-}
-
-fn seq(id: u64, prompt: &[u32]) -> RouterSeq {
-    RouterSeq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
-    })
+    cuda_sim::with_blocks(model, |budget| cuda_config(budget, dtype, caches), blocks)
 }
 
 trait Router: DeviceIo<Seq = RouterSeq, Ptr = LogitsHandle> {}
@@ -295,7 +255,7 @@ fn f32_sweep(chunks: [&[usize]; 2]) {
         let model = fixture(name);
         let cases = prompts(name);
         let device = cuda(&model, DType::F32, false, 64);
-        let host = host_like(&model, &device, false);
+        let host = host_like(&model, &device);
         assert_eq!(host.facts(), device.facts());
         for &chunk in chunks {
             run_cases(name, &cases, chunk, (&host, &device, None), &mut seen);
@@ -334,9 +294,9 @@ fn bf16_sweep(fixtures: &[&str]) {
         let model = fixture(name);
         let cases = prompts(name);
         let device = cuda(&model, DType::Bf16, false, 64);
-        let host = host_like(&model, &device, false);
+        let host = host_like(&model, &device);
         // The shadow model is the one `device-cuda/tests/forward.rs` bounds the forward step by.
-        let shadow = host_like(&bf16_shadow(&model).unwrap(), &device, false);
+        let shadow = host_like(&bf16_shadow(&model).unwrap(), &device);
         let mut seen = Compared::default();
         run_cases(name, &cases, 16, (&host, &device, Some(&shadow)), &mut seen);
         let delta = seen.row_errors.iter().map(|e| e.1).fold(0.0, f32::max);
@@ -456,7 +416,7 @@ fn depth_two_with_fed_inputs_gives_the_serial_tokens() {
     let cases = prompts("nemotron-h-tiny");
     let prompts: Vec<&[u32]> = vec![&cases[1], &cases[3], &cases[4]];
     let device = cuda(&model, DType::F32, true, 64);
-    let host = host_like(&model, &device, true);
+    let host = host_like(&model, &device);
     let serial = greedy(&device, &prompts, 6, false);
     assert_eq!(greedy(&device, &prompts, 6, true), serial);
     assert_eq!(greedy(&host, &prompts, 6, true), serial);
@@ -534,7 +494,7 @@ fn a_fed_step_over_a_step_that_failed_at_the_device_fails_too() {
     let cases = prompts("nemotron-h-tiny");
     let prompts: Vec<&[u32]> = vec![&cases[1], &cases[3]];
     let device = cuda(&model, DType::F32, false, 64);
-    let host = host_like(&model, &device, false);
+    let host = host_like(&model, &device);
     let fresh = greedy(&host, &prompts, 3, false);
     let armed = Arc::new(AtomicBool::new(false));
     let faults = {
@@ -577,7 +537,7 @@ fn a_prefix_hit_restores_the_marconi_checkpoint_on_the_device() {
     let prompt = &cases[4];
     assert_eq!(prompt.len(), 40);
     let device = cuda(&model, DType::F32, true, 64);
-    let host = host_like(&model, &device, true);
+    let host = host_like(&model, &device);
     let cold = cuda(&model, DType::F32, false, 64);
     let vocab = host.facts().vocab_size;
     let mut seen = Compared::default();
@@ -631,7 +591,7 @@ fn spill_restore_and_compaction_mid_decode_keep_the_tokens() {
     let cases = prompts("nemotron-h-tiny");
     let prompts: Vec<&[u32]> = vec![&cases[3], &cases[4]];
     let device = cuda(&model, DType::F32, false, 64);
-    let host = host_like(&model, &device, false);
+    let host = host_like(&model, &device);
     let plain = greedy(&device, &prompts, 6, false);
 
     let mut seqs: Vec<RouterSeq> = prompts
@@ -778,7 +738,7 @@ fn verify_matches_the_host_router_and_rewinds_exactly() {
         let model = fixture(name);
         let cases = prompts(name);
         let device = cuda(&model, DType::F32, false, 48);
-        let host = host_like(&model, &device, false);
+        let host = host_like(&model, &device);
         let vocab = host.facts().vocab_size;
         let initial = device.facts();
         let pair = [&cases[0][..], &cases[1][..]];
@@ -987,7 +947,7 @@ fn mtp_routers(name: &str) -> (Model, Vec<Vec<u32>>, CudaRouter, CpuRouter) {
     assert!(model.has_mtp());
     let cases = model::parity::prompts(&dir).unwrap();
     let device = cuda(&model, DType::F32, false, 48);
-    let host = host_like(&model, &device, false);
+    let host = host_like(&model, &device);
     (model, cases, device, host)
 }
 
@@ -1333,7 +1293,7 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
         let model = Model::load(&dir.join("model")).unwrap();
         let hot = cuda(&model, DType::F32, true, 64);
         let cold = cuda(&model, DType::F32, false, 64);
-        let host = host_like(&model, &hot, true);
+        let host = host_like(&model, &hot);
         let plan = *hot.plan();
         assert_eq!(plan.block_size, 16);
         let vocab = host.facts().vocab_size;
@@ -1427,7 +1387,7 @@ fn a_hit_on_blocks_another_sequence_wrote_is_counted_on_the_device() {
             let c: Vec<u32> = a[..48].iter().copied().chain([20, 21, 22]).collect();
             let hot = cuda(&model, DType::F32, true, 64);
             let cold = cuda(&model, DType::F32, false, 64);
-            let host = host_like(&model, &hot, true);
+            let host = host_like(&model, &hot);
             for (id, prompt) in [(1, &z), (2, &a)] {
                 let mut on = [seq(id, prompt), seq(id, prompt)];
                 prefill(&hot, &[CONTEXT], &mut [&mut on[0]]);
@@ -1502,7 +1462,7 @@ fn a_checkpoint_where_the_prefill_plan_ended_is_marked_on_the_device() {
         ] {
             let hot = cuda(&model, DType::F32, true, 64);
             let cold = cuda(&model, DType::F32, false, 64);
-            let host = host_like(&model, &hot, true);
+            let host = host_like(&model, &hot);
             let plan = *hot.plan();
             assert_eq!(plan.block_size, 16);
             // The first plan ends at the checkpoint at 48.

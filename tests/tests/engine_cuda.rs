@@ -12,7 +12,7 @@
 //! however the work is cut (prefix hits, chunking, decode rows; issue 18).
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
-use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_cuda::{CudaRouter, CudaRouterConfig, DType};
 use device_io::DeviceIo;
 use model::{Config, Model};
 use router_book::CacheStats;
@@ -20,6 +20,7 @@ use scheduler::{
     Drafter, Engine, EngineConfig, LoraAck, LoraCommand, Metrics, Preemption, Request,
     ShutdownMode, SpecOverlap, Speculation, SpillTarget,
 };
+use tests::cuda_sim;
 
 const CONTEXT: usize = 96;
 
@@ -57,14 +58,8 @@ fn cuda_for(model: &Model, caches: bool, depth: usize, blocks: u64) -> CudaRoute
         max_depth: depth,
         ..CudaRouterConfig::new(budget, 2, CONTEXT)
     };
-    let mut budget = 0;
-    let smallest = loop {
-        match CudaRouter::sim(model, config(budget)) {
-            Ok(router) => break router,
-            Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => budget = needed,
-            Err(other) => panic!("budget {budget} answered {other:?}"),
-        }
-    };
+    let smallest = cuda_sim::smallest(model, config);
+    let budget = smallest.router_config().budget_bytes;
     let kv = smallest.plan().kv_block_bytes;
     Box::new(smallest).teardown().unwrap();
     CudaRouter::sim(model, config(budget + blocks * kv * 4 / 3)).unwrap()

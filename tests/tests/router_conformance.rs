@@ -8,10 +8,11 @@
 //! one would fail.)
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
-use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, DType, PlanError};
+use device_cuda::{CudaRouter, CudaRouterConfig, DType};
 use device_io::testing::{ScriptedConfig, ScriptedRouter};
 use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan, Ticket};
 use model::{Config, Model};
+use tests::cuda_sim;
 
 fn model() -> &'static Model {
     static MODEL: std::sync::OnceLock<Model> = std::sync::OnceLock::new();
@@ -51,15 +52,8 @@ fn cuda() -> CudaRouter {
         marconi: false,
         ..CudaRouterConfig::new(budget, 2, 64)
     };
-    // The smallest budget that holds one sequence of the context (the error says what it needs).
-    let mut budget = 0;
-    loop {
-        match CudaRouter::sim(model(), config(budget)) {
-            Ok(router) => return router,
-            Err(CudaRouterError::Plan(PlanError::BudgetTooSmall { needed, .. })) => budget = needed,
-            Err(other) => panic!("budget {budget} answered {other:?}"),
-        }
-    }
+    // The smallest budget that holds one sequence of the context.
+    cuda_sim::smallest(model(), config)
 }
 
 /// The scripted router of the same shape.
