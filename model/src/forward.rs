@@ -943,11 +943,8 @@ fn mamba(
                 (inner, conv_dim, proj_dim, k),
                 task.conv,
             );
-            if k > 1 {
-                let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
-                task.history.copy_within(conv_dim.., 0);
-                task.history[(k - 2) * conv_dim..].copy_from_slice(xbc);
-            }
+            let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
+            push_history(task.history, xbc, k);
             let ctx = ScanContext {
                 w,
                 proj,
@@ -1045,10 +1042,7 @@ fn mamba_rows(
             for i in first..first + len {
                 let xbc = &proj[i * proj_dim + inner..i * proj_dim + inner + conv_dim];
                 let (conv_hist, _) = states.layer_mut(slot, layer);
-                if k > 1 {
-                    conv_hist.copy_within(conv_dim.., 0);
-                    conv_hist[(k - 2) * conv_dim..].copy_from_slice(xbc);
-                }
+                push_history(conv_hist, xbc, k);
                 if let Some(snapshot) = rows.snapshot(i) {
                     states.copy_conv(slot, snapshot, layer);
                 }
@@ -1164,6 +1158,16 @@ struct RowTask<'a> {
     state: &'a mut [f32],
     conv: &'a mut [f32],
     y: &'a mut [f32],
+}
+
+/// Moves a conv history (the K-1 inputs before a row, oldest first) on past that row: the
+/// oldest input goes, the row's conv input `xbc` comes last. With K = 1 there is no history.
+fn push_history(history: &mut [f32], xbc: &[f32], k: usize) {
+    if k > 1 {
+        let conv_dim = xbc.len();
+        history.copy_within(conv_dim.., 0);
+        history[(k - 2) * conv_dim..].copy_from_slice(xbc);
+    }
 }
 
 /// Row `i` (token `t` of its run) of the causal depthwise conv, activated: channel `c` is
