@@ -57,6 +57,16 @@ struct Reservation {
     blocks: usize,
 }
 
+/// A new sequence of any router (`S::create`): `id`, `prompt`, no adapter, no cache salt.
+pub fn seq<S: Sequence>(id: u64, prompt: &[u32]) -> S {
+    S::create(SeqSpec {
+        id,
+        prompt,
+        adapter: None,
+        cache_salt: None,
+    })
+}
+
 /// The per-sequence bookkeeping of a [`ScriptedRouter`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScriptedSeq {
@@ -1409,15 +1419,6 @@ impl<H: Hooks> DeviceIo for Hooked<H> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn seq(id: u64, prompt: &[u32]) -> ScriptedSeq {
-        ScriptedSeq::create(SeqSpec {
-            id,
-            prompt,
-            adapter: None,
-            cache_salt: None,
-        })
-    }
 
     #[test]
     fn a_ticket_is_claimed_once() {

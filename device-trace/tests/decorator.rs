@@ -3,21 +3,11 @@
 
 use std::sync::{Arc, Mutex};
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::testing::{seq, FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
 use device_io::{
-    DeviceError, DeviceIo, Effect, EffectOutcome, LoraCommand, Readback, SeqSpec, Sequence,
-    StepPlan, Ticket,
+    DeviceError, DeviceIo, Effect, EffectOutcome, LoraCommand, Readback, StepPlan, Ticket,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
-
-fn seq(id: u64, prompt: &[u32]) -> ScriptedSeq {
-    ScriptedSeq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
-    })
-}
 
 /// Generic code written against the contract: every method of `DeviceIo` is called.
 fn scenario<D: DeviceIo<Seq = ScriptedSeq>>(mut router: D) -> Vec<String>

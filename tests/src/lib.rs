@@ -25,9 +25,7 @@ pub mod cuda_sim {
 
     use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
     use device_cuda::{CudaRouter, CudaRouterConfig, CudaRouterError, MemoryPlan, PlanError};
-    use device_io::{SeqSpec, Sequence};
     use model::Model;
-    use router_book::RouterSeq;
 
     /// The CUDA router of `config(budget)` with the smallest budget it accepts: a budget's
     /// refusal says what it needs, which is tried next.
@@ -93,16 +91,6 @@ pub mod cuda_sim {
             },
         )
         .unwrap()
-    }
-
-    /// A sequence of both routers (no adapter, no cache salt).
-    pub fn seq(id: u64, prompt: &[u32]) -> RouterSeq {
-        RouterSeq::create(SeqSpec {
-            id,
-            prompt,
-            adapter: None,
-            cache_salt: None,
-        })
     }
 }
 

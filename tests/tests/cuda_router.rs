@@ -9,10 +9,11 @@
 
 use device_cpu::CpuRouter;
 use device_cuda::{CudaRouter, CudaRouterConfig};
+use device_io::testing::seq;
 use device_io::{DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan};
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
-use tests::cuda_sim::{self, seq};
+use tests::cuda_sim;
 
 const SLOTS: usize = 4;
 const CONTEXT: usize = 128;

@@ -19,13 +19,14 @@ use std::sync::Arc;
 
 use device_cpu::CpuRouter;
 use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, DType};
+use device_io::testing::seq;
 use device_io::{
     DeviceError, DeviceIo, Effect, EffectOutcome, Feed, PrefillReport, Readback, StepPlan,
     StepResult,
 };
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
-use tests::cuda_sim::{self, host_like, seq};
+use tests::cuda_sim::{self, host_like};
 
 const SLOTS: usize = 4;
 const CONTEXT: usize = 128;

@@ -1,21 +1,11 @@
 //! A short scenario through `TracingDeviceIo<ScriptedRouter>`, compared with a checked-in golden
 //! trace: every plan, effect, outcome and error the contract's code path produces, line by line.
 
-use device_io::testing::{FaultAt, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::testing::{seq, FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{
-    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Readback, SeqSpec, Sequence,
-    StepPlan,
+    DeviceError, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Readback, Sequence, StepPlan,
 };
 use device_trace::{TraceSink, TracingDeviceIo};
-
-fn seq(id: u64, prompt: &[u32]) -> ScriptedSeq {
-    ScriptedSeq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
-    })
-}
 
 #[test]
 fn scripted_scenario_matches_its_golden_trace() {

@@ -9,8 +9,8 @@
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, DType};
-use device_io::testing::{ScriptedConfig, ScriptedRouter};
-use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan, Ticket};
+use device_io::testing::{seq, ScriptedConfig, ScriptedRouter};
+use device_io::{DeviceIo, Effect, Readback, Sequence, StepPlan, Ticket};
 use model::{Config, Model};
 use tests::cuda_sim;
 
@@ -64,18 +64,6 @@ fn scripted() -> ScriptedRouter {
         num_slots: 2,
         vocab_size: 256,
         max_depth: 1,
-    })
-}
-
-fn seq<D: DeviceIo>(id: u64, prompt: &[u32]) -> D::Seq
-where
-    D::Seq: Sequence,
-{
-    D::Seq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
     })
 }
 
@@ -160,7 +148,7 @@ fn decode_after_release<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     vec![
         prefill(r, &mut a, 8),
         release(r, &mut a),
@@ -173,7 +161,7 @@ fn decode_before_the_prompt_is_complete<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3, 4, 5]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3, 4, 5]);
     vec![
         prefill(r, &mut a, 2),
         decode(r, &mut a, 5),
@@ -185,7 +173,7 @@ fn prefill_after_decoding<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     vec![
         prefill(r, &mut a, 8),
         decode(r, &mut a, 5),
@@ -198,7 +186,7 @@ fn prefill_again_after_release<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     vec![
         prefill(r, &mut a, 8),
         decode(r, &mut a, 5),
@@ -214,7 +202,7 @@ fn decode_a_token_outside_the_vocabulary<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     vec![
         prefill(r, &mut a, 8),
         decode(r, &mut a, 256),
@@ -228,7 +216,7 @@ where
     D::Seq: Sequence,
 {
     let prompt: Vec<u32> = (0..63).collect();
-    let mut a = seq::<D>(1, &prompt);
+    let mut a = seq::<D::Seq>(1, &prompt);
     vec![
         prefill(r, &mut a, 64),
         decode(r, &mut a, 1),
@@ -242,7 +230,7 @@ where
     D::Seq: Sequence,
 {
     let prompt: Vec<u32> = (0..65).collect();
-    let mut a = seq::<D>(1, &prompt);
+    let mut a = seq::<D::Seq>(1, &prompt);
     vec![prefill(r, &mut a, 8), release(r, &mut a)]
 }
 
@@ -250,7 +238,7 @@ fn effects_on_a_released_sequence<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     let mut image = Vec::new();
     vec![
         prefill(r, &mut a, 8),
@@ -270,11 +258,11 @@ fn slots_that_are_taken_or_missing<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
-    let mut b = seq::<D>(2, &[4, 5, 6]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
+    let mut b = seq::<D::Seq>(2, &[4, 5, 6]);
     let mut calls = vec![prefill(r, &mut a, 8), prefill(r, &mut b, 8)];
     let b_slot = b.slot().unwrap_or(1);
-    let mut c = seq::<D>(3, &[7]);
+    let mut c = seq::<D::Seq>(3, &[7]);
     calls.extend([
         compact(r, &mut a, b_slot),
         compact(r, &mut a, 2),
@@ -294,8 +282,8 @@ fn images_that_do_not_fit<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
-    let mut other = seq::<D>(2, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
+    let mut other = seq::<D::Seq>(2, &[1, 2, 3]);
     let mut image = Vec::new();
     let mut calls = vec![prefill(r, &mut a, 8), save_image(r, &a, &mut image)];
     // Onto a live sequence, onto another request's, garbage, cut short.
@@ -316,7 +304,7 @@ fn tickets_and_logits_handles<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     let budgets = [8];
     let plan = StepPlan::Prefill {
         budgets: &budgets,
@@ -366,7 +354,7 @@ fn rows_that_do_not_match_the_plan<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3]);
     let budgets = [8, 8];
     let plan = StepPlan::Prefill {
         budgets: &budgets,
@@ -406,7 +394,7 @@ fn speculation_misuse<D: DeviceIo>(r: &D) -> Vec<bool>
 where
     D::Seq: Sequence,
 {
-    let mut a = seq::<D>(1, &[1, 2, 3, 4, 5, 6]);
+    let mut a = seq::<D::Seq>(1, &[1, 2, 3, 4, 5, 6]);
     let mut calls = vec![
         prefill(r, &mut a, 2),
         verify(r, &mut a, &[1, 2], &[0]),
