@@ -2,14 +2,13 @@
 //! KV block and no Mamba state: bad ids, empty input, positions beyond the block table, broken
 //! checkpoints and configs. Also checkpoint round trips (save/load, bf16 and f16 on disk).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::tiny_dir;
 use model::{Config, DecodeRow, KvPool, MambaStates, Model, ModelError, PrefillRow, Scratch};
 use safetensors::{Dtype, SafeTensors};
-
-fn fixture_model_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model")
-}
 
 /// A fresh, empty directory for one test.
 fn temp_dir(name: &str) -> PathBuf {
@@ -21,7 +20,7 @@ fn temp_dir(name: &str) -> PathBuf {
 
 /// The fixture's tensors as (name, dtype, shape, bytes).
 fn fixture_tensors() -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
-    let bytes = std::fs::read(fixture_model_dir().join("model.safetensors")).unwrap();
+    let bytes = std::fs::read(tiny_dir().join("model.safetensors")).unwrap();
     let tensors = SafeTensors::deserialize(&bytes).unwrap();
     let mut out: Vec<_> = tensors
         .tensors()
@@ -47,7 +46,7 @@ fn write_checkpoint(
 ) {
     let config = match config {
         Some(text) => text.to_string(),
-        None => std::fs::read_to_string(fixture_model_dir().join("config.json")).unwrap(),
+        None => std::fs::read_to_string(tiny_dir().join("config.json")).unwrap(),
     };
     std::fs::write(dir.join("config.json"), config).unwrap();
     let views: Vec<_> = tensors
@@ -69,8 +68,8 @@ fn load_err(dir: &Path) -> ModelError {
 
 #[test]
 fn truncated_and_corrupt_safetensors() {
-    let original = std::fs::read(fixture_model_dir().join("model.safetensors")).unwrap();
-    let config = std::fs::read(fixture_model_dir().join("config.json")).unwrap();
+    let original = std::fs::read(tiny_dir().join("model.safetensors")).unwrap();
+    let config = std::fs::read(tiny_dir().join("config.json")).unwrap();
     let dir = temp_dir("truncated");
     std::fs::write(dir.join("config.json"), &config).unwrap();
     std::fs::write(
@@ -150,7 +149,7 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
         "tensor `mtp.layers.0.enorm.weight` is missing from the checkpoint"
     );
     // Without a declared MTP group, MTP tensors are dropped silently, as transformers does.
-    let base = std::fs::read_to_string(fixture_model_dir().join("config.json")).unwrap();
+    let base = std::fs::read_to_string(tiny_dir().join("config.json")).unwrap();
     let no_mtp = base.replacen(
         "\"num_nextn_predict_layers\": 1",
         "\"num_nextn_predict_layers\": 0",
@@ -163,7 +162,7 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
     write_checkpoint(&dir, None, &tensors);
     assert_eq!(
         Model::load(&dir).unwrap().fingerprint(),
-        Model::load(&fixture_model_dir()).unwrap().fingerprint()
+        Model::load(&tiny_dir()).unwrap().fingerprint()
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -172,7 +171,7 @@ fn missing_wrong_shape_wrong_dtype_and_unexpected_tensors() {
 fn bad_configs_fail_to_load() {
     let tensors = fixture_tensors();
     let dir = temp_dir("configs");
-    let base = std::fs::read_to_string(fixture_model_dir().join("config.json")).unwrap();
+    let base = std::fs::read_to_string(tiny_dir().join("config.json")).unwrap();
     let check = |from: &str, to: &str, expected: &str| {
         assert!(base.contains(from), "{from}");
         write_checkpoint(&dir, Some(&base.replacen(from, to, 1)), &tensors);
@@ -241,7 +240,7 @@ fn save_load_round_trip_and_half_precision_checkpoints_and_mapped_tensors() {
 
     // bf16 / f16 on disk load to exactly the f32 values they represent, and
     // `Model::map_tensors` rounding the fixture's tensors in memory gives the same model.
-    let fixture = Model::load(&fixture_model_dir()).unwrap();
+    let fixture = Model::load(&tiny_dir()).unwrap();
     for (dtype, to_half, from_half) in [
         (
             Dtype::BF16,
@@ -301,7 +300,7 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let model = Model::load(&fixture_model_dir()).unwrap();
+    let model = Model::load(&tiny_dir()).unwrap();
     let config = model.config().clone();
     let mut kv = KvPool::new(&config, 4, 16).unwrap();
     let mut states = MambaStates::new(&config, 2).unwrap();

@@ -2,20 +2,13 @@
 //! bits as without workers (prefill and decode, alone and batched); a worker that dies fails the
 //! step with a typed error; shutdown stops the workers and later MoE layers are refused.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::{bits, tiny};
 use model::{DecodeRow, ExpertPool, KvPool, MambaStates, Model, ModelError, PrefillRow, Scratch};
-
-fn fixture_model() -> Model {
-    let dir =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model");
-    Model::load(&dir).unwrap()
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
 
 /// Two sequences (prompts of 37 and 20 tokens) prefilled, then decoded together for 4 steps;
 /// every logit of every call, and the final states.
@@ -65,7 +58,7 @@ fn run(model: &Model, scratch: &mut Scratch) -> Result<(Vec<u32>, Vec<u32>), Mod
 
 #[test]
 fn experts_on_workers_give_the_same_bits_for_any_worker_count() {
-    let model = fixture_model();
+    let model = tiny();
     let reference = run(&model, &mut Scratch::new(model.config())).unwrap();
     for (workers, threads) in [(1, 1), (2, 2), (4, 3)] {
         let pool = Arc::new(ExpertPool::start(&model, workers).unwrap());
@@ -88,7 +81,7 @@ fn experts_on_workers_give_the_same_bits_for_any_worker_count() {
 
 #[test]
 fn a_dead_worker_fails_the_step_and_shutdown_refuses_later_layers() {
-    let model = fixture_model();
+    let model = tiny();
     let pool = Arc::new(ExpertPool::start(&model, 2).unwrap());
     let mut scratch = Scratch::new(model.config());
     scratch.set_expert_pool(Some(Arc::clone(&pool)));

@@ -2,21 +2,12 @@
 //! whatever the prefill chunking (one chunk, chunks of 1, 16 or 33, token-by-token decode), and
 //! whatever the number of threads the forward pass runs on (1, 2 or 3).
 
-use std::path::PathBuf;
+mod common;
 
+use common::{bits, tiny};
 use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
 const BLOCK_SIZE: usize = 16;
-
-fn fixture_model() -> Model {
-    let dir =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model");
-    Model::load(&dir).unwrap()
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
 
 /// Deterministic pseudo-random prompt (a simple LCG is enough for token ids).
 fn prompt(len: usize, seed: u32, vocab: usize) -> Vec<u32> {
@@ -143,13 +134,13 @@ fn check_chunk_invariance(model: &Model, len: usize, chunks: &[usize]) {
 
 #[test]
 fn prefill_chunking_does_not_change_bits() {
-    check_chunk_invariance(&fixture_model(), 100, &[1, 16, 33]);
+    check_chunk_invariance(&tiny(), 100, &[1, 16, 33]);
 }
 
 #[test]
 fn long_prefill_split_internally_does_not_change_bits() {
     // 150 tokens cross the 128-row internal split of one prefill call.
-    check_chunk_invariance(&fixture_model(), 150, &[16, 128, 149]);
+    check_chunk_invariance(&tiny(), 150, &[16, 128, 149]);
 }
 
 /// Seven sequences with different histories; row `probe` decoded alone on one thread and inside
@@ -242,7 +233,7 @@ fn check_batch_invariance(model: &Model) {
 
 #[test]
 fn decode_batch_does_not_change_a_rows_bits() {
-    check_batch_invariance(&fixture_model());
+    check_batch_invariance(&tiny());
 }
 
 #[test]
@@ -313,4 +304,14 @@ fn variants_without_a_fixture_run_and_stay_invariant() {
         check_batch_invariance(&model);
         check_chunk_invariance(&model, 40, &[1, 13]);
     }
+}
+
+/// The comparisons above are only as exact as `bits`: distinct floats (even 0.0 and -0.0, which
+/// compare equal as floats) give distinct bits.
+#[test]
+fn bits_are_the_floats_exact_bits() {
+    assert_eq!(
+        bits(&[1.0, 0.0, -0.0, f32::NAN]),
+        [0x3f80_0000, 0, 0x8000_0000, 0x7fc0_0000]
+    );
 }

@@ -2,27 +2,26 @@
 //! and every way a safetensors file can be truncated or corrupt gives an error that names the
 //! file and, where one is at fault, the tensor.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::tiny_dir;
 use model::{Model, ModelError};
 use safetensors::SafeTensors;
-
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nemotron-h-tiny/model")
-}
 
 /// A fresh directory holding the fixture's config and `weights` as `model.safetensors`.
 fn checkpoint(name: &str, weights: &[u8]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("model-loading-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(tiny_dir().join("config.json"), dir.join("config.json")).unwrap();
     std::fs::write(dir.join("model.safetensors"), weights).unwrap();
     dir
 }
 
 fn fixture_bytes() -> Vec<u8> {
-    std::fs::read(fixture_dir().join("model.safetensors")).unwrap()
+    std::fs::read(tiny_dir().join("model.safetensors")).unwrap()
 }
 
 /// The message of loading `dir`, which must fail; the directory is removed.

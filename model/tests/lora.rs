@@ -10,9 +10,12 @@
 //!   alone;
 //! - every kind of bad adapter is a typed error naming the file and the problem.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use common::{bits, fixtures, tiny};
 use model::{
     AdapterProblem, DecodeRow, KvPool, LoraAdapter, LoraSpec, MambaStates, Model, ModelError,
     PrefillRow, RunOutputs, RunRow, Scratch,
@@ -22,20 +25,8 @@ use serde_json::json;
 
 const BLOCK_SIZE: usize = 16;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn tiny() -> Model {
-    Model::load(&fixtures().join("nemotron-h-tiny/model")).unwrap()
-}
-
 fn lora_dir(name: &str) -> PathBuf {
     fixtures().join("nemotron-h-tiny-lora").join(name)
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
