@@ -262,7 +262,7 @@ fn batched_chunked_prefill_equals_one_row_at_a_time() {
 
     // All three rows in each step with a budget of 12: row 1 completes in the first step, row 0 in
     // the fourth, row 2 in the fifth; host logits hold only the rows that completed, in row order.
-    let mut seqs: Vec<_> = prompts
+    let mut seqs: Vec<device_cpu::CpuSeq> = prompts
         .iter()
         .enumerate()
         .map(|(i, p)| seq(i as u64, p))

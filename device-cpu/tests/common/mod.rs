@@ -5,9 +5,7 @@
 use std::path::PathBuf;
 
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
-use device_io::{
-    DeviceFacts, DeviceIo, Effect, PrefillReport, Readback, SeqSpec, Sequence, StepPlan,
-};
+use device_io::{DeviceFacts, DeviceIo, Effect, PrefillReport, Readback, Sequence, StepPlan};
 use model::{Config, Model};
 
 pub fn fixture_dir() -> PathBuf {
@@ -41,14 +39,7 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
-pub fn seq(id: u64, prompt: &[u32]) -> CpuSeq {
-    CpuSeq::create(SeqSpec {
-        id,
-        prompt,
-        adapter: None,
-        cache_salt: None,
-    })
-}
+pub use device_io::testing::seq;
 
 /// Prefills to completion in chunks of `chunk`; returns the last prompt position's logits and the
 /// summed report (cached, computed).
