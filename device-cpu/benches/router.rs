@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
-use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+use device_io::testing::{release, seq};
+use device_io::{DeviceIo, Readback, Sequence, StepPlan};
 use model::{DecodeRow, KvPool, MambaStates, Model, Scratch};
 
 fn fixture_model() -> Model {
@@ -26,21 +27,19 @@ fn run(router: &CpuRouter, plan: StepPlan<'_>, rows: &mut [&mut CpuSeq]) {
     router.await_result(ticket).unwrap();
 }
 
+/// One prefill chunk of `budget` tokens of `seq`.
+fn prefill_chunk(router: &CpuRouter, seq: &mut CpuSeq, budget: usize) {
+    let plan = StepPlan::Prefill {
+        budgets: &[budget],
+        readback: Readback::Argmax,
+    };
+    run(router, plan, &mut [seq]);
+}
+
 /// Decode positions cycle through this many steps after a 32-token prompt.
 const CYCLE: usize = 256;
 
 /// Decode steps at batch `batch` after a 32-token prompt each, through the router and bare.
-/// Releases a finished sequence, offering its blocks to the prefix cache when `cache`.
-fn release(router: &CpuRouter, seq: &mut CpuSeq, cache: bool) {
-    router
-        .apply(Effect::ReleaseSeq {
-            seq,
-            cache,
-            what: "finish",
-        })
-        .unwrap();
-}
-
 fn decode(c: &mut Criterion, name: &str, model: Model) {
     let vocab = model.config().vocab_size as u32;
     let mut group = c.benchmark_group(format!("decode/{name}"));
@@ -54,24 +53,10 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
         let mut seqs: Vec<CpuSeq> = prompts
             .iter()
             .enumerate()
-            .map(|(i, p)| {
-                CpuSeq::create(SeqSpec {
-                    id: i as u64,
-                    prompt: p,
-                    adapter: None,
-                    cache_salt: None,
-                })
-            })
+            .map(|(i, p)| seq(i as u64, p))
             .collect();
         for s in seqs.iter_mut() {
-            run(
-                &router,
-                StepPlan::Prefill {
-                    budgets: &[32],
-                    readback: Readback::Argmax,
-                },
-                &mut [s],
-            );
+            prefill_chunk(&router, s, 32);
         }
         let tokens: Vec<u32> = (0..batch as u32).collect();
         group.bench_function(BenchmarkId::new("router", batch), |b| {
@@ -82,14 +67,7 @@ fn decode(c: &mut Criterion, name: &str, model: Model) {
                     // and a 32-token prefill every CYCLE steps).
                     for s in rows.iter_mut() {
                         release(&router, s, false);
-                        run(
-                            &router,
-                            StepPlan::Prefill {
-                                budgets: &[32],
-                                readback: Readback::Argmax,
-                            },
-                            &mut [s],
-                        );
+                        prefill_chunk(&router, s, 32);
                     }
                 }
                 run(
@@ -149,12 +127,7 @@ fn prefill(c: &mut Criterion, name: &str, model: Model) {
     let mut id = 0;
     let mut once = |router: &CpuRouter, cache: bool| {
         id += 1;
-        let mut s = CpuSeq::create(SeqSpec {
-            id,
-            prompt: &p,
-            adapter: None,
-            cache_salt: None,
-        });
+        let mut s: CpuSeq = seq(id, &p);
         let ticket = router
             .launch(
                 StepPlan::Prefill {

@@ -1,7 +1,8 @@
 //! Unit tests that look inside the router: the snapshot ring's state copies, when a Marconi
 //! checkpoint is due, the byte-budget rule, config validation, and `facts()` while sequences run.
 
-use device_io::{DeviceIo, Effect, EffectOutcome, Readback, SeqSpec, Sequence, StepPlan};
+use device_io::testing::{self, release};
+use device_io::{DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan};
 use model::{Config, KvPool, MambaStates, Model};
 
 use crate::{CheckpointBudget, CpuRouter, CpuRouterConfig, CpuSeq, RouterError};
@@ -19,12 +20,7 @@ fn router(prefix_cache: bool) -> CpuRouter {
 
 fn seq(id: u64, len: u32) -> CpuSeq {
     let prompt: Vec<u32> = (0..len).map(|i| (i * 13 + 5) % 256).collect();
-    CpuSeq::create(SeqSpec {
-        id,
-        prompt: &prompt,
-        adapter: None,
-        cache_salt: None,
-    })
+    testing::seq(id, &prompt)
 }
 
 fn run(router: &CpuRouter, plan: StepPlan<'_>, s: &mut CpuSeq) {
@@ -91,12 +87,7 @@ fn the_snapshot_ring_saves_and_restores_the_live_state() {
         EffectOutcome::Unit
     );
     assert_eq!(live_state(&r, &s), saved);
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut s,
-        cache: false,
-        what: "finish",
-    })
-    .unwrap();
+    release(&r, &mut s, false);
     assert!(r.inner.lock().unwrap().ring.iter().all(Option::is_none));
 }
 
@@ -163,12 +154,7 @@ fn facts_follow_running_sequences() {
     // The end-of-input checkpoint at 32, held by the sequence until its release.
     assert_eq!(s.checkpoints_held(), (Some(32), None));
     assert_eq!(facts.checkpoint_slots_used, 1);
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut s,
-        cache: true,
-        what: "finish",
-    })
-    .unwrap();
+    release(&r, &mut s, true);
     let facts = r.facts();
     // The tree keeps the two full blocks up to the checkpoint; the partial third is free.
     assert_eq!(
@@ -305,12 +291,7 @@ fn a_model_without_attention_caches_through_checkpoints_alone() {
             .prefill
             .unwrap()
             .cached;
-        r.apply(Effect::ReleaseSeq {
-            seq: &mut s,
-            cache: true,
-            what: "finish",
-        })
-        .unwrap();
+        release(r, &mut s, true);
         (cached, host.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
     };
     let (first, want) = logits(&off, 1);

@@ -72,12 +72,7 @@ fn a_mixed_workload_releases_everything_exactly_once() {
     // Finish 0 (cached), preempt 1 by spilling it, move 3 into 0's slot, detach 2 and hand its
     // slot to the restored 1.
     let (a, rest) = seqs.split_at_mut(1);
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut a[0],
-        cache: true,
-        what: "finish",
-    })
-    .unwrap();
+    release(&r, &mut a[0], true);
     let mut image = Vec::new();
     r.apply(Effect::SaveSequenceState {
         seq: &rest[0],
@@ -105,24 +100,9 @@ fn a_mixed_workload_releases_everything_exactly_once() {
     assert_eq!(restored.slot(), Some(1));
     traced_decode(&r, &mut [&mut restored, &mut rest[2]], &[3, 4]);
     assert_eq!(r.facts().live_slots_used, 2);
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut rest[1],
-        cache: true,
-        what: "finish",
-    })
-    .unwrap();
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut rest[2],
-        cache: true,
-        what: "finish",
-    })
-    .unwrap();
-    r.apply(Effect::ReleaseSeq {
-        seq: &mut restored,
-        cache: true,
-        what: "finish",
-    })
-    .unwrap();
+    release(&r, &mut rest[1], true);
+    release(&r, &mut rest[2], true);
+    release(&r, &mut restored, true);
 
     let lines = buffer.lines();
     let releases: Vec<usize> = lines

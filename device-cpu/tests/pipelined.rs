@@ -345,13 +345,7 @@ fn masked_argmax_is_the_argmax_of_the_masked_host_logits() {
             assert!(mask[token as usize]);
             release(&r, &mut a, true);
         }
-        twin_router
-            .apply(Effect::ReleaseSeq {
-                seq: &mut twin,
-                cache: false,
-                what: "finish",
-            })
-            .unwrap();
+        release(&twin_router, &mut twin, false);
         if depth == 1 {
             release(&r, &mut a, true);
         }

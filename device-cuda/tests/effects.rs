@@ -6,9 +6,9 @@
 //! so a missing event between the compute and the copy stream shows up as wrong bytes.
 
 use device_cuda::{CudaRouter, CudaRouterConfig, CudaSeq, DType, Schedule, SimRuntime};
+use device_io::testing::{self, release};
 use device_io::{
-    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, SeqSpec, Sequence,
-    StepPlan, Ticket,
+    DeviceError, DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan, Ticket,
 };
 use model::{Config, Model};
 use rand::{Rng, SeedableRng};
@@ -91,13 +91,9 @@ fn image_of(
     (bytes, state.iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
+/// Sequence `id` with a 3-token prompt, for an image to be restored into.
 fn seq(id: u64) -> CudaSeq {
-    CudaSeq::create(SeqSpec {
-        id,
-        prompt: &[1, 2, 3],
-        adapter: None,
-        cache_salt: None,
-    })
+    testing::seq(id, &[1, 2, 3])
 }
 
 fn restore(router: &CudaRouter, seq: &mut CudaSeq, image: &[u8]) -> device_io::Result<()> {
@@ -116,16 +112,6 @@ fn save(router: &CudaRouter, seq: &CudaSeq) -> device_io::Result<Vec<u8>> {
         writer: &mut out,
     })?;
     Ok(out)
-}
-
-fn release(router: &CudaRouter, seq: &mut CudaSeq, cache: bool) {
-    router
-        .apply(Effect::ReleaseSeq {
-            seq,
-            cache,
-            what: "finish",
-        })
-        .unwrap();
 }
 
 fn used_blocks(facts: &DeviceFacts) -> usize {

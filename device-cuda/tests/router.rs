@@ -6,7 +6,7 @@ use device_cuda::{
     CudaError, CudaRouter, CudaRouterConfig, CudaRouterError, DType, MemoryPlan, PlanError,
     PoolSizes,
 };
-use device_io::{DeviceError, DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+use device_io::{testing, DeviceError, DeviceIo, Readback, StepPlan};
 use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
 use router_book::RouterSeq;
 
@@ -185,12 +185,7 @@ fn a_prefill_step_runs_on_the_sim_as_on_the_host() {
     let want = host_logits(&model, &prompt);
     for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::Bf16, 2e-2)] {
         let router = CudaRouter::sim(&model, config(dtype)).unwrap();
-        let mut seq = RouterSeq::create(SeqSpec {
-            id: 1,
-            prompt: &prompt,
-            adapter: None,
-            cache_salt: None,
-        });
+        let mut seq: RouterSeq = testing::seq(1, &prompt);
         let mut logits = Vec::new();
         let plan = StepPlan::Prefill {
             budgets: &[64],
@@ -212,13 +207,7 @@ fn a_prefill_step_runs_on_the_sim_as_on_the_host() {
         };
         let ticket = router.launch(plan, &mut [&mut seq]).unwrap();
         assert!(router.await_result(ticket).unwrap().rows[0].token.is_some());
-        router
-            .apply(Effect::ReleaseSeq {
-                seq: &mut seq,
-                cache: false,
-                what: "done",
-            })
-            .unwrap();
+        testing::release(&router, &mut seq, false);
         Box::new(router).teardown().unwrap();
     }
 }
@@ -226,12 +215,7 @@ fn a_prefill_step_runs_on_the_sim_as_on_the_host() {
 #[test]
 fn speculative_plans_are_unsupported_and_facts_are_the_plans() {
     let router = CudaRouter::sim(&tiny(), config(DType::Bf16)).unwrap();
-    let mut seq = RouterSeq::create(SeqSpec {
-        id: 1,
-        prompt: &[1, 2, 3],
-        adapter: None,
-        cache_salt: None,
-    });
+    let mut seq: RouterSeq = testing::seq(1, &[1, 2, 3]);
     let plan = StepPlan::Draft { tokens: &[1], k: 2 };
     assert_eq!(
         router.launch(plan, &mut [&mut seq]).unwrap_err(),

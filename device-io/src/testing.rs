@@ -67,6 +67,21 @@ pub fn seq<S: Sequence>(id: u64, prompt: &[u32]) -> S {
     })
 }
 
+/// Releases `seq` on any router as a finished request (`ReleaseSeq`, labelled `finish`), offering
+/// its KV to the prefix cache first when `cache`.
+///
+/// # Panics
+/// When the router refuses the release (a test helper: the test's sequence must be releasable).
+pub fn release<D: DeviceIo + ?Sized>(router: &D, seq: &mut D::Seq, cache: bool) {
+    router
+        .apply(Effect::ReleaseSeq {
+            seq,
+            cache,
+            what: "finish",
+        })
+        .unwrap();
+}
+
 /// The per-sequence bookkeeping of a [`ScriptedRouter`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScriptedSeq {
@@ -1527,13 +1542,7 @@ mod tests {
         );
         assert_eq!((ahead.facts(), b.clone()), before);
         assert_eq!(ahead.rollbacks(), vec![2]);
-        ahead
-            .apply(Effect::ReleaseSeq {
-                seq: &mut b,
-                cache: true,
-                what: "finish",
-            })
-            .unwrap();
+        release(&ahead, &mut b, true);
         Box::new(ahead).teardown().unwrap();
     }
 

@@ -2,24 +2,19 @@
 //! `TracingDeviceIo` with the in-memory sink, against the bare scripted router.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use device_io::testing::{ScriptedConfig, ScriptedRouter, ScriptedSeq};
-use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+use device_io::testing::{seq, ScriptedConfig, ScriptedRouter, ScriptedSeq};
+use device_io::{DeviceIo, Effect, Readback, StepPlan};
 use device_trace::{TraceSink, TracingDeviceIo};
 
 fn prefilled<D: DeviceIo<Seq = ScriptedSeq>>(router: &D) -> ScriptedSeq {
-    let mut seq = ScriptedSeq::create(SeqSpec {
-        id: 1,
-        prompt: &[1, 2, 3],
-        adapter: None,
-        cache_salt: None,
-    });
+    let mut s: ScriptedSeq = seq(1, &[1, 2, 3]);
     let plan = StepPlan::Prefill {
         budgets: &[3],
         readback: Readback::Argmax,
     };
-    let ticket = router.launch(plan, &mut [&mut seq]).expect("prefill");
+    let ticket = router.launch(plan, &mut [&mut s]).expect("prefill");
     router.await_result(ticket).expect("settle");
-    seq
+    s
 }
 
 fn calls<D: DeviceIo<Seq = ScriptedSeq>>(

@@ -315,7 +315,8 @@ fn slow_and_dropped_subscribers_change_nothing() {
 #[test]
 fn a_traced_router_forwards_subscriptions_silently() {
     use device_cpu::CpuSeq;
-    use device_io::{Effect, Readback, SeqSpec, Sequence, StepPlan};
+    use device_io::testing::{release, seq};
+    use device_io::{Readback, StepPlan};
     use device_trace::{TraceSink, TracingDeviceIo};
 
     let router = CpuRouter::new(attention_only(), CpuRouterConfig::new(16, 2)).unwrap();
@@ -325,25 +326,14 @@ fn a_traced_router_forwards_subscriptions_silently() {
     traced.subscribe_cache_events(events_sink).unwrap();
     assert!(buffer.lines().is_empty());
     let prompt: Vec<u32> = (1..=40).collect();
-    let mut seq = CpuSeq::create(SeqSpec {
-        id: 1,
-        prompt: &prompt,
-        adapter: None,
-        cache_salt: None,
-    });
+    let mut a: CpuSeq = seq(1, &prompt);
     let plan = StepPlan::Prefill {
         budgets: &[64],
         readback: Readback::Argmax,
     };
-    let ticket = traced.launch(plan, &mut [&mut seq]).unwrap();
+    let ticket = traced.launch(plan, &mut [&mut a]).unwrap();
     traced.await_result(ticket).unwrap();
-    traced
-        .apply(Effect::ReleaseSeq {
-            seq: &mut seq,
-            cache: true,
-            what: "finish",
-        })
-        .unwrap();
+    release(&traced, &mut a, true);
     let mut view = View::default();
     view.drain(&events);
     assert_eq!(view.blocks.len(), 40 / 16);

@@ -9,7 +9,7 @@
 
 use device_cpu::CpuRouter;
 use device_cuda::{CudaRouter, CudaRouterConfig};
-use device_io::testing::seq;
+use device_io::testing::{release, seq};
 use device_io::{DeviceFacts, DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan};
 use model::Model;
 use router_book::{LogitsHandle, RouterSeq};
@@ -106,12 +106,7 @@ fn host_images() -> [(u64, Vec<u32>, Vec<u8>); 3] {
         let mut s = seq(id, &p);
         run_on_host(&host, &mut s, decodes);
         let image = save(&host, &s).unwrap();
-        host.apply(Effect::ReleaseSeq {
-            seq: &mut s,
-            cache: false,
-            what: "finish",
-        })
-        .unwrap();
+        release(&host, &mut s, false);
         (id, p, image)
     })
 }
@@ -149,27 +144,12 @@ fn a_host_state_moves_to_the_cuda_router_and_back_bit_for_bit() {
     };
     let last = 17;
     let want = next(&mut original, last);
-    host.apply(Effect::ReleaseSeq {
-        seq: &mut original,
-        cache: false,
-        what: "finish",
-    })
-    .unwrap();
+    release(&host, &mut original, false);
     let mut resumed = seq(7, &p);
     restore(&host, &mut resumed, &back).unwrap();
     assert_eq!(next(&mut resumed, last), want, "token and logits bits");
-    host.apply(Effect::ReleaseSeq {
-        seq: &mut resumed,
-        cache: false,
-        what: "finish",
-    })
-    .unwrap();
-    cuda.apply(Effect::ReleaseSeq {
-        seq: &mut on_cuda,
-        cache: false,
-        what: "finish",
-    })
-    .unwrap();
+    release(&host, &mut resumed, false);
+    release(&cuda, &mut on_cuda, false);
     Box::new(host).teardown().unwrap();
     Box::new(cuda).teardown().unwrap();
 }

@@ -1,7 +1,7 @@
 //! A short scenario through `TracingDeviceIo<ScriptedRouter>`, compared with a checked-in golden
 //! trace: every plan, effect, outcome and error the contract's code path produces, line by line.
 
-use device_io::testing::{seq, FaultAt, ScriptedConfig, ScriptedRouter};
+use device_io::testing::{release, seq, FaultAt, ScriptedConfig, ScriptedRouter};
 use device_io::{
     DeviceError, DeviceIo, Effect, EffectOutcome, Feed, LoraCommand, Readback, Sequence, StepPlan,
 };
@@ -86,13 +86,7 @@ fn scripted_scenario_matches_its_golden_trace() {
     assert!(router.launch(plan, &mut [&mut a, &mut b]).is_err());
 
     // Finish a, compact b into slot 0, spill and restore b.
-    router
-        .apply(Effect::ReleaseSeq {
-            seq: &mut a,
-            cache: true,
-            what: "finish",
-        })
-        .unwrap();
+    release(&router, &mut a, true);
     router
         .apply(Effect::CompactSlot {
             seq: &mut b,
@@ -120,13 +114,7 @@ fn scripted_scenario_matches_its_golden_trace() {
         })
         .unwrap();
     assert_eq!(b.computed_len(), 5);
-    router
-        .apply(Effect::ReleaseSeq {
-            seq: &mut b,
-            cache: true,
-            what: "finish",
-        })
-        .unwrap();
+    release(&router, &mut b, true);
 
     // Teardown in the documented order.
     router.lora(LoraCommand::Unload { adapter: 1 }).unwrap_err();

@@ -3,7 +3,7 @@
 //! or a typed error, and every record it does give satisfies the format's rules.
 
 use proptest::prelude::*;
-use workload_trace::{ReadOptions, TraceReader};
+use workload_trace::{ReadOptions, TraceReader, FIELDS};
 
 const GOOD: &str = concat!(
     r#"{"session_id": "a", "turn_id": 0, "ts": 1.5, "num_input_tokens": 3, "num_output_tokens": 1, "input_tokens": [1, 2, 103], "output_tokens": [200]}"#,
@@ -50,7 +50,7 @@ enum Mutation {
     Insert(usize, u8),
     /// Cut the text here.
     Cut(usize),
-    /// Replace the value of this field (by index into the field names) of the first record.
+    /// Replace the value of this field (by index into [`FIELDS`]) of the first record.
     Field(usize, String),
 }
 
@@ -59,20 +59,11 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Byte(at, b)),
         (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Insert(at, b)),
         any::<usize>().prop_map(Mutation::Cut),
-        (0usize..7, json_value()).prop_map(|(i, v)| Mutation::Field(i, v)),
+        (0..FIELDS.len(), json_value()).prop_map(|(i, v)| Mutation::Field(i, v)),
     ]
 }
 
 fn apply(text: &mut Vec<u8>, mutation: &Mutation) {
-    const NAMES: [&str; 7] = [
-        "session_id",
-        "turn_id",
-        "ts",
-        "num_input_tokens",
-        "num_output_tokens",
-        "input_tokens",
-        "output_tokens",
-    ];
     let len = text.len().max(1);
     match mutation {
         Mutation::Byte(at, b) => {
@@ -97,7 +88,7 @@ fn apply(text: &mut Vec<u8>, mutation: &Mutation) {
             let Ok(value) = serde_json::from_str(value) else {
                 return;
             };
-            object.insert(NAMES[*i].to_string(), value);
+            object.insert(FIELDS[*i].to_string(), value);
             let rest = &line[first.len()..];
             *text = format!("{}{rest}", serde_json::Value::Object(object)).into_bytes();
         }

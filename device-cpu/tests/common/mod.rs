@@ -39,7 +39,7 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
-pub use device_io::testing::seq;
+pub use device_io::testing::{release, seq};
 
 /// Prefills to completion in chunks of `chunk`; returns the last prompt position's logits and the
 /// summed report (cached, computed).
@@ -115,16 +115,6 @@ pub fn generate(
         rows.push(decode(router, &mut [seq], &[token]));
     }
     rows
-}
-
-pub fn release(router: &CpuRouter, seq: &mut CpuSeq, cache: bool) {
-    router
-        .apply(Effect::ReleaseSeq {
-            seq,
-            cache,
-            what: "finish",
-        })
-        .unwrap();
 }
 
 /// Bits of a list of logit rows, for exact comparisons.
