@@ -29,8 +29,10 @@
 //!   setting, which serves every later request beside the live store (when the leader has
 //!   α > 0, the best recency-only shadow, α = 0 with plain admission, may start one too). The trial measures the
 //!   switch itself, transition included, against the live store on the same requests; the live
-//!   store takes the setting only after the copy led it by [`TRIAL_Z`] standard errors at one
-//!   of the trial's looks (every [`TRIAL_LOOK`] requests; for a recency-only setting, α = 0
+//!   store takes the setting only after the copy led it by [`TRIAL_Z`] standard errors
+//!   ([`GUARDED_TRIAL_Z`] for a guarded setting, whose switch locks out the conversations that
+//!   lost their entries) at one of the trial's looks (every [`TRIAL_LOOK`] requests; for a
+//!   recency-only setting, α = 0
 //!   with plain admission, a lead in hit tokens with `TRIAL_Z` standard errors of a sign test
 //!   serves too: more requests won than lost, and so does a copy that is not behind and won
 //!   more requests than it lost while its shadow still leads the LRU shadow by the departure
@@ -206,6 +208,18 @@ pub const TRIAL_LENGTH: usize = 300;
 /// the policy grid: 1 fell below LRU on two cells (by up to 0.0092), 2 on none.
 pub const TRIAL_Z: f64 = 2.0;
 
+/// [`TRIAL_Z`] for a trial of a guarded setting (guarded admission on). Such a switch freezes
+/// what the live store holds: from then on a sequence that missed may replace only dead
+/// entries, so a conversation that comes back after losing its entry stays locked out. A trace
+/// whose sessions drain at its end (the last requests are the final turns of the longest
+/// conversations) pays for that there, after the trial's evidence was gathered (chat, 20
+/// sessions, seed 9, 2 GB at block size 16: guarded α = 3 adopted at request 265 of 284, then
+/// two turns that LRU hit missed). 2.5 was measured on the tuning data (session 13, see the crate
+/// report): the short-trace scan's cells below `lru` − 0.002 went from 18 to 13 of 600, with
+/// nothing new below `lru` or the paper's policies on the tuning set and grid seeds 8 and 9;
+/// it gives up some guarded wins (the scan's cells above `lru` + 0.002: 174 to 164).
+pub const GUARDED_TRIAL_Z: f64 = 2.5;
+
 /// How many standard errors (of the sum of per-request differences in hit tokens) a
 /// recency-only trial's copy (α = 0, plain admission) must lead the live store by to count as
 /// leading at any request between its looks, once it has run [`EARLY_TRIAL_MIN`] requests. A
@@ -356,7 +370,8 @@ struct Trial {
 
 impl Trial {
     /// Whether the copy leads the live store significantly at a look: by [`TRIAL_Z`] standard
-    /// errors of the summed differences in hit tokens, or, for a recency-only setting (α = 0,
+    /// errors of the summed differences in hit tokens ([`GUARDED_TRIAL_Z`] for a guarded
+    /// setting), or, for a recency-only setting (α = 0,
     /// plain admission), by `TRIAL_Z` standard errors of a sign test with a lead in hit tokens.
     /// Such a setting differs from [`LRU`] only in which entries a request refreshes, and where
     /// evictions are rare its wins are few and one-sided but of very different sizes (a turn of a
@@ -375,6 +390,7 @@ impl Trial {
     /// pass was dropped by such a switch and its win lost).
     fn leads(&self, shadow_evidence: bool) -> bool {
         leads_at_look(
+            self.setting.guard,
             self.recency_only(),
             self.lead,
             self.lead_squares,
@@ -399,8 +415,10 @@ impl Trial {
 
 /// The test of [`Trial::leads`] on a trial's sums: `lead` and `lead_squares` of the per-request
 /// differences in hit tokens, `wins` and `losses` the requests with a positive and a negative
-/// difference; `shadow_evidence` whether the setting's shadow and the other trials vouch for it.
+/// difference; `shadow_evidence` whether the setting's shadow and the other trials vouch for it;
+/// `guarded` whether the setting has guarded admission (its bar is [`GUARDED_TRIAL_Z`]).
 fn leads_at_look(
+    guarded: bool,
     recency_only: bool,
     lead: f64,
     lead_squares: f64,
@@ -409,7 +427,8 @@ fn leads_at_look(
     shadow_evidence: bool,
 ) -> bool {
     let decided = f64::from(wins) + f64::from(losses);
-    lead > TRIAL_Z * lead_squares.sqrt()
+    let z = if guarded { GUARDED_TRIAL_Z } else { TRIAL_Z };
+    lead > z * lead_squares.sqrt()
         || (recency_only
             && lead > 0.0
             && f64::from(wins) - f64::from(losses) > TRIAL_Z * decided.sqrt())
@@ -1092,10 +1111,44 @@ mod tests {
         let wins = differences.iter().filter(|&&d| d > 0.0).count() as u32;
         let losses = differences.iter().filter(|&&d| d < 0.0).count() as u32;
         assert_eq!(
-            leads_at_look(recency_only, lead, squares, wins, losses, shadow_evidence),
+            leads_at_look(
+                false,
+                recency_only,
+                lead,
+                squares,
+                wins,
+                losses,
+                shadow_evidence
+            ),
             expected,
             "{recency_only} {shadow_evidence} {differences:?}"
         );
+    }
+
+    #[test]
+    fn a_guarded_trial_needs_a_larger_lead_at_a_look() {
+        // 100 requests, 10 of them won by 1000 tokens and one lost by 1000: 9000 ahead with a
+        // standard error of √11 · 1000 = 3317, 2.71 standard errors; 9 won and 2 lost, 7000
+        // ahead with √11 · 1000: 2.11.
+        let mut strong = vec![0.0; 89];
+        strong.extend([1000.0; 10]);
+        strong.push(-1000.0);
+        let mut weak = vec![0.0; 89];
+        weak.extend([1000.0; 9]);
+        weak.extend([-1000.0; 2]);
+        let leads = |guarded: bool, differences: &[f64]| {
+            let lead: f64 = differences.iter().sum();
+            let squares: f64 = differences.iter().map(|d| d * d).sum();
+            let wins = differences.iter().filter(|&&d| d > 0.0).count() as u32;
+            let losses = differences.iter().filter(|&&d| d < 0.0).count() as u32;
+            leads_at_look(guarded, false, lead, squares, wins, losses, false)
+        };
+        // Plain admission: `TRIAL_Z` (2) standard errors, both lead.
+        assert!(leads(false, &strong));
+        assert!(leads(false, &weak));
+        // Guarded admission: `GUARDED_TRIAL_Z` (2.5), only the strong one.
+        assert!(leads(true, &strong));
+        assert!(!leads(true, &weak));
     }
 
     /// `(recency_only, per-request differences in hit tokens)`: whether a trial leads between

@@ -14,7 +14,10 @@
 //! LRU only for a FLOP-aware setting late in the trace and lost as its sessions drained: mix
 //! (30 sessions, seed 4) at 2 GB, 0.3611 against 0.3993 (switched to α = 3 guarded at request
 //! 316 of 375); an α = 0 setting needs less evidence to leave LRU now, and the tuner moves to
-//! guarded α = 0 at request 248.
+//! guarded α = 0 at request 248. And one where a guarded setting adopted late locked the
+//! drain's returning conversations out: mix (20 sessions, seed 4) at 2 GB, 0.4324 against
+//! 0.4456 (guarded α = 1 at request 224 of 252); a
+//! guarded trial needs 2.5 standard errors now, and the tuner stays at LRU.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_short_cell, LRU_TOLERANCE};
@@ -46,6 +49,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::ShareGpt, 40, 2, 1_000_000_000),
         (TraceKind::Agentic, 12, 2, 1_000_000_000),
         (TraceKind::Mix, 30, 4, 2_000_000_000),
+        (TraceKind::Mix, 20, 4, 2_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {
