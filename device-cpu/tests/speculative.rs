@@ -10,7 +10,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{argmax, bits, prefill, release, seq};
+use common::{argmax, assert_nothing_held, bits, prefill, release, seq};
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
 use device_io::{DeviceError, DeviceIo, Effect, Readback, Sequence, StepPlan};
 use model::parity::MtpCase;
@@ -532,12 +532,7 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs() {
             assert_eq!(hot_view.drafts, cold_view.drafts, "{fixture} seed {seed}");
             drafts_compared += hot_view.drafts.len();
             // Every block the hit copied went back or is cached; no slot is held.
-            let facts = hot.facts();
-            assert_eq!(
-                facts.kv_blocks_free + facts.kv_blocks_cached,
-                facts.kv_blocks_total
-            );
-            assert_eq!(facts.live_slots_used, 0);
+            assert_nothing_held(&hot);
         }
     }
     assert_eq!(drafts_compared, 32);

@@ -82,6 +82,34 @@ pub fn release<D: DeviceIo + ?Sized>(router: &D, seq: &mut D::Seq, cache: bool) 
         .unwrap();
 }
 
+/// Asserts that no sequence holds anything on `router`: no live slot is used, and every block is
+/// free or cached.
+///
+/// # Panics
+/// When a slot or a block is still held (the assertion).
+#[track_caller]
+pub fn assert_nothing_held<D: DeviceIo + ?Sized>(router: &D) {
+    let now = router.facts();
+    assert_eq!(now.live_slots_used, 0, "{now:?}");
+    assert_eq!(
+        now.kv_blocks_free + now.kv_blocks_cached,
+        now.kv_blocks_total,
+        "{now:?}"
+    );
+}
+
+/// Asserts [`assert_nothing_held`], then clears the prefix cache and asserts that the router's
+/// facts are `initial` again (taken when nothing ran and nothing was cached).
+///
+/// # Panics
+/// When something is still held, the cache cannot be cleared, or the facts differ.
+#[track_caller]
+pub fn assert_back_to_initial<D: DeviceIo + ?Sized>(router: &D, initial: DeviceFacts) {
+    assert_nothing_held(router);
+    router.clear_prefix_cache().unwrap();
+    assert_eq!(router.facts(), initial);
+}
+
 /// The per-sequence bookkeeping of a [`ScriptedRouter`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScriptedSeq {

@@ -5,11 +5,13 @@
 //!
 //! `cargo bench -p model --bench forward`
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use model::{Config, DecodeRow, KvPool, MambaStates, Model, PrefillRow, Scratch};
+mod common;
 
-const BLOCK_SIZE: usize = 16;
-const CONTEXT: usize = 128;
+use common::{
+    block_tables, context, decode_rows, prefill_contexts, BLOCKS_PER_ROW, BLOCK_SIZE, CONTEXT,
+};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use model::{Config, KvPool, MambaStates, Model, PrefillRow, Scratch};
 
 fn bench_config(c: &mut Criterion, name: &str, config: Config) {
     let model = Model::random(config, 1).expect("built-in config is valid");
@@ -20,41 +22,14 @@ fn bench_config(c: &mut Criterion, name: &str, config: Config) {
     group.warm_up_time(std::time::Duration::from_secs(1));
     group.measurement_time(std::time::Duration::from_secs(3));
 
-    let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK_SIZE);
     for batch in [1usize, 8, 64] {
-        let mut kv = KvPool::new(&config, batch * blocks_per_seq, BLOCK_SIZE).expect("pool");
+        let mut kv = KvPool::new(&config, batch * BLOCKS_PER_ROW, BLOCK_SIZE).expect("pool");
         let mut states = MambaStates::new(&config, batch).expect("states");
         let mut scratch = Scratch::new(&config);
         let mut logits = Vec::new();
-        let tables: Vec<Vec<u32>> = (0..batch)
-            .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
-            .collect();
-        for (slot, table) in tables.iter().enumerate() {
-            let tokens: Vec<u32> = (0..CONTEXT as u32)
-                .map(|t| (t * 31 + slot as u32 * 7) % vocab)
-                .collect();
-            let row = PrefillRow {
-                tokens: &tokens,
-                start_pos: 0,
-                blocks: table,
-                slot,
-            };
-            model
-                .prefill(&mut scratch, &mut kv, &mut states, row, false, &mut logits)
-                .expect("prefill");
-        }
-        // Every iteration decodes position CONTEXT again (overwriting its K/V), so the context
-        // length stays fixed while the Mamba state keeps stepping.
-        let rows: Vec<DecodeRow<'_>> = tables
-            .iter()
-            .enumerate()
-            .map(|(slot, table)| DecodeRow {
-                token: (slot as u32 * 13) % vocab,
-                pos: CONTEXT,
-                blocks: table,
-                slot,
-            })
-            .collect();
+        let tables = block_tables(batch);
+        prefill_contexts(&model, &mut scratch, &mut kv, &mut states, &tables, &[]);
+        let rows = decode_rows(&tables, vocab);
         group.throughput(Throughput::Elements(batch as u64));
         group.bench_function(BenchmarkId::new("decode", batch), |b| {
             b.iter(|| {
@@ -65,12 +40,12 @@ fn bench_config(c: &mut Criterion, name: &str, config: Config) {
         });
     }
 
-    let mut kv = KvPool::new(&config, blocks_per_seq, BLOCK_SIZE).expect("pool");
+    let mut kv = KvPool::new(&config, BLOCKS_PER_ROW, BLOCK_SIZE).expect("pool");
     let mut states = MambaStates::new(&config, 1).expect("states");
     let mut scratch = Scratch::new(&config);
     let mut logits = Vec::new();
-    let table: Vec<u32> = (0..blocks_per_seq as u32).collect();
-    let tokens: Vec<u32> = (0..CONTEXT as u32).map(|t| (t * 31) % vocab).collect();
+    let table = &block_tables(1)[0];
+    let tokens = context(0, vocab);
     group.throughput(Throughput::Elements(CONTEXT as u64));
     group.bench_function(BenchmarkId::new("prefill", CONTEXT), |b| {
         b.iter(|| {
@@ -78,7 +53,7 @@ fn bench_config(c: &mut Criterion, name: &str, config: Config) {
             let row = PrefillRow {
                 tokens: &tokens,
                 start_pos: 0,
-                blocks: &table,
+                blocks: table,
                 slot: 0,
             };
             model

@@ -7,13 +7,12 @@
 //!
 //! `cargo bench -p model --bench lora`
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use model::{
-    Config, DecodeRow, KvPool, LoraAdapter, LoraSpec, MambaStates, Model, PrefillRow, Scratch,
-};
+mod common;
 
-const BLOCK_SIZE: usize = 16;
-const CONTEXT: usize = 128;
+use common::{block_tables, decode_rows, prefill_contexts, BLOCKS_PER_ROW, BLOCK_SIZE};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use model::{Config, KvPool, LoraAdapter, LoraSpec, MambaStates, Model, Scratch};
+
 const BATCH: usize = 32;
 const ADAPTERS: usize = 4;
 const RANK: usize = 16;
@@ -33,10 +32,7 @@ fn bench_lora(c: &mut Criterion) {
     group.measurement_time(std::time::Duration::from_secs(3));
     group.throughput(Throughput::Elements(BATCH as u64));
 
-    let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK_SIZE);
-    let tables: Vec<Vec<u32>> = (0..BATCH)
-        .map(|s| ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect())
-        .collect();
+    let tables = block_tables(BATCH);
     for threads in [1usize, 2] {
         for mixed in [false, true] {
             let row_adapters: Vec<Option<&LoraAdapter>> = if mixed {
@@ -44,45 +40,19 @@ fn bench_lora(c: &mut Criterion) {
             } else {
                 Vec::new()
             };
-            let mut kv = KvPool::new(&config, BATCH * blocks_per_seq, BLOCK_SIZE).expect("pool");
+            let mut kv = KvPool::new(&config, BATCH * BLOCKS_PER_ROW, BLOCK_SIZE).expect("pool");
             let mut states = MambaStates::new(&config, BATCH).expect("states");
             let mut scratch = Scratch::with_threads(&config, threads).expect("threads");
             let mut logits = Vec::new();
-            for (slot, table) in tables.iter().enumerate() {
-                let tokens: Vec<u32> = (0..CONTEXT as u32)
-                    .map(|t| (t * 31 + slot as u32 * 7) % vocab)
-                    .collect();
-                let row = PrefillRow {
-                    tokens: &tokens,
-                    start_pos: 0,
-                    blocks: table,
-                    slot,
-                };
-                let adapter = row_adapters.get(slot).copied().flatten();
-                model
-                    .prefill_with_adapter(
-                        &mut scratch,
-                        &mut kv,
-                        &mut states,
-                        row,
-                        adapter,
-                        false,
-                        &mut logits,
-                    )
-                    .expect("prefill");
-            }
-            // Every iteration decodes position CONTEXT again (overwriting its K/V), so the context
-            // length stays fixed while the Mamba state keeps stepping.
-            let rows: Vec<DecodeRow<'_>> = tables
-                .iter()
-                .enumerate()
-                .map(|(slot, table)| DecodeRow {
-                    token: (slot as u32 * 13) % vocab,
-                    pos: CONTEXT,
-                    blocks: table,
-                    slot,
-                })
-                .collect();
+            prefill_contexts(
+                &model,
+                &mut scratch,
+                &mut kv,
+                &mut states,
+                &tables,
+                &row_adapters,
+            );
+            let rows = decode_rows(&tables, vocab);
             let name = if mixed {
                 "decode_4_adapters"
             } else {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use device_cpu::CpuRouter;
 use device_cuda::{bf16_shadow, CudaRouter, CudaRouterConfig, DType};
-use device_io::testing::seq;
+use device_io::testing::{assert_nothing_held, release, seq};
 use device_io::{
     DeviceError, DeviceIo, Effect, EffectOutcome, Feed, PrefillReport, Readback, StepPlan,
     StepResult,
@@ -92,16 +92,6 @@ fn decode<D: Router>(router: &D, tokens: &[u32], rows: &mut [&mut RouterSeq]) ->
     let ticket = router.launch(plan, rows).unwrap();
     router.await_result(ticket).unwrap();
     logits
-}
-
-fn release<D: Router>(router: &D, s: &mut RouterSeq, cache: bool) {
-    router
-        .apply(Effect::ReleaseSeq {
-            seq: s,
-            cache,
-            what: "done",
-        })
-        .unwrap();
 }
 
 /// Releases every sequence of `seqs` without offering it to the prefix cache.
@@ -1298,7 +1288,6 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
         let plan = *hot.plan();
         assert_eq!(plan.block_size, 16);
         let vocab = host.facts().vocab_size;
-        let initial = hot.facts();
         let mut drafts_compared = 0;
         for case in 0..4u32 {
             let shared: Vec<u32> = (0..32u32)
@@ -1342,12 +1331,7 @@ fn the_mtp_head_after_a_prefix_hit_is_a_cold_runs_on_the_device() {
             release(&cold, &mut on_cold, false);
             release(&host, &mut on_host, true);
             // Every block the hit copied went back or is cached; no slot is held.
-            let facts = hot.facts();
-            assert_eq!(
-                facts.kv_blocks_free + facts.kv_blocks_cached,
-                facts.kv_blocks_total
-            );
-            assert_eq!(facts.live_slots_used, initial.live_slots_used);
+            assert_nothing_held(&hot);
         }
         assert_eq!(drafts_compared, 16);
         Box::new(hot).teardown().unwrap();

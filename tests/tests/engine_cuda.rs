@@ -13,6 +13,7 @@
 
 use device_cpu::{CpuRouter, CpuRouterConfig};
 use device_cuda::{CudaRouter, CudaRouterConfig, DType};
+use device_io::testing::assert_nothing_held;
 use device_io::DeviceIo;
 use model::{Config, Model};
 use router_book::CacheStats;
@@ -108,7 +109,6 @@ fn generate_prompts<D, T>(
 where
     D: DeviceIo<Seq = router_book::RouterSeq, LoraCmd = LoraCommand, LoraAck = LoraAck>,
 {
-    let initial = router.facts();
     let config = EngineConfig {
         max_running: 2,
         max_step_tokens: 48,
@@ -136,12 +136,7 @@ where
         .unzip();
     let metrics = *engine.metrics();
     let probed = probe(engine.router());
-    let facts = engine.router().facts();
-    assert_eq!(facts.live_slots_used, 0);
-    assert_eq!(
-        facts.kv_blocks_free + facts.kv_blocks_cached,
-        initial.kv_blocks_total
-    );
+    assert_nothing_held(engine.router());
     engine.shutdown(ShutdownMode::Drain).unwrap();
     (tokens, digests, metrics, probed)
 }

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_io::{DeviceFacts, DeviceIo};
+use device_io::testing::assert_back_to_initial;
+use device_io::DeviceIo;
 use model::Model;
 use scheduler::{
     Drafter, Engine, EngineConfig, EngineError, Metrics, Preemption, RandomSampling, Request,
@@ -208,24 +209,10 @@ fn serve_waves(model: &Model, setup: Setup, waves: &[&[Request]]) -> (Vec<Outcom
                 .map_err(|e| e.to_string())
         })
         .collect();
-    assert_everything_back(&engine, &initial);
+    assert_back_to_initial(engine.router(), initial);
     let metrics = *engine.metrics();
     engine.shutdown(ShutdownMode::Drain).unwrap();
     (outcomes, metrics)
-}
-
-/// Every slot is free and every block free or cached; with the prefix cache cleared, the router
-/// is as it was at `initial`.
-fn assert_everything_back(engine: &Engine<CpuRouter>, initial: &DeviceFacts) {
-    let facts = engine.router().facts();
-    assert_eq!(facts.live_slots_used, 0, "{facts:?}");
-    assert_eq!(
-        facts.kv_blocks_free + facts.kv_blocks_cached,
-        initial.kv_blocks_total,
-        "{facts:?}"
-    );
-    engine.router().clear_prefix_cache().unwrap();
-    assert_eq!(engine.router().facts(), *initial);
 }
 
 /// Waits for every request of `handles`: the first, cancelled, ends as such with a prefix of its
@@ -662,7 +649,7 @@ fn cancel_while_a_verification_is_in_flight() {
     engine.run_until_idle();
     assert_eq!(engine.metrics().spec_discards, 1);
     check_first_cancelled(handles, &reference);
-    assert_everything_back(&engine, &initial);
+    assert_back_to_initial(engine.router(), initial);
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
 
@@ -687,7 +674,7 @@ fn cancel_mid_speculation_releases_everything() {
     handles[0].cancel();
     engine.run_until_idle();
     check_first_cancelled(handles, &reference);
-    assert_everything_back(&engine, &initial);
+    assert_back_to_initial(engine.router(), initial);
     engine.shutdown(ShutdownMode::Drain).unwrap();
 }
 
@@ -890,7 +877,7 @@ fn check_hit_on_a_full_pool(
             _ => head_hit,
         };
         assert_eq!(counted, want, "{case}, {speculation:?}: {stats:?}");
-        assert_everything_back(&engine, &initial);
+        assert_back_to_initial(engine.router(), initial);
         engine.shutdown(ShutdownMode::Drain).unwrap();
     }
 }

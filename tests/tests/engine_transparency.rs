@@ -6,7 +6,7 @@
 //! digests come from `ReadLogits` of each step while the next one computes.
 
 use device_cpu::{CheckpointBudget, CpuRouter, CpuRouterConfig};
-use device_io::DeviceIo;
+use device_io::testing::assert_nothing_held;
 use model::{Config, Model};
 use scheduler::replay::{replay, Replay, ReplayOptions, TurnOutcome};
 use scheduler::workload::{GenOptions, Workload};
@@ -60,7 +60,6 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
         lora_slots: 0,
     };
     let router = CpuRouter::new(model.clone(), router_config).unwrap();
-    let initial = router.facts();
     let config = EngineConfig {
         max_running: 4,
         max_step_tokens: 64,
@@ -85,12 +84,7 @@ fn run(model: &Model, workload: &Workload, setup: Setup) -> Replay {
             other => panic!("session {} turn {}: {other:?}", turn.session, turn.turn),
         }
     }
-    let facts = engine.router().facts();
-    assert_eq!(facts.live_slots_used, 0);
-    assert_eq!(
-        facts.kv_blocks_free + facts.kv_blocks_cached,
-        initial.kv_blocks_total
-    );
+    assert_nothing_held(engine.router());
     engine.shutdown(ShutdownMode::Drain).unwrap();
     result
 }

@@ -1,11 +1,11 @@
 //! Helpers shared by the router's integration tests: models, routers, and the core's moves
 //! (prefill to completion, decode, release) written once, through `DeviceIo` only.
-#![allow(dead_code)] // Each test file uses a different subset of the helpers.
+#![allow(dead_code, unused_imports)] // Each test file uses a different subset of the helpers.
 
 use std::path::PathBuf;
 
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
-use device_io::{DeviceFacts, DeviceIo, Effect, PrefillReport, Readback, Sequence, StepPlan};
+use device_io::{DeviceIo, Effect, PrefillReport, Readback, Sequence, StepPlan};
 use model::{Config, Model};
 
 pub fn fixture_dir() -> PathBuf {
@@ -39,7 +39,7 @@ pub fn tokens(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
-pub use device_io::testing::{release, seq};
+pub use device_io::testing::{assert_back_to_initial, assert_nothing_held, release, seq};
 
 /// Prefills to completion in chunks of `chunk`; returns the last prompt position's logits and the
 /// summed report (cached, computed).
@@ -120,17 +120,4 @@ pub fn generate(
 /// Bits of a list of logit rows, for exact comparisons.
 pub fn bits(rows: &[Vec<f32>]) -> Vec<u32> {
     rows.iter().flatten().map(|x| x.to_bits()).collect()
-}
-
-/// The facts of a router with nothing running and nothing cached.
-pub fn assert_back_to_initial(router: &CpuRouter, initial: DeviceFacts) {
-    let now = router.facts();
-    assert_eq!(
-        now.kv_blocks_free + now.kv_blocks_cached,
-        now.kv_blocks_total,
-        "{now:?}"
-    );
-    assert_eq!(now.live_slots_used, 0, "{now:?}");
-    router.clear_prefix_cache().unwrap();
-    assert_eq!(router.facts(), initial);
 }
