@@ -6,45 +6,8 @@ mod common;
 
 use common::*;
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
-use device_io::{DeviceIo, Effect, EffectOutcome, Readback, Sequence, StepPlan};
+use device_io::{DeviceIo, Effect, EffectOutcome, Sequence};
 use device_trace::{TraceSink, TracingDeviceIo};
-
-type Traced = TracingDeviceIo<CpuRouter>;
-
-fn traced_prefill(r: &Traced, s: &mut CpuSeq, chunk: usize) -> Vec<f32> {
-    let mut host = Vec::new();
-    while !s.prefill_done() {
-        let t = r
-            .launch(
-                StepPlan::Prefill {
-                    budgets: &[chunk],
-                    readback: Readback::HostLogits { into: &mut host },
-                },
-                &mut [s],
-            )
-            .unwrap();
-        r.await_result(t).unwrap();
-    }
-    host
-}
-
-fn traced_decode(r: &Traced, seqs: &mut [&mut CpuSeq], tokens: &[u32]) {
-    let t = r
-        .launch(
-            StepPlan::Decode {
-                tokens,
-                readback: Readback::Argmax,
-            },
-            seqs,
-        )
-        .unwrap();
-    r.await_result(t).unwrap();
-    for s in seqs.iter_mut() {
-        if s.checkpoint_due() {
-            r.apply(Effect::MarconiCheckpoint { seq: s }).unwrap();
-        }
-    }
-}
 
 #[test]
 fn a_mixed_workload_releases_everything_exactly_once() {
@@ -60,14 +23,14 @@ fn a_mixed_workload_releases_everything_exactly_once() {
         })
         .collect();
     for s in seqs.iter_mut() {
-        traced_prefill(&r, s, 13);
+        prefill(&r, s, 13);
     }
     for step in 0..20u32 {
         let mut rows: Vec<&mut CpuSeq> = seqs.iter_mut().collect();
         let tokens: Vec<u32> = (0..rows.len() as u32)
             .map(|i| (step * 7 + i) % 256)
             .collect();
-        traced_decode(&r, &mut rows, &tokens);
+        decode(&r, &mut rows, &tokens);
     }
     // Finish 0 (cached), preempt 1 by spilling it, move 3 into 0's slot, detach 2 and hand its
     // slot to the restored 1.
@@ -98,7 +61,7 @@ fn a_mixed_workload_releases_everything_exactly_once() {
     })
     .unwrap();
     assert_eq!(restored.slot(), Some(1));
-    traced_decode(&r, &mut [&mut restored, &mut rest[2]], &[3, 4]);
+    decode(&r, &mut [&mut restored, &mut rest[2]], &[3, 4]);
     assert_eq!(r.facts().live_slots_used, 2);
     release(&r, &mut rest[1], true);
     release(&r, &mut rest[2], true);

@@ -14,6 +14,7 @@ use device_io::{
     AdapterInfo, DeviceError, DeviceIo, Effect, LoraAck, LoraCommand, LoraError, Readback, SeqSpec,
     Sequence, StepPlan,
 };
+use model::parity::max_abs_diff;
 use model::{KvPool, LoraAdapter, LoraSpec, MambaStates, Model, PrefillRow, Scratch};
 
 fn lora_fixture(name: &str) -> PathBuf {
@@ -216,18 +217,16 @@ fn router_rows_with_an_adapter_match_peft() {
     let mut s = seq_with(1, &prompt, Some(1));
     let (last, _) = prefill(&router, &mut s, 13);
     let rows = generate(&router, &mut s, last, greedy.len());
-    let diff = |a: &[f32], b: &[f32]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    };
-    assert!(diff(&rows[0], &prompt_logits[prompt_logits.len() - 256..]) < 1e-4);
+    assert!(max_abs_diff(&rows[0], &prompt_logits[prompt_logits.len() - 256..]) < 1e-4);
     for (step, row) in rows.iter().take(greedy.len()).enumerate() {
         assert_eq!(argmax(row), greedy[step]);
         if step > 0 {
             let want = &decode_logits[(step - 1) * 256..step * 256];
-            assert!(diff(row, want) < 1e-4, "step {step}: {}", diff(row, want));
+            assert!(
+                max_abs_diff(row, want) < 1e-4,
+                "step {step}: {}",
+                max_abs_diff(row, want)
+            );
         }
     }
     release(&router, &mut s, true);

@@ -13,6 +13,7 @@ use common::{DeviceForward, Shape, S};
 use device_cuda::{
     DType, DeviceBuffer, ForwardLimits, HiddenRows, Runtime, SimRuntime, StepOutput, StepRun,
 };
+use model::parity::max_abs_diff;
 use model::{KvPool, MambaStates, Model, PrefillRow, Scratch};
 
 const F32_TOLERANCE: f32 = 1e-4;
@@ -748,14 +749,6 @@ fn forward_hidden_writes_the_rows_it_names() {
     assert_eq!(bits(&logits), bits(&all_logits));
     let diff = max_abs_diff(&last, &all[8 * d..]);
     assert!(diff <= F32_TOLERANCE, "{diff:e}");
-}
-
-fn max_abs_diff(ours: &[f32], theirs: &[f32]) -> f32 {
-    assert_eq!(ours.len(), theirs.len());
-    ours.iter()
-        .zip(theirs)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
 }
 
 /// The device MTP head against the float64 NumPy reference of `fixture/mtp` (the expected

@@ -125,7 +125,12 @@ fn expected_logits(
     Ok((view.shape()[0], values))
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+/// The largest `|a[i] - b[i]|`: infinite where a difference is NaN or the lengths differ, so that
+/// no tolerance passes a NaN or a missing value.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
@@ -306,4 +311,23 @@ pub fn check_model(model: &Model, dir: &Path) -> Result<ParityReport, ModelError
         });
     }
     Ok(ParityReport { cases: reports })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_abs_diff_is_the_largest_difference_and_infinite_for_nan_or_a_missing_value() {
+        assert_eq!(max_abs_diff(&[1.0, -2.0, 3.0], &[1.5, -2.0, 0.75]), 2.25);
+        assert_eq!(max_abs_diff(&[], &[]), 0.0);
+        assert_eq!(max_abs_diff(&[1.0, f32::NAN], &[1.0, 0.0]), f32::INFINITY);
+        assert_eq!(max_abs_diff(&[1.0, 2.0], &[1.0]), f32::INFINITY);
+    }
+
+    #[test]
+    fn argmax_takes_the_lowest_index_of_the_largest_logit() {
+        assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
+        assert_eq!(argmax(&[-3.0]), 0);
+    }
 }

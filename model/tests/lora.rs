@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::{bits, fixtures, tiny};
+use model::parity::{argmax, max_abs_diff};
 use model::{
     AdapterProblem, DecodeRow, KvPool, LoraAdapter, LoraSpec, MambaStates, Model, ModelError,
     PrefillRow, RunOutputs, RunRow, Scratch,
@@ -27,18 +28,6 @@ const BLOCK_SIZE: usize = 16;
 
 fn lora_dir(name: &str) -> PathBuf {
     fixtures().join("nemotron-h-tiny-lora").join(name)
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    model::parity::argmax(row)
 }
 
 /// One sequence's caller-owned state on the host: its KV blocks `0..blocks` and Mamba slot 0.
@@ -188,7 +177,7 @@ fn check_against_peft(model: &Model, adapter: &LoraAdapter, name: &str) -> Vec<f
         let mut run = Run::new(model, 8);
         let prompt_logits = run.prefill(model, Some(adapter), &case.prompt_ids);
         let want = expected_tensor(&expected, &format!("{name}.case{i}.prompt_logits"));
-        worst = worst.max(max_diff(&prompt_logits, &want));
+        worst = worst.max(max_abs_diff(&prompt_logits, &want));
         let mut token = argmax(&prompt_logits[prompt_logits.len() - vocab..]);
         all.extend_from_slice(&prompt_logits);
         let want = expected_tensor(&expected, &format!("{name}.case{i}.decode_logits"));
@@ -198,7 +187,10 @@ fn check_against_peft(model: &Model, adapter: &LoraAdapter, name: &str) -> Vec<f
                 "adapter {name} case {i}: greedy id before step {step}"
             );
             let logits = run.decode(model, Some(adapter), fed);
-            worst = worst.max(max_diff(&logits, &want[step * vocab..(step + 1) * vocab]));
+            worst = worst.max(max_abs_diff(
+                &logits,
+                &want[step * vocab..(step + 1) * vocab],
+            ));
             token = argmax(&logits);
             all.extend_from_slice(&logits);
         }
@@ -259,7 +251,7 @@ fn zero_b_is_bit_identical_to_the_base_model() {
             bits(&base)
         );
         // The control: the same A with a non-zero B changes the logits.
-        assert!(max_diff(&generate(&model, Some(&nonzero), &tokens, 6), &base) > 1e-2);
+        assert!(max_abs_diff(&generate(&model, Some(&nonzero), &tokens, 6), &base) > 1e-2);
     }
 }
 
@@ -354,8 +346,8 @@ fn adapter_vs_merged(model: &Model, b_range: f32) -> (f32, f32) {
         let ours = generate(model, Some(&adapter), &tokens, 8);
         let reference = generate(&merged, None, &tokens, 8);
         // The control: the adapter changes the base model's output by far more than that.
-        assert!(max_diff(&generate(model, None, &tokens, 8), &reference) > 1e-2);
-        worst = worst.max(max_diff(&ours, &reference));
+        assert!(max_abs_diff(&generate(model, None, &tokens, 8), &reference) > 1e-2);
+        worst = worst.max(max_abs_diff(&ours, &reference));
         largest = ours.iter().fold(largest, |m, v| m.max(v.abs()));
     }
     (worst, largest)
@@ -501,7 +493,7 @@ fn a_mixed_batch_gives_each_row_its_bits_alone() {
         let l = run.prefill(&model, None, &prompts[0]);
         run.decode(&model, None, argmax(&l[l.len() - vocab..]))
     };
-    assert!(max_diff(&base, &alone[0][..vocab]) > 1e-2);
+    assert!(max_abs_diff(&base, &alone[0][..vocab]) > 1e-2);
 }
 
 #[test]

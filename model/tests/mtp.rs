@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use model::parity::MtpCase;
+use model::parity::{argmax, max_abs_diff, MtpCase};
 use model::{
     Config, DecodeRow, KvPool, LayerKind, MambaStates, Model, ModelError, PrefillRow, RunOutputs,
     RunRow, Scratch,
@@ -25,18 +25,6 @@ fn fixture_dir(name: &str) -> PathBuf {
 
 fn cases(dir: &Path) -> Vec<MtpCase> {
     model::parity::mtp_cases(dir).unwrap()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    model::parity::argmax(row)
-}
-
-fn max_diff(ours: &[f32], expected: &[f32]) -> f32 {
-    assert_eq!(ours.len(), expected.len());
-    ours.iter()
-        .zip(expected)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
 }
 
 struct Harness<'m> {
@@ -159,7 +147,7 @@ fn check(fixture: &str, pattern: &str) {
         let mut next: Vec<u32> = case.prompt[1..].to_vec();
         next.push(case.greedy[0]);
         let (prompt_rows, outs) = h.mtp(&next, &hidden, 0, 0);
-        let diff = max_diff(&prompt_rows, &tensor(format!("case{i}.mtp_prompt_logits")));
+        let diff = max_abs_diff(&prompt_rows, &tensor(format!("case{i}.mtp_prompt_logits")));
         assert!(
             diff <= TOLERANCE,
             "{fixture} case {i}: MTP prompt rows differ by {diff:e}"
@@ -167,7 +155,7 @@ fn check(fixture: &str, pattern: &str) {
 
         let last = &prompt_rows[(n - 1) * vocab..];
         let (rows, ids) = h.draft_chain(last, &outs[(n - 1) * d..], n - 1);
-        let diff = max_diff(&rows, &tensor(format!("case{i}.draft0_logits")));
+        let diff = max_abs_diff(&rows, &tensor(format!("case{i}.draft0_logits")));
         assert!(
             diff <= TOLERANCE,
             "{fixture} case {i}: draft chain 0 differs by {diff:e}"
@@ -183,13 +171,13 @@ fn check(fixture: &str, pattern: &str) {
             );
         }
         let (catchup, outs) = h.mtp(&case.greedy[1..6], &hidden, n, 0);
-        let diff = max_diff(&catchup, &tensor(format!("case{i}.catchup_logits")));
+        let diff = max_abs_diff(&catchup, &tensor(format!("case{i}.catchup_logits")));
         assert!(
             diff <= TOLERANCE,
             "{fixture} case {i}: catch-up rows differ by {diff:e}"
         );
         let (rows, ids) = h.draft_chain(&catchup[4 * vocab..], &outs[4 * d..], n + 4);
-        let diff = max_diff(&rows, &tensor(format!("case{i}.draft1_logits")));
+        let diff = max_abs_diff(&rows, &tensor(format!("case{i}.draft1_logits")));
         assert!(
             diff <= TOLERANCE,
             "{fixture} case {i}: draft chain 1 differs by {diff:e}"

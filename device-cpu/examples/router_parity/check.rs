@@ -7,6 +7,7 @@ use std::path::Path;
 
 use device_cpu::{CpuRouter, CpuRouterConfig, CpuSeq};
 use device_io::{DeviceIo, Effect, Readback, SeqSpec, Sequence, StepPlan};
+use model::parity::{argmax, max_abs_diff};
 use model::Model;
 
 /// The outcome of one run of one case.
@@ -112,26 +113,6 @@ fn load_cases(dir: &Path) -> Result<Vec<Case>, String> {
     Ok(out)
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    if a.len() != b.len() {
-        return f32::INFINITY;
-    }
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// Runs one case as the core would: prefill in chunks of `chunk`, then 12 decode steps feeding the
 /// reference's greedy ids, taking the Marconi checkpoints the router asks for, then a cached
 /// release. Returns the logits of every token position and the cached token count.
@@ -221,11 +202,11 @@ pub fn check_fixture(dir: &Path) -> Result<Vec<RunReport>, String> {
             // The first run prefills in one chunk, the second in chunks of 7 after its cached prefix.
             let chunk = if run == 1 { case.prompt.len() } else { 7 };
             let (rows, cached) = run_case(&router, (2 * i + run) as u64, case, chunk)?;
-            let prompt_diff = max_diff(&rows[0], &case.prompt_last);
+            let prompt_diff = max_abs_diff(&rows[0], &case.prompt_last);
             let decode_diff = rows[1..]
                 .iter()
                 .zip(&case.decode)
-                .map(|(a, b)| max_diff(a, b))
+                .map(|(a, b)| max_abs_diff(a, b))
                 .fold(0.0, f32::max);
             let mut greedy_ok = rows.len() == case.decode.len() + 1;
             for (j, row) in rows.iter().enumerate().take(case.decode.len()) {

@@ -43,7 +43,11 @@ pub use device_io::testing::{assert_back_to_initial, assert_nothing_held, releas
 
 /// Prefills to completion in chunks of `chunk`; returns the last prompt position's logits and the
 /// summed report (cached, computed).
-pub fn prefill(router: &CpuRouter, seq: &mut CpuSeq, chunk: usize) -> (Vec<f32>, PrefillReport) {
+pub fn prefill<D: DeviceIo<Seq = CpuSeq> + ?Sized>(
+    router: &D,
+    seq: &mut CpuSeq,
+    chunk: usize,
+) -> (Vec<f32>, PrefillReport) {
     let mut host = Vec::new();
     let mut total = PrefillReport::default();
     let mut last = Vec::new();
@@ -71,7 +75,11 @@ pub fn prefill(router: &CpuRouter, seq: &mut CpuSeq, chunk: usize) -> (Vec<f32>,
 
 /// One decode step over `seqs`; returns the host logits (rows in order). Takes the Marconi
 /// checkpoints the router asks for, as the core does.
-pub fn decode(router: &CpuRouter, seqs: &mut [&mut CpuSeq], tokens: &[u32]) -> Vec<f32> {
+pub fn decode<D: DeviceIo<Seq = CpuSeq> + ?Sized>(
+    router: &D,
+    seqs: &mut [&mut CpuSeq],
+    tokens: &[u32],
+) -> Vec<f32> {
     let mut host = Vec::new();
     let ticket = router
         .launch(
@@ -91,15 +99,7 @@ pub fn decode(router: &CpuRouter, seqs: &mut [&mut CpuSeq], tokens: &[u32]) -> V
     host
 }
 
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use model::parity::argmax;
 
 /// Greedy generation of `steps` tokens after a completed prefill whose last logits are `logits`;
 /// returns every step's logits (the prefill's first).
