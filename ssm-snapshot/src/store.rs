@@ -53,10 +53,11 @@
 //! # Eviction
 //!
 //! Candidates (see the invariants) get the score `recency + α · efficiency`, both min-max
-//! normalised across the candidates, efficiency being the FLOPs a hit on the node saves (the
-//! whole prefix, or since the nearest checkpointed ancestor: [`FlopBasis`]) over the bytes it
-//! holds (its checkpoint plus the KV of its edge). The lowest score goes: a leaf frees its
-//! checkpoint and KV; a node with one child frees its checkpoint and merges into the child. With
+//! normalised across the candidates, efficiency being FLOPs per byte ([`FlopBasis`]): the
+//! whole prefix's FLOPs over the bytes the node's eviction frees, or the FLOPs since the nearest
+//! checkpointed ancestor over the bytes the node holds (its checkpoint plus the KV of its edge).
+//! The lowest score goes: a leaf frees its checkpoint and KV; a node with one child frees its
+//! checkpoint only and merges into the child, which keeps the KV. With
 //! α = 0 and [`Recency::Path`] this is SGLang's LRU, served from the ordered candidate set in
 //! O(log n); otherwise one pass over the candidates. The recency term is the last time a path
 //! went through the node ([`Recency::Path`]) or the last time the node itself was hit
@@ -132,13 +133,19 @@ pub enum Admission {
     EveryBlock,
 }
 
-/// What a node's "FLOPs saved" means in its FLOP efficiency.
+/// Which FLOPs saved, over which bytes, a node's FLOP efficiency counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlopBasis {
-    /// The FLOPs of the node's whole prefix (Marconi's definition).
+    /// The FLOPs of the node's whole prefix (Marconi's definition), over the bytes evicting the
+    /// node frees: its checkpoint, plus the KV of its edge when it is a leaf (a node with one
+    /// child merges into the child, which keeps the KV). Counting that KV made a shared prefix
+    /// that every request hits, with one cached conversation below it, the least efficient
+    /// entry at small capacities: evicted, re-admitted and evicted again on every request.
     Prefix,
-    /// The FLOPs between the nearest checkpointed ancestor and the node: what evicting it loses
-    /// when hits fall back to that ancestor.
+    /// The FLOPs between the nearest checkpointed ancestor and the node, what evicting it loses
+    /// when hits fall back to that ancestor, over the bytes the node holds (its checkpoint plus
+    /// the KV of its edge): the edge's own FLOPs per byte. (Over the bytes its eviction frees,
+    /// as for `Prefix`, more cells fell below LRU: ssm-snapshot/MEASUREMENTS.md, session 13.)
     Marginal,
 }
 
@@ -1633,7 +1640,7 @@ impl SnapshotStore {
         }
     }
 
-    /// FLOPs a hit on `id` saves per byte it holds.
+    /// FLOPs a hit on `id` saves per byte (see [`FlopBasis`] for which FLOPs and bytes).
     fn flop_efficiency(&self, id: u32) -> f64 {
         let node = &self.nodes[id as usize];
         let end = node.end() as u64;
@@ -1650,8 +1657,12 @@ impl SnapshotStore {
                     .prefix_flops(self.nodes[at as usize].end() as u64);
             }
         }
-        let bytes = node.blocks.len() as u64 * self.kv_bytes_per_block()
-            + u64::from(node.checkpoint.is_some()) * self.config.cost.checkpoint_bytes();
+        let kv = if node.children.is_empty() || self.config.flop_basis == FlopBasis::Marginal {
+            node.blocks.len() as u64 * self.kv_bytes_per_block()
+        } else {
+            0
+        };
+        let bytes = kv + u64::from(node.checkpoint.is_some()) * self.config.cost.checkpoint_bytes();
         saved / bytes as f64
     }
 
@@ -2233,6 +2244,25 @@ mod tests {
             assert!(kept.contains(&survivor), "alpha {alpha}: {kept:?}");
             assert_eq!(kept.len(), 2, "alpha {alpha}: {kept:?}");
         }
+    }
+
+    #[test]
+    fn a_node_with_one_child_is_valued_by_the_checkpoint_its_eviction_frees() {
+        // A shared prefix (tokens 1..=20) cached, then one conversation below it (to 40): 60
+        // bytes over a budget of 55. Evicting the prefix frees its checkpoint only (10 bytes,
+        // the child keeps the KV): 20 FLOPs over 10 bytes, 2 per byte, against the leaf's 40
+        // over 30, 1.33. With a large α the leaf goes and the prefix stays for the next
+        // conversation (counting the prefix's KV, 20 over 30, made it the victim).
+        let mut s = store(1, 55, BudgetScope::CheckpointsAndKv, 5.0);
+        let mut d = StoreDelta::default();
+        let prefix: Vec<u32> = (1..=20).collect();
+        let long: Vec<u32> = (1..=40).collect();
+        serve(&mut s, NS, &prefix, &prefix, &mut d);
+        let hit = serve(&mut s, NS, &long[..30], &long, &mut d);
+        assert_eq!(hit.hit_tokens, 20);
+        assert_eq!(prefixes(&s), vec![prefix.clone()]);
+        let other: Vec<u32> = (1..=20).chain([99, 98]).collect();
+        assert_eq!(peek(&mut s, NS, &other).0, 20);
     }
 
     #[test]

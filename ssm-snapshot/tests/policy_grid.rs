@@ -17,7 +17,11 @@
 //! guarded α = 0 at request 248. And one where a guarded setting adopted late locked the
 //! drain's returning conversations out: mix (20 sessions, seed 4) at 2 GB, 0.4324 against
 //! 0.4456 (guarded α = 1 at request 224 of 252); a
-//! guarded trial needs 2.5 standard errors now, and the tuner stays at LRU.
+//! guarded trial needs 2.5 standard errors now, and the tuner stays at LRU. And one where an
+//! α = 3 prefix setting evicted the shared prefix that every request hit, with one cached
+//! conversation below it, as the least efficient entry (its KV, which its eviction does not
+//! free, was counted): agentic (20 sessions, seed 5) at 1 GB, 0.3893 against 0.3961; a node
+//! with one child is valued by its checkpoint now.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_short_cell, LRU_TOLERANCE};
@@ -50,6 +54,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::Agentic, 12, 2, 1_000_000_000),
         (TraceKind::Mix, 30, 4, 2_000_000_000),
         (TraceKind::Mix, 20, 4, 2_000_000_000),
+        (TraceKind::Agentic, 20, 5, 1_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {
