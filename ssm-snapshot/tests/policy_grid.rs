@@ -21,7 +21,8 @@
 //! α = 3 prefix setting evicted the shared prefix that every request hit, with one cached
 //! conversation below it, as the least efficient entry (its KV, which its eviction does not
 //! free, was counted): agentic (20 sessions, seed 5) at 1 GB, 0.3893 against 0.3961; a node
-//! with one child is valued by its checkpoint now.
+//! with one child is valued by its checkpoint now. One cell at token granularity (sharegpt,
+//! 200 sessions, 2 GB) keeps the win of guarded admission whose trial stays below its bar.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_short_cell, LRU_TOLERANCE};
@@ -77,4 +78,24 @@ fn marconi_keeps_a_win_where_leaving_lru_pays() {
     // times (0.0841); a tuner that never left LRU would fail.
     let (lru, marconi) = cell(TraceKind::Chat, 40, 1, 1_000_000_000);
     assert!(marconi > 1.5 * lru, "marconi {marconi:.4}, lru {lru:.4}");
+}
+
+#[test]
+fn marconi_adopts_guarded_admission_whose_trial_ran_its_length_ahead() {
+    // ShareGPT-like chat, 200 sessions, seed 1, at 2 GB and token granularity (a cell of the
+    // `grid` example): the guarded α = 0 shadow reaches 0.564 against LRU's 0.458, but a guarded
+    // trial from the live store's contents stays below `GUARDED_TRIAL_Z` standard errors for its
+    // whole length (four trials, 1.2-1.6), and the tuner that switched only on that test did so
+    // late, fell back, and ended below LRU (0.4532 against 0.4577). A guarded trial that ran its
+    // length ahead while its shadow leads LRU significantly passes now (0.5000, switch at 518).
+    let trace = generate(TraceKind::ShareGpt, 200, 1);
+    let cost = CostModel::nvidia_hybrid_7b();
+    let figures = run_short_cell(&trace, 2_000_000_000, 1, None, &cost).expect("replays");
+    assert!(figures.marconi_max_bytes <= 2_000_000_000);
+    assert!(
+        figures.marconi > figures.lru + 0.02,
+        "marconi {:.4}, lru {:.4}",
+        figures.marconi,
+        figures.lru
+    );
 }
