@@ -797,8 +797,8 @@ impl AlphaTuner {
             let seen = self.seen;
             self.trials.retain(|t| t.control.evicts_like(&current));
             // Whether each trial's setting still has its shadow's lead over the LRU shadow at
-            // the bar that started it, and no other trial is ahead of the live store (see
-            // `Trial::leads`).
+            // the bar that started it (see `Trial::ends_ahead`), and that with no other trial
+            // ahead of the live store (`shadow_evidence`, see `Trial::leads`).
             let shadow_leads: Vec<bool> = self
                 .trials
                 .iter()
