@@ -17,10 +17,10 @@
 //! working set stays cached instead of all of it cycling through), adaptive recency
 //! ([`Recency::Adaptive`]: mid-sequence checkpoints count as used when requests go through them
 //! only while the workload actually hits them), and a tuner that follows the best of 41 shadow
-//! stores, plain LRU among them: the live store starts at LRU, takes a leading shadow's setting
-//! only once a trial of the switch on a copy of the live store (the transition included) led
-//! the live store significantly, and goes back when it falls behind the LRU shadow
-//! ([`tuning`]).
+//! stores, plain LRU among them: the live store starts at LRU (or, when its first eviction comes
+//! late, takes α = 0 with adaptive recency there), takes a leading shadow's setting only once a
+//! trial of the switch on a copy of the live store (the transition included) led the live store
+//! significantly, and goes back when it falls behind the LRU shadow ([`tuning`]).
 //!
 //! # Modules
 //! - [`store`]: the tree, the hit rule, admission, eviction, the byte budget (invariants there);

@@ -402,3 +402,55 @@ fn guarded_admission_keeps_a_stable_part_of_a_cycling_working_set() {
         ]
     );
 }
+
+/// `sessions` one-turn conversations of 4 input tokens and 1 output token, none shared: under
+/// the unit cost each leaves 5 KV bytes and one 10-byte checkpoint, 15 bytes.
+fn disjoint_trace(sessions: u32) -> Vec<TraceRecord> {
+    (0..sessions)
+        .map(|s| {
+            let t = 10 * s + 1;
+            rec(u64::from(s), &[t, t + 1, t + 2, t + 3], &[t + 4])
+        })
+        .collect()
+}
+
+/// Replays `trace` under the default `marconi` policy at `capacity` bytes: the request at which
+/// the live store first evicted, and the tuner's switches.
+fn first_eviction_and_switches(
+    trace: &[TraceRecord],
+    capacity: u64,
+) -> (Option<usize>, Vec<(usize, ssm_snapshot::Setting)>) {
+    let mut sim =
+        Simulation::new(SimConfig::new(Policy::Marconi, capacity, 1, unit_cost())).unwrap();
+    let mut first = None;
+    for (i, r) in trace.iter().enumerate() {
+        sim.step(r).unwrap();
+        let stats = sim.store().stats();
+        if first.is_none() && stats.evicted_leaves + stats.evicted_checkpoints_only > 0 {
+            first = Some(i + 1);
+        }
+    }
+    (first, sim.tuner().history().to_vec())
+}
+
+#[test]
+fn a_late_first_eviction_moves_the_live_store_to_adaptive_recency_there() {
+    use ssm_snapshot::tuning::{LATE_FIRST_EVICTION, LATE_START};
+    let trace = disjoint_trace(80);
+    // Room for 59 requests (59 · 15 bytes): the 60th evicts, and the live store switches there
+    // (no hits anywhere, so no shadow leads and the ledger never falls behind: no other switch).
+    let (first, switches) = first_eviction_and_switches(&trace, 59 * 15 + 14);
+    assert_eq!(first, Some(60));
+    const { assert!(60 >= LATE_FIRST_EVICTION) };
+    assert_eq!(switches, vec![(60, LATE_START)]);
+    // One request before the bar: the store evicts first at `LATE_FIRST_EVICTION - 1` and stays
+    // at LRU.
+    let room = (LATE_FIRST_EVICTION - 2) as u64;
+    let (first, switches) = first_eviction_and_switches(&trace, room * 15 + 14);
+    assert_eq!(first, Some(LATE_FIRST_EVICTION - 1));
+    assert_eq!(switches, vec![]);
+    // At the bar exactly: the switch.
+    let (first, switches) = first_eviction_and_switches(&trace, (room + 1) * 15 + 14);
+    assert_eq!(first, Some(LATE_FIRST_EVICTION));
+    assert_eq!(switches, vec![(LATE_FIRST_EVICTION, LATE_START)]);
+}
