@@ -23,9 +23,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    families, held_out, other_session_counts, parse_byte_count, read_figures, run_cell_with,
-    run_references, trace_of, write_figures, CellFigures, Family, References, CAPACITIES,
-    LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
+    canary_trace, families, held_out, other_session_counts, parse_byte_count, read_checked_figures,
+    run_cell_with, run_references, trace_of, write_figures, CellFigures, Family, References,
+    CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
 };
 use ssm_snapshot::CostModel;
 
@@ -45,7 +45,9 @@ struct Args {
     #[arg(long, value_delimiter = ',', value_parser = byte_count)]
     capacities: Vec<u64>,
     /// A JSON file of reference figures (lru and the paper's policies, which do not depend on
-    /// the `marconi` policy): cells found there are not rerun, new ones are added.
+    /// the `marconi` policy): cells found there are not rerun, new ones are added. A file
+    /// written by other code (the store or the paper model changed: its canary cell's figures
+    /// differ) is recomputed.
     #[arg(long)]
     references: Option<std::path::PathBuf>,
 }
@@ -103,8 +105,16 @@ fn main() -> ExitCode {
     let cells: Vec<(usize, u64)> = (0..traces.len())
         .flat_map(|t| capacities.iter().map(move |&c| (t, c)))
         .collect();
-    let known: HashMap<String, References> = match args.references.as_deref().map(read_figures) {
-        Some(Ok(map)) => map,
+    let known: HashMap<String, References> = match args.references.as_deref().map(|path| {
+        let canary = run_references(&canary_trace(), CANARY_CAPACITY, &cost)?;
+        read_checked_figures(path, canary, same_references)
+    }) {
+        Some(Ok((map, stale))) => {
+            if stale {
+                eprintln!("note: the reference cache was written by other code (its canary cell differs); recomputing");
+            }
+            map
+        }
         Some(Err(e)) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
@@ -220,6 +230,16 @@ fn line(row: &Row) -> String {
         r.paper_marconi_max_bytes as f64 / row.capacity as f64,
         row.seconds,
     )
+}
+
+/// Whether two reference figures are the same up to the last bits a JSON round trip may change.
+fn same_references(a: &References, b: &References) -> bool {
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-12;
+    close(a.lru, b.lru)
+        && close(a.paper_sglang, b.paper_sglang)
+        && close(a.paper_marconi, b.paper_marconi)
+        && a.paper_sglang_max_bytes == b.paper_sglang_max_bytes
+        && a.paper_marconi_max_bytes == b.paper_marconi_max_bytes
 }
 
 fn gb(bytes: u64) -> String {

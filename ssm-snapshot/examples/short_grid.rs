@@ -21,10 +21,11 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    parse_byte_count, read_figures, run_short_cell, write_figures, ShortCell, LRU_TOLERANCE,
-    SHORT_BLOCK_SIZE, SHORT_CAPACITIES, SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
+    canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store, write_figures,
+    ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE, SHORT_CAPACITIES, SHORT_KINDS,
+    SHORT_SESSIONS, SHORT_TUNING_SEEDS,
 };
-use ssm_snapshot::sim::generate;
+use ssm_snapshot::sim::{generate, Policy, SimConfig};
 use ssm_snapshot::CostModel;
 
 /// Runs the short-trace scan and prints the report.
@@ -50,7 +51,8 @@ struct Args {
     #[arg(long, default_value_t = SHORT_BLOCK_SIZE)]
     block_size: u32,
     /// A JSON file of `lru` figures (which do not depend on the `marconi` policy): cells found
-    /// there are not rerun, new ones are added.
+    /// there are not rerun, new ones are added. A file written by other code (the store changed:
+    /// its canary cell's figure differs) is recomputed.
     #[arg(long)]
     lru: Option<std::path::PathBuf>,
 }
@@ -101,8 +103,18 @@ fn main() -> ExitCode {
             }
         }
     }
-    let known: HashMap<String, f64> = match args.lru.as_deref().map(read_figures) {
-        Some(Ok(map)) => map,
+    let cost = CostModel::nvidia_hybrid_7b();
+    let known: HashMap<String, f64> = match args.lru.as_deref().map(|path| {
+        let config = SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone());
+        let canary = run_store(config, &canary_trace())?.token_hit_rate;
+        read_checked_figures(path, canary, |a, b| (a - b).abs() <= 1e-12)
+    }) {
+        Some(Ok((map, stale))) => {
+            if stale {
+                eprintln!("note: the lru cache was written by other code (its canary cell differs); recomputing");
+            }
+            map
+        }
         Some(Err(e)) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
@@ -119,7 +131,6 @@ fn main() -> ExitCode {
     let next = AtomicUsize::new(0);
     let results = Mutex::new(Vec::new());
     let failed = Mutex::new(None);
-    let cost = CostModel::nvidia_hybrid_7b();
     std::thread::scope(|scope| {
         for _ in 0..args.threads {
             scope.spawn(|| loop {

@@ -128,7 +128,9 @@ pub fn parse_byte_count(text: &str) -> Option<u64> {
 }
 
 /// Reads a JSON file of figures by cell name (the examples' caches of the reference policies,
-/// which do not depend on the `marconi` policy); a file that does not exist is an empty cache.
+/// which do not depend on the `marconi` policy; [`read_checked_figures`] also checks that the
+/// code that wrote them computes as the code now does); a file that does not exist is an empty
+/// cache.
 pub fn read_figures<T: DeserializeOwned>(path: &Path) -> Result<HashMap<String, T>, SnapshotError> {
     if !path.exists() {
         return Ok(HashMap::new());
@@ -139,6 +141,44 @@ pub fn read_figures<T: DeserializeOwned>(path: &Path) -> Result<HashMap<String, 
     };
     let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| io(e.to_string()))
+}
+
+/// The key of a figures cache's canary: the figure of [`canary_trace`] at [`CANARY_CAPACITY`],
+/// as the code that wrote the cache computed it (see [`read_checked_figures`]).
+pub const CANARY_KEY: &str = "canary";
+
+/// The capacity of the canary cell (0.3 GB: its trace evicts from its first requests).
+pub const CANARY_CAPACITY: u64 = 300_000_000;
+
+/// The canary cell's trace: a small mix (8 sessions, seed 0) that every figure's code path
+/// (evictions, hits, the paper's bootstrap) runs through in well under a second.
+pub fn canary_trace() -> Vec<TraceRecord> {
+    generate(TraceKind::Mix, 8, 0)
+}
+
+/// Reads a figures cache ([`read_figures`]) and keeps it only if the code that wrote it computed
+/// `canary` (the canary cell's figure as the code computes it now, compared by `same`) for the
+/// canary cell. The cached figures do not depend on the `marconi` policy, but they do on the
+/// store (`lru` is the store's policy) and on the paper model: a cache written before a change
+/// to either would serve old figures (the crate report's full grid of session 14 had `lru`
+/// figures from before a store change). A stale cache is emptied; the canary is stored in the
+/// returned map either way, so the file written back carries it. Returns the map and whether
+/// figures were discarded.
+pub fn read_checked_figures<T: DeserializeOwned>(
+    path: &Path,
+    canary: T,
+    same: impl Fn(&T, &T) -> bool,
+) -> Result<(HashMap<String, T>, bool), SnapshotError> {
+    let mut figures: HashMap<String, T> = read_figures(path)?;
+    let stale = !figures.is_empty()
+        && !figures
+            .get(CANARY_KEY)
+            .is_some_and(|cached| same(cached, &canary));
+    if stale {
+        figures.clear();
+    }
+    figures.insert(CANARY_KEY.to_string(), canary);
+    Ok((figures, stale))
 }
 
 /// Writes `figures` to `path` as JSON (read back by [`read_figures`]).
@@ -401,4 +441,43 @@ pub fn run_short_cell(
         requests: trace.len(),
         switches,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{read_checked_figures, write_figures, CANARY_KEY};
+    use std::collections::HashMap;
+
+    #[test]
+    fn a_cache_written_by_other_code_is_emptied() {
+        let dir = std::env::temp_dir().join(format!("ssm-canary-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("figures.json");
+        let same = |a: &f64, b: &f64| a == b;
+        // No file: an empty cache that holds the canary, not stale.
+        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        assert!(!stale);
+        assert_eq!(figures, HashMap::from([(CANARY_KEY.to_string(), 0.25)]));
+        let mut written = figures;
+        written.insert("chat/1/500000000".into(), 0.0098);
+        write_figures(&path, &written).unwrap();
+        // The same canary: every figure kept.
+        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        assert!(!stale);
+        assert_eq!(figures, written);
+        // Another canary (the code changed): emptied, stale, the new canary held.
+        let (figures, stale) = read_checked_figures(&path, 0.5, same).unwrap();
+        assert!(stale);
+        assert_eq!(figures, HashMap::from([(CANARY_KEY.to_string(), 0.5)]));
+        // A file without a canary (written before canaries) is stale too.
+        write_figures(
+            &path,
+            &HashMap::from([("chat/1/500000000".to_string(), 0.0098)]),
+        )
+        .unwrap();
+        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        assert!(stale);
+        assert_eq!(figures.len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
