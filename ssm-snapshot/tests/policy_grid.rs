@@ -37,17 +37,28 @@ use ssm_snapshot::CostModel;
 
 const BLOCK: u32 = 16;
 
-/// `(lru, marconi)` token hit rates of one cell, and the check that `marconi` kept to its byte
-/// budget.
-fn cell(kind: TraceKind, sessions: usize, seed: u64, capacity: u64) -> (f64, f64) {
+/// `(lru, marconi)` token hit rates of one cell at `block_size`, and the check that `marconi`
+/// kept to its byte budget.
+fn cell_at(
+    kind: TraceKind,
+    sessions: usize,
+    seed: u64,
+    capacity: u64,
+    block_size: u32,
+) -> (f64, f64) {
     let trace = generate(kind, sessions, seed);
     let cost = CostModel::nvidia_hybrid_7b();
-    let figures = run_short_cell(&trace, capacity, BLOCK, None, &cost).expect("replays");
+    let figures = run_short_cell(&trace, capacity, block_size, None, &cost).expect("replays");
     assert!(
         figures.marconi_max_bytes <= capacity,
         "{kind:?} {seed} {capacity}"
     );
     (figures.lru, figures.marconi)
+}
+
+/// [`cell_at`] at the engine's block size.
+fn cell(kind: TraceKind, sessions: usize, seed: u64, capacity: u64) -> (f64, f64) {
+    cell_at(kind, sessions, seed, capacity, BLOCK)
 }
 
 #[test]
@@ -94,16 +105,8 @@ fn marconi_adopts_guarded_admission_whose_trial_ran_its_length_ahead() {
     // whole length (four trials, 1.2-1.6), and the tuner that switched only on that test did so
     // late, fell back, and ended below LRU (0.4532 against 0.4577). A guarded trial that ran its
     // length ahead while its shadow leads LRU significantly passes now (0.5000, switch at 518).
-    let trace = generate(TraceKind::ShareGpt, 200, 1);
-    let cost = CostModel::nvidia_hybrid_7b();
-    let figures = run_short_cell(&trace, 2_000_000_000, 1, None, &cost).expect("replays");
-    assert!(figures.marconi_max_bytes <= 2_000_000_000);
-    assert!(
-        figures.marconi > figures.lru + 0.02,
-        "marconi {:.4}, lru {:.4}",
-        figures.marconi,
-        figures.lru
-    );
+    let (lru, marconi) = cell_at(TraceKind::ShareGpt, 200, 1, 2_000_000_000, 1);
+    assert!(marconi > lru + 0.02, "marconi {marconi:.4}, lru {lru:.4}");
 }
 
 #[test]
@@ -132,14 +135,9 @@ fn marconi_stays_above_lru_when_a_setting_spends_the_lead_of_the_one_before() {
     // lost to it, and a ledger counted from the first departure let it spend that gain for 600
     // requests (0.6793 against `lru`'s 0.6824). A ledger restarted at every switch away from
     // LRU judges each setting on its own.
-    let trace = generate(TraceKind::Mix, 100, 8);
-    let cost = CostModel::nvidia_hybrid_7b();
-    let figures = run_short_cell(&trace, 5_000_000_000, 1, None, &cost).expect("replays");
-    assert!(figures.marconi_max_bytes <= 5_000_000_000);
+    let (lru, marconi) = cell_at(TraceKind::Mix, 100, 8, 5_000_000_000, 1);
     assert!(
-        figures.marconi >= figures.lru - LRU_TOLERANCE,
-        "marconi {:.4}, lru {:.4}",
-        figures.marconi,
-        figures.lru
+        marconi >= lru - LRU_TOLERANCE,
+        "marconi {marconi:.4}, lru {lru:.4}"
     );
 }
