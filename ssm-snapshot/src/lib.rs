@@ -13,7 +13,8 @@
 //! it for a [`kv_cache::BlockPool`]).
 //!
 //! Beyond Marconi: guarded admission ([`StoreConfig::guard`]: when the working set is larger
-//! than memory, a sequence that missed may only replace dead entries, so a stable part of the
+//! than memory, a sequence that missed may only replace dead entries, or, for a conversation
+//! coming back after it lost its entry, entries colder than it, so a stable part of the
 //! working set stays cached instead of all of it cycling through), adaptive recency
 //! ([`Recency::Adaptive`]: mid-sequence checkpoints count as used when requests go through them
 //! only while the workload actually hits them), and a tuner that follows the best of 41 shadow
