@@ -28,7 +28,10 @@
 //! the tuner that left LRU only on its shadows' evidence (0.9407 against 0.9468); and mix (100
 //! sessions, seed 8) at 5 GB, where a guarded setting spent the lead of the one before it
 //! before the ledger, which counted from the first departure, saw a deficit (0.6793 against
-//! `lru`'s 0.6824).
+//! `lru`'s 0.6824). And mix (30 sessions, seed 9) at 2 GB, where guarded admission kept a
+//! conversation that had lost its entry out for 11 turns in a row while the cache held the
+//! entries of conversations that had ended (0.4152 against 0.4561); such a conversation may
+//! take the room of entries colder than it now, and the tuner ends at 0.5062.
 #![forbid(unsafe_code)]
 
 use ssm_snapshot::grid::{run_cell, run_short_cell, LRU_TOLERANCE};
@@ -73,6 +76,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::Mix, 30, 4, 2_000_000_000),
         (TraceKind::Mix, 20, 4, 2_000_000_000),
         (TraceKind::Agentic, 20, 5, 1_000_000_000),
+        (TraceKind::Mix, 30, 9, 2_000_000_000),
     ];
     let mut failures = Vec::new();
     for (kind, sessions, seed, capacity) in cells {
