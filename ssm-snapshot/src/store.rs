@@ -221,8 +221,9 @@ pub struct StoreConfig {
     /// dead entries only, those not used for longer than reuses take (1.5 times the 90th
     /// percentile of recent hit ages), never of live ones, unless it is a conversation that lost
     /// its entry coming back (then also of entries colder than it: see the module docs). Its
-    /// checkpoints are refused or are the first victims. Sequences that hit (conversations the cache serves) are admitted as usual.
-    /// A stable part of the working set then stays cached instead of all of it cycling through.
+    /// checkpoints are refused or are the first victims. Sequences that hit (conversations the
+    /// cache serves) are admitted as usual. A stable part of the working set then stays cached
+    /// instead of all of it cycling through.
     /// With fewer than 16 hits observed everything counts as dead (plain admission).
     /// A tuner chooses it per workload.
     pub guard: bool,
