@@ -2514,6 +2514,25 @@ mod tests {
         hit_tokens
     }
 
+    /// Serves each of `members` once (each misses), then all of them `rounds` times in turn
+    /// (each hits whole): every hit is then `2 · members.len() − 1` clock ticks old (a lookup
+    /// and a finish tick per request).
+    fn warm_round_robin(
+        s: &mut SnapshotStore,
+        members: &[Vec<u32>],
+        rounds: usize,
+        delta: &mut StoreDelta,
+    ) {
+        for seq in members {
+            assert_eq!(serve_pinned(s, seq, delta), 0);
+        }
+        for _ in 0..rounds {
+            for seq in members {
+                assert_eq!(serve_pinned(s, seq, delta), seq.len());
+            }
+        }
+    }
+
     #[test]
     fn guarded_admission_keeps_live_entries_from_missed_sequences() {
         // Room for three 5-token sequences (15 bytes each) and one checkpoint more.
@@ -2528,17 +2547,9 @@ mod tests {
             let mut s = store(1, 55, BudgetScope::CheckpointsAndKv, 0.0);
             s.set_guard(guard);
             let mut dl = StoreDelta::default();
-            for seq in [&a, &b, &c] {
-                assert_eq!(serve_pinned(&mut s, seq, &mut dl), 0);
-            }
-            // 18 round-robin hits: every hit is 5 clock ticks old (a lookup and a finish tick
-            // per request), the 90th percentile of hit ages; entries unused for more than 7
-            // ticks are dead.
-            for _ in 0..6 {
-                for seq in [&a, &b, &c] {
-                    assert_eq!(serve_pinned(&mut s, seq, &mut dl), 5);
-                }
-            }
+            // 18 round-robin hits: every hit is 5 clock ticks old, the 90th percentile of hit
+            // ages; entries unused for more than 7 ticks are dead.
+            warm_round_robin(&mut s, &[a.clone(), b.clone(), c.clone()], 6, &mut dl);
             // A new sequence misses. Plain admission evicts the least recently used (a);
             // guarded admission evicts its own checkpoint instead: a, b, c are all live.
             assert_eq!(serve_pinned(&mut s, &d, &mut dl), 0);
@@ -2574,14 +2585,7 @@ mod tests {
             let mut s = store(1, 100, BudgetScope::CheckpointsAndKv, 0.0);
             s.set_guard(true);
             let mut dl = StoreDelta::default();
-            for seq in &members {
-                assert_eq!(serve_pinned(&mut s, seq, &mut dl), 0);
-            }
-            for _ in 0..4 {
-                for seq in &members {
-                    assert_eq!(serve_pinned(&mut s, seq, &mut dl), 5);
-                }
-            }
+            warm_round_robin(&mut s, &members, 4, &mut dl);
             // A new conversation misses and may not displace a live member: kept out.
             assert_eq!(serve_pinned(&mut s, &turn1, &mut dl), 0);
             assert_eq!(prefixes(&s), members);
@@ -2642,15 +2646,8 @@ mod tests {
         let members: Vec<Vec<u32>> = (1..=2).map(|t| vec![t; 20]).collect();
         let mut s = store(1, 70, BudgetScope::CheckpointsAndKv, 5.0);
         let mut dl = StoreDelta::default();
-        for seq in &members {
-            assert_eq!(serve_pinned(&mut s, seq, &mut dl), 0);
-        }
         // Round-robin hits 3 ticks old: the dead age is 4 ticks.
-        for _ in 0..8 {
-            for seq in &members {
-                assert_eq!(serve_pinned(&mut s, seq, &mut dl), 20);
-            }
-        }
+        warm_round_robin(&mut s, &members, 8, &mut dl);
         // A conversation starts; its first turn's entry is evicted at its own finish.
         let turn1 = vec![9u32; 5];
         let turn2 = [turn1.clone(), vec![6; 3]].concat();
