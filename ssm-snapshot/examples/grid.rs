@@ -24,8 +24,9 @@ use std::time::Instant;
 use clap::Parser;
 use ssm_snapshot::grid::{
     canary_trace, families, held_out, other_session_counts, parse_byte_count, read_checked_figures,
-    run_cell_with, run_references, trace_of, write_figures, CellFigures, Family, References,
-    CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
+    run_cell_with, run_references, same_figure, trace_of, write_figures, CellFigures, Family,
+    References, CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE,
+    PAPER_OVERSHOOT,
 };
 use ssm_snapshot::CostModel;
 
@@ -234,10 +235,9 @@ fn line(row: &Row) -> String {
 
 /// Whether two reference figures are the same up to the last bits a JSON round trip may change.
 fn same_references(a: &References, b: &References) -> bool {
-    let close = |x: f64, y: f64| (x - y).abs() <= 1e-12;
-    close(a.lru, b.lru)
-        && close(a.paper_sglang, b.paper_sglang)
-        && close(a.paper_marconi, b.paper_marconi)
+    same_figure(a.lru, b.lru)
+        && same_figure(a.paper_sglang, b.paper_sglang)
+        && same_figure(a.paper_marconi, b.paper_marconi)
         && a.paper_sglang_max_bytes == b.paper_sglang_max_bytes
         && a.paper_marconi_max_bytes == b.paper_marconi_max_bytes
 }

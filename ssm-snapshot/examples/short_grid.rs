@@ -21,9 +21,9 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store, write_figures,
-    ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE, SHORT_CAPACITIES, SHORT_KINDS,
-    SHORT_SESSIONS, SHORT_TUNING_SEEDS,
+    canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store, same_figure,
+    write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE, SHORT_CAPACITIES,
+    SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
 };
 use ssm_snapshot::sim::{generate, Policy, SimConfig};
 use ssm_snapshot::CostModel;
@@ -107,7 +107,7 @@ fn main() -> ExitCode {
     let known: HashMap<String, f64> = match args.lru.as_deref().map(|path| {
         let config = SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone());
         let canary = run_store(config, &canary_trace())?.token_hit_rate;
-        read_checked_figures(path, canary, |a, b| (a - b).abs() <= 1e-12)
+        read_checked_figures(path, canary, |&a, &b| same_figure(a, b))
     }) {
         Some(Ok((map, stale))) => {
             if stale {

@@ -156,6 +156,12 @@ pub fn canary_trace() -> Vec<TraceRecord> {
     generate(TraceKind::Mix, 8, 0)
 }
 
+/// Whether two cached figures are the same up to the last bits a JSON round trip may change
+/// (the `same` of [`read_checked_figures`] for a figure).
+pub fn same_figure(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12
+}
+
 /// Reads a figures cache ([`read_figures`]) and keeps it only if the code that wrote it computed
 /// `canary` (the canary cell's figure as the code computes it now, compared by `same`) for the
 /// canary cell. The cached figures do not depend on the `marconi` policy, but they do on the
