@@ -15,7 +15,10 @@
 //! status 2 when a cell fails its check.
 #![forbid(unsafe_code)]
 
+mod common;
+
 use std::collections::HashMap;
+use std::io;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -153,7 +156,7 @@ fn main() -> ExitCode {
                             figures,
                             seconds: start.elapsed().as_secs_f64(),
                         };
-                        eprintln!("{}", line(&row));
+                        common::progress(&line(&row));
                         rows.lock().expect("no panics").push(row);
                     }
                     Err(e) => {
@@ -184,22 +187,24 @@ fn main() -> ExitCode {
         )
     };
     rows.sort_by_key(order);
-    println!(
-        "| trace | seed | capacity | held out | lru | paper SGLang+ | paper Marconi | **marconi** | − lru | − SGLang+ | − paper Marconi | SGLang+ peak / capacity | paper Marconi peak / capacity | marconi s |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for row in &rows {
-        println!("{}", line(row));
-    }
-    println!();
+    let mut lines = vec![
+        "| trace | seed | capacity | held out | lru | paper SGLang+ | paper Marconi | **marconi** | − lru | − SGLang+ | − paper Marconi | SGLang+ peak / capacity | paper Marconi peak / capacity | marconi s |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
+    ];
+    lines.extend(rows.iter().map(line));
+    lines.push(String::new());
     for (title, held) in [("tuned", false), ("held out", true)] {
         let part: Vec<&Row> = rows
             .iter()
             .filter(|r| held_out(r.family, r.seed, r.capacity) == held)
             .collect();
-        summary(title, &part);
+        lines.extend(summary(title, &part));
     }
-    summary("all", &rows.iter().collect::<Vec<_>>());
+    lines.extend(summary("all", &rows.iter().collect::<Vec<_>>()));
+    if let Err(e) = common::write_lines(io::stdout().lock(), &lines) {
+        eprintln!("error: writing the report: {e}");
+        return ExitCode::FAILURE;
+    }
     if rows.iter().all(|r| r.figures.passes()) {
         ExitCode::SUCCESS
     } else {
@@ -246,9 +251,10 @@ fn gb(bytes: u64) -> String {
     format!("{} GB", bytes as f64 / 1e9)
 }
 
-fn summary(title: &str, rows: &[&Row]) {
+/// The summary lines of `rows` under `title` (none for no rows).
+fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
     if rows.is_empty() {
-        return;
+        return Vec::new();
     }
     let count =
         |pred: &dyn Fn(&CellFigures) -> bool| rows.iter().filter(|r| pred(&r.figures)).count();
@@ -269,36 +275,38 @@ fn summary(title: &str, rows: &[&Row]) {
     let mean = |key: &dyn Fn(&CellFigures) -> f64| {
         rows.iter().map(|r| key(&r.figures)).sum::<f64>() / rows.len() as f64
     };
-    println!(
-        "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
-        rows.len(),
-        count(&|f| !f.passes()),
-        count(&|f| f.vs_lru() < -LRU_TOLERANCE),
-        count(&|f| f.references.sglang_comparable(f.capacity_bytes)
-            && f.vs_paper_sglang() < -LRU_TOLERANCE),
-        count(&|f| f.references.marconi_comparable(f.capacity_bytes)
-            && f.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
-    );
-    println!(
-        "  vs lru: {} above, {} equal, {} below; worst {}; mean {:+.4}",
-        count(&|f| f.vs_lru() > 0.0),
-        count(&|f| f.vs_lru() == 0.0),
-        count(&|f| f.vs_lru() < 0.0),
-        worst(&|f| f.vs_lru()),
-        mean(&|f| f.vs_lru()),
-    );
-    println!(
-        "  vs paper SGLang+: {} above, {} below; worst {}; mean {:+.4}",
-        count(&|f| f.vs_paper_sglang() > 0.0),
-        count(&|f| f.vs_paper_sglang() < 0.0),
-        worst(&|f| f.vs_paper_sglang()),
-        mean(&|f| f.vs_paper_sglang()),
-    );
-    println!(
-        "  vs paper Marconi: {} above, {} below; worst {}; mean {:+.4}",
-        count(&|f| f.vs_paper_marconi() > 0.0),
-        count(&|f| f.vs_paper_marconi() < 0.0),
-        worst(&|f| f.vs_paper_marconi()),
-        mean(&|f| f.vs_paper_marconi()),
-    );
+    vec![
+        format!(
+            "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
+            rows.len(),
+            count(&|f| !f.passes()),
+            count(&|f| f.vs_lru() < -LRU_TOLERANCE),
+            count(&|f| f.references.sglang_comparable(f.capacity_bytes)
+                && f.vs_paper_sglang() < -LRU_TOLERANCE),
+            count(&|f| f.references.marconi_comparable(f.capacity_bytes)
+                && f.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
+        ),
+        format!(
+            "  vs lru: {} above, {} equal, {} below; worst {}; mean {:+.4}",
+            count(&|f| f.vs_lru() > 0.0),
+            count(&|f| f.vs_lru() == 0.0),
+            count(&|f| f.vs_lru() < 0.0),
+            worst(&|f| f.vs_lru()),
+            mean(&|f| f.vs_lru()),
+        ),
+        format!(
+            "  vs paper SGLang+: {} above, {} below; worst {}; mean {:+.4}",
+            count(&|f| f.vs_paper_sglang() > 0.0),
+            count(&|f| f.vs_paper_sglang() < 0.0),
+            worst(&|f| f.vs_paper_sglang()),
+            mean(&|f| f.vs_paper_sglang()),
+        ),
+        format!(
+            "  vs paper Marconi: {} above, {} below; worst {}; mean {:+.4}",
+            count(&|f| f.vs_paper_marconi() > 0.0),
+            count(&|f| f.vs_paper_marconi() < 0.0),
+            worst(&|f| f.vs_paper_marconi()),
+            mean(&|f| f.vs_paper_marconi()),
+        ),
+    ]
 }

@@ -14,7 +14,10 @@
 //! and 8 are held out.
 #![forbid(unsafe_code)]
 
+mod common;
+
 use std::collections::HashMap;
+use std::io;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -147,7 +150,7 @@ fn main() -> ExitCode {
                             .lock()
                             .expect("no panics")
                             .insert(key(cell), figures.lru);
-                        eprintln!("{}", row(cell, &figures));
+                        common::progress(&row(cell, &figures));
                         results.lock().expect("no panics").push((i, figures));
                     }
                     Err(e) => {
@@ -168,12 +171,12 @@ fn main() -> ExitCode {
     }
     let mut results = results.into_inner().expect("no panics");
     results.sort_by_key(|(i, _)| *i);
-    println!("| family | sessions | seed | capacity | requests | lru | **marconi** | − lru | switches (request: α, recency, FLOP basis, guard) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for (i, figures) in &results {
-        println!("{}", row(&cells[*i], figures));
-    }
-    println!();
+    let mut lines = vec![
+        "| family | sessions | seed | capacity | requests | lru | **marconi** | − lru | switches (request: α, recency, FLOP basis, guard) |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|".to_string(),
+    ];
+    lines.extend(results.iter().map(|(i, figures)| row(&cells[*i], figures)));
+    lines.push(String::new());
     let mut failing = false;
     for &(family, _) in kinds.iter().chain([&("all", kinds[0].1)]) {
         let part: Vec<&ShortCell> = results
@@ -186,11 +189,15 @@ fn main() -> ExitCode {
         let above = part.iter().filter(|f| diff(f) > LRU_TOLERANCE).count();
         let mean = part.iter().map(|f| diff(f)).sum::<f64>() / part.len().max(1) as f64;
         let worst = part.iter().map(|f| diff(f)).fold(f64::INFINITY, f64::min);
-        println!(
+        lines.push(format!(
             "{family}: {} cells, {below} below lru by > {LRU_TOLERANCE}, {above} above by > {LRU_TOLERANCE}; mean {mean:+.4}, worst {worst:+.4}",
             part.len()
-        );
+        ));
         failing |= below > 0;
+    }
+    if let Err(e) = common::write_lines(io::stdout().lock(), &lines) {
+        eprintln!("error: writing the report: {e}");
+        return ExitCode::FAILURE;
     }
     if failing {
         ExitCode::from(2)

@@ -21,8 +21,12 @@
 //! chosen policy is refused, naming it.
 #![forbid(unsafe_code)]
 
+// Its `progress` serves the grids' long runs; this example reports only when done.
+#[allow(dead_code)]
+mod common;
+
 use std::fs::File;
-use std::io::BufWriter;
+use std::io::{self, BufWriter};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -294,7 +298,13 @@ enum OnOff {
 fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(lines) => match common::write_lines(io::stdout().lock(), &lines) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("simulate: writing the report: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Err(e) => {
             eprintln!("simulate: {e}");
             ExitCode::FAILURE
@@ -330,7 +340,7 @@ fn run_paper(
     policy: SimPolicy,
     trace: &Path,
     capacity_bytes: u64,
-) -> Result<(), SnapshotError> {
+) -> Result<Vec<String>, SnapshotError> {
     let why = format!("does not apply to --policy {}", policy.name());
     refuse(
         &[
@@ -372,12 +382,14 @@ fn run_paper(
         cache.serve(&record.input_tokens, &record.output_tokens);
         Ok(())
     })?;
-    match (cache.first_eviction_requests(), cache.bootstrap_window()) {
-        (Some(first), Some(window)) => {
-            println!("first eviction at request {first}, bootstrap window {window}")
-        }
-        _ => println!("no eviction"),
-    }
+    let mut lines = vec![
+        match (cache.first_eviction_requests(), cache.bootstrap_window()) {
+            (Some(first), Some(window)) => {
+                format!("first eviction at request {first}, bootstrap window {window}")
+            }
+            _ => "no eviction".to_string(),
+        },
+    ];
     if let Some(tuning) = cache.tuning() {
         let saved: Vec<String> = tuning
             .flops_saved
@@ -385,16 +397,16 @@ fn run_paper(
             .enumerate()
             .map(|(i, flops)| format!("{}:{flops:.4e}", f64::from(i as u32) / 10.0))
             .collect();
-        println!(
+        lines.push(format!(
             "bootstrap at request {} ({} calls replayed) chose alpha {}; replay FLOPs saved (alpha:flops): {}",
             tuning.at_request,
             tuning.calls_replayed,
             tuning.alpha,
             saved.join(" ")
-        );
+        ));
     }
     let stats = cache.stats();
-    println!(
+    lines.push(format!(
         "evictions {}, evicted leaves {}, merged nodes {}, splits {}, quirk appends {} ({} hit tokens), max_bytes/capacity {:.4}",
         stats.evictions,
         stats.evicted_leaves,
@@ -403,15 +415,15 @@ fn run_paper(
         stats.quirk_appends,
         stats.quirk_hit_tokens,
         cache.max_bytes() as f64 / capacity_bytes.max(1) as f64
-    );
+    ));
     let line = serde_json::to_string(&cache.report(policy.name()))
         .map_err(|e| SnapshotError::Internal(e.to_string()))?;
-    println!("{line}");
-    Ok(())
+    lines.push(line);
+    Ok(lines)
 }
 
 /// `--generate KIND --out FILE`.
-fn run_generate(kind: TraceKind, args: &Args, out: &Path) -> Result<(), SnapshotError> {
+fn run_generate(kind: TraceKind, args: &Args, out: &Path) -> Result<Vec<String>, SnapshotError> {
     let sessions = usize::try_from(args.sessions).map_err(|_| {
         SnapshotError::BadArgument(format!("--sessions {} is too many", args.sessions))
     })?;
@@ -419,15 +431,15 @@ fn run_generate(kind: TraceKind, args: &Args, out: &Path) -> Result<(), Snapshot
     let file = File::create(out).map_err(io_error(out))?;
     write_trace(BufWriter::new(file), &records).map_err(io_error(out))?;
     let tokens: usize = records.iter().map(|r| r.num_input_tokens).sum();
-    println!(
+    Ok(vec![format!(
         "wrote {} requests ({tokens} input tokens) to {}",
         records.len(),
         out.display()
-    );
-    Ok(())
+    )])
 }
 
-fn run(args: &Args) -> Result<(), SnapshotError> {
+/// Runs what `args` ask for and returns the report's lines.
+fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
     if let Some(kind) = args.generate {
         // clap makes `--out` required with `--generate`.
         let out = args
@@ -532,12 +544,13 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
     let mut sim = Simulation::new(config)?;
     read_trace_file(trace, |record| sim.step(&record))?;
     let history = sim.tuner().history().to_vec();
+    let mut lines = Vec::new();
     if !history.is_empty() {
         let text: Vec<String> = history
             .iter()
             .map(|(at, s)| format!("{at}:{}", label(s)))
             .collect();
-        println!("tuning (request:setting): {}", text.join(" "));
+        lines.push(format!("tuning (request:setting): {}", text.join(" ")));
     }
     let shadows = sim.tuner().shadow_hit_tokens();
     if !shadows.is_empty() {
@@ -545,10 +558,13 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
             .iter()
             .map(|(s, hits)| format!("{}:{hits}", label(s)))
             .collect();
-        println!("shadow hit tokens (setting:tokens): {}", text.join(" "));
+        lines.push(format!(
+            "shadow hit tokens (setting:tokens): {}",
+            text.join(" ")
+        ));
     }
     let stats = sim.store().stats();
-    println!(
+    lines.push(format!(
         "hits {} (mid-sequence {}), evicted leaves {}, checkpoint-only evictions {}, checkpoints admitted {}, dropped {}",
         stats.hits,
         stats.mid_hits,
@@ -556,12 +572,12 @@ fn run(args: &Args) -> Result<(), SnapshotError> {
         stats.evicted_checkpoints_only,
         stats.admitted_checkpoints,
         stats.dropped_checkpoints
-    );
+    ));
     let report = sim.finish()?;
     let line =
         serde_json::to_string(&report).map_err(|e| SnapshotError::Internal(e.to_string()))?;
-    println!("{line}");
-    Ok(())
+    lines.push(line);
+    Ok(lines)
 }
 
 #[cfg(test)]

@@ -1,0 +1,75 @@
+//! What the policy examples share: writing their report to stdout.
+
+use std::io::{self, ErrorKind, Write};
+
+/// Writes `lines` to `out`, one per line, and flushes. A reader that closed the pipe early
+/// (`simulate ... | head`) ends the output there without an error, as with any Unix tool
+/// (`println!` panics on it); every other write error is returned.
+pub fn write_lines(mut out: impl Write, lines: &[String]) -> io::Result<()> {
+    let written = lines
+        .iter()
+        .try_for_each(|line| writeln!(out, "{line}"))
+        .and_then(|()| out.flush());
+    match written {
+        Err(e) if e.kind() == ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}
+
+/// Writes a progress line to stderr, best effort: a reader that went away (`2>&1 | head`) does
+/// not stop the run, whose report still comes on stdout.
+pub fn progress(line: &str) {
+    // A progress line that cannot be written is dropped; the run's result does not depend on it.
+    let _ = writeln!(io::stderr().lock(), "{line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer that takes `room` bytes, then fails every write with `kind`.
+    struct Closing {
+        taken: Vec<u8>,
+        room: usize,
+        kind: ErrorKind,
+    }
+
+    impl Write for Closing {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            if self.taken.len() >= self.room {
+                return Err(io::Error::from(self.kind));
+            }
+            let n = buf.len().min(self.room - self.taken.len());
+            self.taken.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_closed_pipe_ends_the_report_quietly_and_other_errors_are_returned() {
+        let lines = vec!["first".to_string(), "second".to_string()];
+        let mut all = Vec::new();
+        write_lines(&mut all, &lines).unwrap();
+        assert_eq!(all, b"first\nsecond\n");
+
+        let mut closed = Closing {
+            taken: Vec::new(),
+            room: 8,
+            kind: ErrorKind::BrokenPipe,
+        };
+        write_lines(&mut closed, &lines).unwrap();
+        assert_eq!(closed.taken, b"first\nse");
+
+        let mut full = Closing {
+            taken: Vec::new(),
+            room: 8,
+            kind: ErrorKind::StorageFull,
+        };
+        let e = write_lines(&mut full, &lines).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::StorageFull);
+    }
+}
