@@ -96,6 +96,35 @@ pub struct HybridDims {
     pub elem_bytes: u64,
 }
 
+impl HybridDims {
+    /// NVIDIA's Nemotron-H-8B as its published config gives it (`nvidia/Nemotron-H-8B-Base-8K`:
+    /// hidden 4096; 4 attention layers of 32 query and 8 KV heads of 128; 24 Mamba2 layers of
+    /// 128 heads of 64, state 128 in 8 groups, kernel 4; 24 squared-ReLU MLPs of 21,504), bf16.
+    /// Priced by [`CostModel::from_dims`]: 16,384 KV bytes per token and 52,297,728 bytes per
+    /// checkpoint, so one checkpoint weighs as much as 3,192 tokens of KV (the paper's 7B model,
+    /// without grouped-query sharing: 409).
+    pub fn nemotron_h_8b() -> Self {
+        Self {
+            name: "nemotron-h-8b".into(),
+            hidden_size: 4096,
+            attention_layers: 4,
+            num_attention_heads: 32,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            mamba_layers: 24,
+            mamba_num_heads: 128,
+            mamba_head_dim: 64,
+            ssm_state_size: 128,
+            n_groups: 8,
+            conv_kernel: 4,
+            mlp_layers: 24,
+            mlp_intermediate: 21504,
+            mlp_matrices: 2,
+            elem_bytes: 2,
+        }
+    }
+}
+
 impl CostModel {
     /// Checks and wraps raw coefficients.
     pub fn new(c: CostCoefficients) -> Result<Self, SnapshotError> {
@@ -165,10 +194,12 @@ impl CostModel {
         }
     }
 
-    /// A built-in model by name (`nvidia-hybrid-7b`).
+    /// A built-in model by name: `nvidia-hybrid-7b` ([`CostModel::nvidia_hybrid_7b`], the
+    /// paper's) or `nemotron-h-8b` ([`HybridDims::nemotron_h_8b`]).
     pub fn by_name(name: &str) -> Result<Self, SnapshotError> {
         match name {
             "nvidia-hybrid-7b" => Ok(Self::nvidia_hybrid_7b()),
+            "nemotron-h-8b" => Self::from_dims(&HybridDims::nemotron_h_8b()),
             other => Err(SnapshotError::UnknownModel(other.to_owned())),
         }
     }
@@ -290,7 +321,25 @@ mod tests {
         let err = CostModel::by_name("gpt-9").unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b)"
+            "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b, nemotron-h-8b)"
+        );
+    }
+
+    #[test]
+    fn nemotron_h_8b_is_priced_from_its_published_widths() {
+        let m = CostModel::by_name("nemotron-h-8b").unwrap();
+        assert_eq!(m.name(), "nemotron-h-8b");
+        // 4 layers · K and V · 8 heads · 128 · 2 bytes.
+        assert_eq!(m.kv_bytes_per_token(), 4 * 2 * 8 * 128 * 2);
+        // 24 layers · (8192 · 128 SSM + 4 · (8192 + 2 · 8 · 128) conv values) · 2 bytes.
+        assert_eq!(
+            m.checkpoint_bytes(),
+            24 * (8192 * 128 + 4 * (8192 + 2048)) * 2
+        );
+        assert_eq!(m.checkpoint_bytes(), 52_297_728);
+        assert_eq!(
+            m,
+            CostModel::from_dims(&HybridDims::nemotron_h_8b()).unwrap()
         );
     }
 
