@@ -34,6 +34,11 @@ use ssm_snapshot::CostModel;
 /// Runs the short-trace scan and prints the report.
 #[derive(Debug, Parser)]
 struct Args {
+    /// The model whose costs the cells use (built in: nvidia-hybrid-7b, the paper's, which the
+    /// policy was tuned on; nemotron-h-8b). A reference cache written for another model is
+    /// recomputed (its canary cell differs).
+    #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
+    model: CostModel,
     /// Families (default: all five).
     #[arg(long, value_delimiter = ',')]
     families: Vec<String>,
@@ -106,7 +111,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    let cost = CostModel::nvidia_hybrid_7b();
+    let cost = args.model.clone();
     let known: HashMap<String, f64> = match args.lru.as_deref().map(|path| {
         let config = SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone());
         let canary = run_store(config, &canary_trace())?.token_hit_rate;
@@ -114,7 +119,7 @@ fn main() -> ExitCode {
     }) {
         Some(Ok((map, stale))) => {
             if stale {
-                eprintln!("note: the lru cache was written by other code (its canary cell differs); recomputing");
+                eprintln!("note: the lru cache was written by other code or for another model (its canary cell differs); recomputing");
             }
             map
         }

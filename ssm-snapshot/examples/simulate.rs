@@ -79,7 +79,7 @@ struct Args {
     block_size: Option<u32>,
 
     /// The model whose costs the simulation uses
-    #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = cost_model)]
+    #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
     model: CostModel,
 
     /// A fixed eviction weight α (marconi, paper-marconi), instead of tuning
@@ -198,10 +198,6 @@ fn sim_policy(text: &str) -> Result<SimPolicy, String> {
 
 fn trace_kind(text: &str) -> Result<TraceKind, String> {
     TraceKind::parse(text).map_err(|err| err.to_string())
-}
-
-fn cost_model(text: &str) -> Result<CostModel, String> {
-    CostModel::by_name(text).map_err(|err| err.to_string())
 }
 
 fn non_negative(text: &str) -> Result<f64, String> {

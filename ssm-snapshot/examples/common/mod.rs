@@ -1,6 +1,13 @@
-//! What the policy examples share: writing their report to stdout.
+//! What the policy examples share: the `--model` parser and writing their report to stdout.
 
 use std::io::{self, ErrorKind, Write};
+
+use ssm_snapshot::CostModel;
+
+/// A built-in cost model by name (`--model`).
+pub fn cost_model(text: &str) -> Result<CostModel, String> {
+    CostModel::by_name(text).map_err(|e| e.to_string())
+}
 
 /// Writes `lines` to `out`, one per line, and flushes. A reader that closed the pipe early
 /// (`simulate ... | head`) ends the output there without an error, as with any Unix tool
