@@ -281,6 +281,16 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
     let mean = |key: &dyn Fn(&CellFigures) -> f64| {
         rows.iter().map(|r| key(&r.figures)).sum::<f64>() / rows.len() as f64
     };
+    // `marconi` against one paper policy: cells above and below it, the worst and mean margin.
+    let versus = |name: &str, key: &dyn Fn(&CellFigures) -> f64| {
+        format!(
+            "  vs {name}: {} above, {} below; worst {}; mean {:+.4}",
+            count(&|f| key(f) > 0.0),
+            count(&|f| key(f) < 0.0),
+            worst(key),
+            mean(key),
+        )
+    };
     vec![
         format!(
             "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
@@ -300,19 +310,7 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
             worst(&|f| f.vs_lru()),
             mean(&|f| f.vs_lru()),
         ),
-        format!(
-            "  vs paper SGLang+: {} above, {} below; worst {}; mean {:+.4}",
-            count(&|f| f.vs_paper_sglang() > 0.0),
-            count(&|f| f.vs_paper_sglang() < 0.0),
-            worst(&|f| f.vs_paper_sglang()),
-            mean(&|f| f.vs_paper_sglang()),
-        ),
-        format!(
-            "  vs paper Marconi: {} above, {} below; worst {}; mean {:+.4}",
-            count(&|f| f.vs_paper_marconi() > 0.0),
-            count(&|f| f.vs_paper_marconi() < 0.0),
-            worst(&|f| f.vs_paper_marconi()),
-            mean(&|f| f.vs_paper_marconi()),
-        ),
+        versus("paper SGLang+", &|f| f.vs_paper_sglang()),
+        versus("paper Marconi", &|f| f.vs_paper_marconi()),
     ]
 }

@@ -25,7 +25,8 @@
 //!
 //! # Modules
 //! - [`store`]: the tree, the hit rule, admission, eviction, the byte budget (invariants there);
-//! - [`cost`]: FLOPs and bytes per prefix from layer counts and widths ([`CostModel`]);
+//! - [`cost`]: FLOPs and bytes per prefix from layer counts and widths ([`CostModel`]; built
+//!   in: the paper's 7B and Nemotron-H-8B);
 //! - [`slots`]: the checkpoint slot pool;
 //! - [`tuning`]: choosing α, the recency basis, the FLOP basis and guarded admission
 //!   (Marconi's bootstrap replay, periodic replay, and shadow stores, the default);
