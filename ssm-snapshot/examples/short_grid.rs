@@ -34,9 +34,10 @@ use ssm_snapshot::CostModel;
 /// Runs the short-trace scan and prints the report.
 #[derive(Debug, Parser)]
 struct Args {
-    /// The model whose costs the cells use (built in: nvidia-hybrid-7b, the paper's, which the
-    /// policy was tuned on; nemotron-h-8b). A reference cache written for another model is
-    /// recomputed (its canary cell differs).
+    /// The model whose costs the cells use: a built-in name (`ssm_snapshot::BUILT_IN_MODELS`; an
+    /// unknown name lists them). The default, nvidia-hybrid-7b, is the paper's, which the policy
+    /// was tuned on. A reference cache written for another model is recomputed (its canary cell
+    /// differs).
     #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
     model: CostModel,
     /// Families (default: all five).

@@ -78,7 +78,7 @@ struct Args {
     #[arg(long, value_name = "B", value_parser = clap::value_parser!(u32).range(1..))]
     block_size: Option<u32>,
 
-    /// The model whose costs the simulation uses (built in: nvidia-hybrid-7b, nemotron-h-8b)
+    /// The model whose costs the simulation uses: a built-in name (an unknown name lists them)
     #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
     model: CostModel,
 

@@ -18,6 +18,9 @@
 
 use crate::error::SnapshotError;
 
+/// The names [`CostModel::by_name`] knows (an unknown name's error lists them).
+pub const BUILT_IN_MODELS: &[&str] = &["nvidia-hybrid-7b", "nemotron-h-8b", "nemotron-h-56b"];
+
 /// Per-model costs. Fields are private so that every value went through [`CostModel::new`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostModel {
@@ -123,6 +126,33 @@ impl HybridDims {
             elem_bytes: 2,
         }
     }
+
+    /// NVIDIA's Nemotron-H-56B as its published config gives it (`nvidia/Nemotron-H-56B-Base-8K`:
+    /// hidden 8192; 10 attention layers of 64 query and 8 KV heads of 128; 54 Mamba2 layers of
+    /// 256 heads of 64, state 256 in 8 groups, kernel 4; 54 squared-ReLU MLPs of 32,768), bf16.
+    /// Priced by [`CostModel::from_dims`]: 40,960 KV bytes per token and 461,832,192 bytes per
+    /// checkpoint, so one checkpoint weighs as much as 11,275 tokens of KV (28 times the paper's
+    /// 7B model; a larger budget than the smaller models' holds only a few checkpoints).
+    pub fn nemotron_h_56b() -> Self {
+        Self {
+            name: "nemotron-h-56b".into(),
+            hidden_size: 8192,
+            attention_layers: 10,
+            num_attention_heads: 64,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            mamba_layers: 54,
+            mamba_num_heads: 256,
+            mamba_head_dim: 64,
+            ssm_state_size: 256,
+            n_groups: 8,
+            conv_kernel: 4,
+            mlp_layers: 54,
+            mlp_intermediate: 32768,
+            mlp_matrices: 2,
+            elem_bytes: 2,
+        }
+    }
 }
 
 impl CostModel {
@@ -194,12 +224,14 @@ impl CostModel {
         }
     }
 
-    /// A built-in model by name: `nvidia-hybrid-7b` ([`CostModel::nvidia_hybrid_7b`], the
-    /// paper's) or `nemotron-h-8b` ([`HybridDims::nemotron_h_8b`]).
+    /// A built-in model by name (one of [`BUILT_IN_MODELS`]): `nvidia-hybrid-7b`
+    /// ([`CostModel::nvidia_hybrid_7b`], the paper's), `nemotron-h-8b`
+    /// ([`HybridDims::nemotron_h_8b`]) or `nemotron-h-56b` ([`HybridDims::nemotron_h_56b`]).
     pub fn by_name(name: &str) -> Result<Self, SnapshotError> {
         match name {
             "nvidia-hybrid-7b" => Ok(Self::nvidia_hybrid_7b()),
             "nemotron-h-8b" => Self::from_dims(&HybridDims::nemotron_h_8b()),
+            "nemotron-h-56b" => Self::from_dims(&HybridDims::nemotron_h_56b()),
             other => Err(SnapshotError::UnknownModel(other.to_owned())),
         }
     }
@@ -321,8 +353,11 @@ mod tests {
         let err = CostModel::by_name("gpt-9").unwrap_err();
         assert_eq!(
             err.to_string(),
-            "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b, nemotron-h-8b)"
+            "unknown cost model `gpt-9` (built in: nvidia-hybrid-7b, nemotron-h-8b, nemotron-h-56b)"
         );
+        for name in BUILT_IN_MODELS {
+            assert_eq!(CostModel::by_name(name).unwrap().name(), *name);
+        }
     }
 
     #[test]
@@ -341,6 +376,21 @@ mod tests {
             m,
             CostModel::from_dims(&HybridDims::nemotron_h_8b()).unwrap()
         );
+    }
+
+    #[test]
+    fn nemotron_h_56b_is_priced_from_its_published_widths() {
+        let m = CostModel::by_name("nemotron-h-56b").unwrap();
+        // 10 layers · K and V · 8 heads · 128 · 2 bytes.
+        assert_eq!(m.kv_bytes_per_token(), 10 * 2 * 8 * 128 * 2);
+        assert_eq!(m.kv_bytes_per_token(), 40_960);
+        // 54 layers · (16384 · 256 SSM + 4 · (16384 + 2 · 8 · 256) conv values) · 2 bytes.
+        assert_eq!(
+            m.checkpoint_bytes(),
+            54 * (16384 * 256 + 4 * (16384 + 4096)) * 2
+        );
+        assert_eq!(m.checkpoint_bytes(), 461_832_192);
+        assert_eq!(m.checkpoint_bytes() / m.kv_bytes_per_token(), 11_275);
     }
 
     fn tiny_dims() -> HybridDims {

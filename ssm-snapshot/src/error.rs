@@ -15,7 +15,7 @@ pub enum SnapshotError {
         value: String,
     },
     /// No built-in cost model has this name.
-    #[error("unknown cost model `{0}` (built in: nvidia-hybrid-7b, nemotron-h-8b)")]
+    #[error("unknown cost model `{0}` (built in: {list})", list = crate::cost::BUILT_IN_MODELS.join(", "))]
     UnknownModel(String),
     /// A store configuration value is out of range.
     #[error("bad store config: `{field}` is {value} ({limit})")]

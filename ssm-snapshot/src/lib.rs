@@ -96,7 +96,7 @@ pub mod slots;
 pub mod store;
 pub mod tuning;
 
-pub use cost::{CostCoefficients, CostModel, HybridDims};
+pub use cost::{CostCoefficients, CostModel, HybridDims, BUILT_IN_MODELS};
 pub use error::SnapshotError;
 pub use slots::{SlotId, SlotPool, SlotState};
 pub use store::{
