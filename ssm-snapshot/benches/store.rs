@@ -7,8 +7,8 @@ use kv_cache::BlockId;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ssm_snapshot::{
-    Admission, BudgetScope, CostModel, FlopBasis, Namespace, Recency, SnapshotStore, StoreConfig,
-    StoreDelta,
+    Admission, BudgetScope, CostModel, FlopBasis, Namespace, PinScope, Recency, SnapshotStore,
+    StoreConfig, StoreDelta,
 };
 
 /// 512 requests of 2048 input tokens (a 1024-token opener from 8 shared ones plus a unique part)
@@ -96,6 +96,7 @@ fn bench_request(c: &mut Criterion) {
             flop_basis: FlopBasis::Marginal,
             recency: Recency::Adaptive,
             guard,
+            pin_scope: PinScope::Path,
             cost,
         };
         let mut store = SnapshotStore::new(config).expect("valid config");

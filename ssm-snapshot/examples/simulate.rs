@@ -40,7 +40,9 @@ use ssm_snapshot::tuning::{
     default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS, DEFAULT_COOLDOWN, DEFAULT_HALF_LIFE,
     DEFAULT_MARGIN,
 };
-use ssm_snapshot::{CostModel, FlopBasis, Objective, Recency, Setting, SnapshotError, TuningMode};
+use ssm_snapshot::{
+    CostModel, FlopBasis, Objective, PinScope, Recency, Setting, SnapshotError, TuningMode,
+};
 
 /// What the long help says before the options.
 const LONG_ABOUT: &str = "\
@@ -129,6 +131,11 @@ struct Args {
     #[arg(long, value_enum, value_name = "ON_OFF")]
     guard: Option<OnOff>,
 
+    /// The store's policies: which checkpoints a running request's pin holds (every one on its
+    /// hit path, or only the hit one; `ssm_snapshot::PinScope`) [default: path]
+    #[arg(long, value_enum, value_name = "SCOPE")]
+    pin_scope: Option<PinScopeName>,
+
     /// Write a synthetic trace of this kind (chat, sharegpt, agentic) instead of simulating
     #[arg(long, value_name = "KIND", value_parser = trace_kind, requires = "out", conflicts_with_all = STORE_FLAGS)]
     generate: Option<TraceKind>,
@@ -147,7 +154,7 @@ struct Args {
 }
 
 /// The flags of a simulation, which `--generate` does not take.
-const STORE_FLAGS: [&str; 15] = [
+const STORE_FLAGS: [&str; 16] = [
     "trace",
     "capacity_bytes",
     "policy",
@@ -163,6 +170,7 @@ const STORE_FLAGS: [&str; 15] = [
     "recency",
     "flop_basis",
     "guard",
+    "pin_scope",
 ];
 
 /// `--policy`.
@@ -284,6 +292,13 @@ enum FlopBasisName {
     Prefix,
 }
 
+/// `--pin-scope`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PinScopeName {
+    Path,
+    Hit,
+}
+
 /// `--guard`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum OnOff {
@@ -349,6 +364,7 @@ fn run_paper(
             ("recency", args.recency.is_some()),
             ("flop-basis", args.flop_basis.is_some()),
             ("guard", args.guard.is_some()),
+            ("pin-scope", args.pin_scope.is_some()),
         ],
         &why,
     )?;
@@ -462,6 +478,10 @@ fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
     )?;
     let block_size = args.block_size.unwrap_or(1);
     let mut config = SimConfig::new(policy, capacity_bytes, block_size, args.model.clone());
+    config.pin_scope = match args.pin_scope.unwrap_or(PinScopeName::Path) {
+        PinScopeName::Path => PinScope::Path,
+        PinScopeName::Hit => PinScope::HitCheckpoint,
+    };
     config.alpha = args.alpha;
     if let Some(alpha) = config.alpha {
         if policy != Policy::Marconi {

@@ -101,7 +101,8 @@ pub use error::SnapshotError;
 pub use slots::{SlotId, SlotPool, SlotState};
 pub use store::{
     Admission, BranchOutcome, BudgetScope, CachedCheckpoint, FinishReport, FlopBasis, Hit,
-    Namespace, Pin, Recency, SnapshotStore, StoreConfig, StoreDelta, StoreStats, TreeBlock,
+    Namespace, Pin, PinScope, Recency, SnapshotStore, StoreConfig, StoreDelta, StoreStats,
+    TreeBlock,
 };
 pub use tuning::{AlphaTuner, Objective, Setting, TuningMode};
 

@@ -21,7 +21,8 @@ use crate::error::SnapshotError;
 pub use crate::generate::{generate, TraceKind};
 use crate::slots::SlotId;
 use crate::store::{
-    Admission, BudgetScope, FlopBasis, Namespace, Recency, SnapshotStore, StoreConfig, StoreDelta,
+    Admission, BudgetScope, FlopBasis, Namespace, PinScope, Recency, SnapshotStore, StoreConfig,
+    StoreDelta,
 };
 use crate::tuning::{default_tuning, AlphaTuner, Objective, RecordedRequest, TuningMode};
 
@@ -194,6 +195,8 @@ pub struct SimConfig {
     pub guard: bool,
     /// For `marconi` with tuning: what the replays maximise.
     pub objective: Objective,
+    /// Which checkpoints a running request's pin holds (every policy of this simulator).
+    pub pin_scope: PinScope,
 }
 
 impl SimConfig {
@@ -213,6 +216,7 @@ impl SimConfig {
             recency: Recency::Path,
             guard: false,
             objective: Objective::Flops,
+            pin_scope: PinScope::Path,
         }
     }
 }
@@ -286,6 +290,7 @@ impl Simulation {
             flop_basis: basis,
             recency,
             guard: config.policy == Policy::Marconi && config.guard,
+            pin_scope: config.pin_scope,
             cost: config.cost.clone(),
         })?;
         let mode = match (config.policy, config.alpha) {

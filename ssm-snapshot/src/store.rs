@@ -16,10 +16,16 @@
 //! Invariants (checked by [`SnapshotStore::check_invariants`]):
 //! - every non-root node has a checkpoint or at least two children (a bare node with one child is
 //!   merged into the child at once, a bare leaf never exists), so every leaf holds a checkpoint;
+//!   the one exception, under [`PinScope::HitCheckpoint`], is a pinned node with one child whose
+//!   checkpoint was evicted: it merges into its child when its last pin goes;
 //! - a node's `pins` is the number of running sequences ([`Pin`]s) whose hit path passes through
 //!   it, so a pinned node's ancestors are pinned too and an unpinned node's subtree is unpinned;
-//! - eviction candidates are exactly the non-root nodes with no pins, at most one child and a
-//!   checkpoint; candidates are ordered by (last access, deeper first);
+//!   its `locks` (at most `pins`) count the pins that hold its checkpoint: a pin holds the KV of
+//!   its whole path and, under [`PinScope::Path`] (the default), every checkpoint on it; under
+//!   [`PinScope::HitCheckpoint`] only its hit node's, the state its sequence restores;
+//! - eviction candidates are exactly the non-root nodes with no locks, at most one child and a
+//!   checkpoint (a pinned one loses only its checkpoint); candidates are ordered by (last
+//!   access, deeper first);
 //! - the tree holds exactly one reference on each block id listed in its nodes: it asks for a
 //!   reference in [`StoreDelta::retain_blocks`] when it adopts a block and gives it back in
 //!   [`StoreDelta::release_blocks`];
@@ -93,7 +99,8 @@
 //!    without its last token, which must be computed for logits): the hit length, the KV blocks of
 //!    `0..hit`, the checkpoint slot to restore, and the branch point (Marconi admission: where the
 //!    request leaves the tree strictly inside an edge, or at a node without a checkpoint). The hit
-//!    path is pinned: it is not evicted until the [`Pin`] is finished or released.
+//!    path is pinned: it is not evicted until the [`Pin`] is finished or released (under
+//!    [`PinScope::HitCheckpoint`] the checkpoints above the hit may go, keeping their KV).
 //! 2. When prefill reaches the branch point, the router reserves a slot
 //!    ([`SnapshotStore::reserve_checkpoint`]), copies the SSM state into it, and calls
 //!    [`SnapshotStore::commit_branch`].
@@ -187,6 +194,23 @@ pub enum Recency {
     Adaptive,
 }
 
+/// Which checkpoints a running sequence's [`Pin`] holds (its hit path's KV is always held).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PinScope {
+    /// Every checkpoint on the hit path: nothing on it is evicted while the sequence runs.
+    #[default]
+    Path,
+    /// Only the hit checkpoint, the state the sequence restores: the checkpoints above it serve
+    /// other requests, not this one, and may go (checkpoint only; the KV stays). What the
+    /// paper's cache and SGLang do (neither pins). It matters when a checkpoint is large against
+    /// the budget: at Nemotron-H-56B's costs (a checkpoint weighs 11,275 tokens of KV) a 2 GB
+    /// store holds four, and a returning conversation whose path held three could never
+    /// checkpoint its new end, so its next turns hit the old end again. Not the default: the
+    /// tuner's constants were chosen under `Path`, and under this scope it falls below `lru` on
+    /// more short traces (ssm-snapshot/MEASUREMENTS.md, session 19).
+    HitCheckpoint,
+}
+
 /// What the byte budget covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BudgetScope {
@@ -227,6 +251,8 @@ pub struct StoreConfig {
     /// With fewer than 16 hits observed everything counts as dead (plain admission).
     /// A tuner chooses it per workload.
     pub guard: bool,
+    /// Which checkpoints a running sequence's pin holds.
+    pub pin_scope: PinScope,
     /// Costs of the model served.
     pub cost: CostModel,
 }
@@ -247,6 +273,7 @@ impl StoreConfig {
             flop_basis: FlopBasis::Marginal,
             recency: Recency::Adaptive,
             guard: false,
+            pin_scope: PinScope::Path,
             cost,
         }
     }
@@ -418,6 +445,10 @@ struct Node {
     children: Vec<u32>,
     checkpoint: Option<SlotId>,
     pins: u32,
+    /// Pins that hold its checkpoint (see [`PinScope`]): those whose hit node it is (the state
+    /// their sequences restore) and, under [`PinScope::Path`], every pin through it. At most
+    /// `pins`.
+    locks: u32,
     /// Last time a request's path went through the node (the candidate order).
     last_access: u64,
     /// Last time the node was a lookup's hit or got its checkpoint.
@@ -744,6 +775,7 @@ impl SnapshotStore {
             self.mid_rate += (f64::from(u8::from(mid)) - self.mid_rate) / 64.0;
         }
         let (shared, whole) = self.refresh_rule();
+        let whole_path = self.config.pin_scope == PinScope::Path;
         for &id in path.iter().rev() {
             let node = &mut self.nodes[id as usize];
             blocks_out.extend_from_slice(&node.blocks);
@@ -751,7 +783,7 @@ impl SnapshotStore {
             if whole || (shared && node.children.len() >= 2) {
                 node.last_hit = now;
             }
-            self.pin_node(id);
+            self.pin_node(id, whole_path || id == hit);
         }
         self.scratch_path = path;
         self.nodes[hit as usize].last_hit = now;
@@ -1173,8 +1205,16 @@ impl SnapshotStore {
                 }
             }
             if node.pins > 0 {
-                pinned_checkpoints += u64::from(node.checkpoint.is_some());
                 pinned_blocks += node.blocks.len() as u64;
+            }
+            if node.locks > 0 {
+                pinned_checkpoints += u64::from(node.checkpoint.is_some());
+            }
+            if node.locks > node.pins {
+                return Err(format!(
+                    "node {id} has {} locks, more than its {} pins",
+                    node.locks, node.pins
+                ));
             }
             let child_pins: u32 = node
                 .children
@@ -1214,7 +1254,9 @@ impl SnapshotStore {
                 if node.tokens.is_empty() {
                     return Err(format!("node {id} has an empty edge"));
                 }
-                if node.checkpoint.is_none() && node.children.len() < 2 {
+                // A pinned path node whose checkpoint went waits for its pins to merge.
+                let waiting = node.pins > 0 && node.children.len() == 1;
+                if node.checkpoint.is_none() && node.children.len() < 2 && !waiting {
                     return Err(format!(
                         "bare node {id} has {} children",
                         node.children.len()
@@ -1222,7 +1264,7 @@ impl SnapshotStore {
                 }
             }
             let eligible = node.parent != NONE
-                && node.pins == 0
+                && node.locks == 0
                 && node.children.len() <= 1
                 && node.checkpoint.is_some();
             if eligible != node.candidate.is_some() {
@@ -1275,6 +1317,26 @@ impl SnapshotStore {
                 self.pinned_checkpoints, self.pinned_blocks
             ));
         }
+        // Every active pin locks its hit node, and under `PinScope::Path` every node above it.
+        let mut locks = vec![0u32; self.nodes.len()];
+        for record in self.pins.iter().filter(|p| p.node != NONE) {
+            let mut at = record.node;
+            while at != NONE {
+                locks[at as usize] += 1;
+                at = self.nodes[at as usize].parent;
+                if self.config.pin_scope == PinScope::HitCheckpoint {
+                    break;
+                }
+            }
+        }
+        for (id, node) in self.nodes.iter().enumerate() {
+            if node.live && node.locks != locks[id] {
+                return Err(format!(
+                    "node {id} has {} locks, its pins hold {}",
+                    node.locks, locks[id]
+                ));
+            }
+        }
         let active_pins = self.pins.iter().filter(|p| p.node != NONE).count();
         if active_pins + self.free_pins.len() != self.pins.len() {
             return Err("pin records and free list disagree".into());
@@ -1305,6 +1367,7 @@ impl SnapshotStore {
             children: Vec::new(),
             checkpoint: None,
             pins: 0,
+            locks: 0,
             last_access: now,
             last_hit: now,
             candidate: None,
@@ -1388,28 +1451,54 @@ impl SnapshotStore {
         self.free_pins.push(pin.index);
     }
 
-    fn pin_node(&mut self, id: u32) {
+    /// Pins `id` for a running sequence, and with `lock` its checkpoint too (see [`PinScope`]).
+    fn pin_node(&mut self, id: u32, lock: bool) {
         let node = &mut self.nodes[id as usize];
         if node.pins == 0 {
-            self.pinned_checkpoints += u64::from(node.checkpoint.is_some());
             self.pinned_blocks += node.blocks.len() as u64;
         }
         node.pins += 1;
+        if lock {
+            if node.locks == 0 {
+                self.pinned_checkpoints += u64::from(node.checkpoint.is_some());
+            }
+            node.locks += 1;
+        }
         self.refresh(id);
     }
 
-    /// Unpins `node` and its ancestors.
+    /// Takes one lock off `id`'s checkpoint.
+    fn unlock(&mut self, id: u32) {
+        let node = &mut self.nodes[id as usize];
+        node.locks -= 1;
+        if node.locks == 0 {
+            self.pinned_checkpoints -= u64::from(node.checkpoint.is_some());
+        }
+    }
+
+    /// Takes a pin off its hit path (`node`, which it locked, and every node above). A path node
+    /// whose checkpoint went while it was pinned (bare, one child) merges into the child once
+    /// unpinned.
     fn unpin(&mut self, node: u32) {
+        let path = self.config.pin_scope == PinScope::Path;
         let mut at = node;
         while at != NONE {
+            if at == node || path {
+                self.unlock(at);
+            }
             let n = &mut self.nodes[at as usize];
             n.pins -= 1;
             if n.pins == 0 {
-                self.pinned_checkpoints -= u64::from(n.checkpoint.is_some());
                 self.pinned_blocks -= n.blocks.len() as u64;
             }
             let parent = n.parent;
-            self.refresh(at);
+            let merge =
+                n.pins == 0 && parent != NONE && n.checkpoint.is_none() && n.children.len() == 1;
+            if merge {
+                self.merge_into_child(at);
+            } else {
+                self.refresh(at);
+            }
             at = parent;
         }
     }
@@ -1419,7 +1508,7 @@ impl SnapshotStore {
         let node = &mut self.nodes[id as usize];
         let eligible = node.live
             && node.parent != NONE
-            && node.pins == 0
+            && node.locks == 0
             && node.children.len() <= 1
             && node.checkpoint.is_some();
         let key = eligible.then(|| (node.last_access, usize::MAX - node.end(), id));
@@ -1504,6 +1593,12 @@ impl SnapshotStore {
             children: vec![child],
             checkpoint: None,
             pins,
+            // Under `Path` every pin through `child` locks the new node above it too.
+            locks: if self.config.pin_scope == PinScope::Path {
+                pins
+            } else {
+                0
+            },
             last_access,
             last_hit: last_access,
             candidate: None,
@@ -1535,7 +1630,7 @@ impl SnapshotStore {
         if self.guarding {
             self.newcomers.push(id);
         }
-        if node.pins > 0 {
+        if node.locks > 0 {
             self.pinned_checkpoints += 1;
         }
         self.refresh(id);
@@ -1598,6 +1693,7 @@ impl SnapshotStore {
                         children: Vec::new(),
                         checkpoint: None,
                         pins: 0,
+                        locks: 0,
                         last_access: now,
                         last_hit: now,
                         candidate: None,
@@ -1852,7 +1948,12 @@ impl SnapshotStore {
             self.slots.free(slot);
             delta.freed_slots.push(slot);
         }
-        if node.children.is_empty() {
+        if node.pins > 0 {
+            // A checkpoint above every pin's hit node: the running sequences need only the KV of
+            // the path, which stays; the node, bare, merges into its child once unpinned.
+            self.stats.evicted_checkpoints_only += 1;
+            self.refresh(id);
+        } else if node.children.is_empty() {
             self.stats.evicted_leaves += 1;
             let (parent, key) = (node.parent, node.key);
             let blocks = std::mem::take(&mut node.blocks);
@@ -1959,6 +2060,7 @@ mod tests {
             flop_basis: FlopBasis::Prefix,
             recency: Recency::Path,
             guard: false,
+            pin_scope: PinScope::Path,
             cost: cost(),
         })
         .unwrap()
@@ -2218,6 +2320,98 @@ mod tests {
         s.check_invariants().unwrap();
         assert_eq!(prefixes(&s), vec![vec![1, 2, 3], vec![1, 2, 3, 4, 5]]);
         assert_eq!(s.bytes(), 25);
+    }
+
+    /// A path of three checkpoints, [1,2] → [3,4] → [5,6], that fills a budget of 38 but two.
+    fn three_deep(pin_scope: PinScope, d: &mut StoreDelta) -> SnapshotStore {
+        let mut s = SnapshotStore::new(StoreConfig {
+            pin_scope,
+            ..store(1, 38, BudgetScope::CheckpointsAndKv, 0.0)
+                .config()
+                .clone()
+        })
+        .unwrap();
+        serve(&mut s, NS, &[1], &[1, 2], d);
+        serve(&mut s, NS, &[1, 2, 3], &[1, 2, 3, 4], d);
+        serve(&mut s, NS, &[1, 2, 3, 4, 5], &[1, 2, 3, 4, 5, 6], d);
+        assert_eq!(s.bytes(), 36);
+        s
+    }
+
+    #[test]
+    fn a_pin_on_the_path_scope_holds_every_checkpoint_of_its_path() {
+        let mut d = StoreDelta::default();
+        let mut s = three_deep(PinScope::Path, &mut d);
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &[1, 2, 3, 4, 5, 6, 7], &mut blocks);
+        assert_eq!(hit.hit_tokens, 6);
+        // 36 of 38 bytes are on the pinned path: no room for the new end's checkpoint.
+        assert_eq!(s.reserve_checkpoint_for(&hit.pin, &mut d).unwrap(), None);
+        assert!(d.freed_slots.is_empty());
+        s.check_invariants().unwrap();
+        s.release(hit.pin).unwrap();
+        assert_eq!(s.bytes(), 36);
+    }
+
+    #[test]
+    fn a_pin_on_the_hit_scope_holds_its_hit_checkpoint_and_the_kv_of_its_path() {
+        // A returning conversation whose path holds every checkpoint the budget has room for
+        // (Nemotron-H-56B at 2 GB: a checkpoint weighs 11,275 tokens of KV) can still
+        // checkpoint its new end: the checkpoints above its hit go, their KV stays.
+        const FULL: [u32; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut d = StoreDelta::default();
+        let mut s = three_deep(PinScope::HitCheckpoint, &mut d);
+        let mut blocks = Vec::new();
+        let hit = s.lookup(NS, &FULL[..7], &mut blocks);
+        assert_eq!(hit.hit_tokens, 6);
+        s.check_invariants().unwrap();
+        d.clear();
+        let slot = s.reserve_checkpoint_for(&hit.pin, &mut d).unwrap().unwrap();
+        // The deepest checkpoint above the hit went; its KV stays (the path is pinned).
+        assert_eq!(d.freed_slots.len(), 1);
+        assert!(d.release_blocks.is_empty());
+        assert_eq!(prefixes(&s), vec![vec![1, 2], vec![1, 2, 3, 4, 5, 6]]);
+        assert_eq!(s.bytes(), 36);
+        s.check_invariants().unwrap();
+        d.clear();
+        s.finish(hit.pin, &FULL, &table(&FULL, 1), &[(8, slot)], &mut d)
+            .unwrap();
+        s.check_invariants().unwrap();
+        // The new end is cached; the bare [3,4] merged into [5,6] once unpinned.
+        assert_eq!(
+            prefixes(&s),
+            vec![vec![1, 2], vec![1, 2, 3, 4, 5, 6], FULL.to_vec()]
+        );
+        assert_eq!(s.node_count(), 3 + 1);
+        assert_eq!(s.bytes(), 38);
+        assert_eq!(s.stats().evicted_checkpoints_only, 1);
+    }
+
+    #[test]
+    fn a_checkpoint_that_another_sequence_hit_stays_while_it_runs() {
+        let mut d = StoreDelta::default();
+        let mut s = three_deep(PinScope::HitCheckpoint, &mut d);
+        let mut blocks = Vec::new();
+        let first = s.lookup(NS, &[1, 2, 3, 4, 5, 6, 7], &mut blocks);
+        // A second sequence whose hit is [3,4], the checkpoint the first would give up first.
+        let second = s.lookup(NS, &[1, 2, 3, 4, 9, 9], &mut blocks);
+        assert_eq!(second.hit_tokens, 4);
+        s.check_invariants().unwrap();
+        let slot = s
+            .reserve_checkpoint_for(&first.pin, &mut d)
+            .unwrap()
+            .unwrap();
+        // [1,2] went instead: the first sequence holds [5,6], the second [3,4].
+        assert_eq!(prefixes(&s), vec![vec![1, 2, 3, 4], vec![1, 2, 3, 4, 5, 6]]);
+        s.check_invariants().unwrap();
+        // Aborting both: the bare [1,2] merges into [3,4], nothing else changes.
+        s.cancel_checkpoint(slot).unwrap();
+        s.release(first.pin).unwrap();
+        s.check_invariants().unwrap();
+        s.release(second.pin).unwrap();
+        s.check_invariants().unwrap();
+        assert_eq!(s.node_count(), 2 + 1);
+        assert_eq!(s.bytes(), 26);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use kv_cache::BlockId;
 use proptest::prelude::*;
 use ssm_snapshot::{
     Admission, BranchOutcome, BudgetScope, CostCoefficients, CostModel, FlopBasis, Hit, Namespace,
-    Pin, Recency, SlotId, SnapshotStore, StoreConfig, StoreDelta,
+    Pin, PinScope, Recency, SlotId, SnapshotStore, StoreConfig, StoreDelta,
 };
 
 #[derive(Debug, Clone)]
@@ -195,6 +195,7 @@ fn run(
     marginal: bool,
     recency: Recency,
     guard: bool,
+    pin_scope: PinScope,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let block = block_size as usize;
@@ -216,6 +217,7 @@ fn run(
             FlopBasis::Prefix
         },
         guard,
+        pin_scope,
         cost: unit_cost(),
     })
     .expect("valid config");
@@ -420,9 +422,11 @@ proptest! {
             Just(Recency::Adaptive),
         ],
         guard in any::<bool>(),
+        hit_pins in any::<bool>(),
         ops in proptest::collection::vec(op(), 1..60),
     ) {
-        run(block_size, slots, budget, alpha, every_block, marginal, recency, guard, ops)?;
+        let pin_scope = if hit_pins { PinScope::HitCheckpoint } else { PinScope::Path };
+        run(block_size, slots, budget, alpha, every_block, marginal, recency, guard, pin_scope, ops)?;
     }
 }
 
@@ -438,8 +442,10 @@ proptest! {
         budget in 40u64..120,
         alpha in prop_oneof![Just(0.0), 0.0f64..4.0],
         recency in prop_oneof![Just(Recency::Path), Just(Recency::Adaptive)],
+        hit_pins in any::<bool>(),
         ops in proptest::collection::vec(op(), 150..300),
     ) {
-        run(block_size, slots, budget, alpha, false, true, recency, true, ops)?;
+        let pin_scope = if hit_pins { PinScope::HitCheckpoint } else { PinScope::Path };
+        run(block_size, slots, budget, alpha, false, true, recency, true, pin_scope, ops)?;
     }
 }
