@@ -79,6 +79,21 @@ fn cell(kind: TraceKind, sessions: usize, seed: u64, capacity: u64) -> (f64, f64
     cell_at(kind, sessions, seed, capacity, BLOCK)
 }
 
+/// Fails naming every cell `(kind, sessions, seed, capacity)`, at the engine's block size under
+/// `cost`, where `marconi` falls more than [`LRU_TOLERANCE`] below `lru`.
+fn assert_never_below_lru(cells: &[(TraceKind, usize, u64, u64)], cost: &CostModel) {
+    let mut failures = Vec::new();
+    for &(kind, sessions, seed, capacity) in cells {
+        let (lru, marconi) = cell_priced(kind, sessions, seed, capacity, BLOCK, cost);
+        if marconi < lru - LRU_TOLERANCE {
+            failures.push(format!(
+                "{kind:?} {sessions} sessions seed {seed} at {capacity} B: marconi {marconi:.4} < lru {lru:.4}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
 #[test]
 fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() {
     let cells = [
@@ -93,16 +108,7 @@ fn marconi_never_falls_below_lru_on_long_replies_small_caches_and_transitions() 
         (TraceKind::Agentic, 20, 5, 1_000_000_000),
         (TraceKind::Mix, 30, 9, 2_000_000_000),
     ];
-    let mut failures = Vec::new();
-    for (kind, sessions, seed, capacity) in cells {
-        let (lru, marconi) = cell(kind, sessions, seed, capacity);
-        if marconi < lru - LRU_TOLERANCE {
-            failures.push(format!(
-                "{kind:?} {sessions} sessions seed {seed} at {capacity} B: marconi {marconi:.4} < lru {lru:.4}"
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert_never_below_lru(&cells, &CostModel::nvidia_hybrid_7b());
 }
 
 #[test]
@@ -174,20 +180,11 @@ fn marconi_holds_to_lru_at_another_models_costs() {
     // (0.2238 against 0.2213).
     let cost = CostModel::by_name("nemotron-h-8b").expect("built in");
     let cells = [
-        (TraceKind::LongChat, 20, 1),
-        (TraceKind::LongChat, 30, 1),
-        (TraceKind::Chat, 30, 2),
+        (TraceKind::LongChat, 20, 1, 1_000_000_000),
+        (TraceKind::LongChat, 30, 1, 1_000_000_000),
+        (TraceKind::Chat, 30, 2, 1_000_000_000),
     ];
-    let mut failures = Vec::new();
-    for (kind, sessions, seed) in cells {
-        let (lru, marconi) = cell_priced(kind, sessions, seed, 1_000_000_000, BLOCK, &cost);
-        if marconi < lru - LRU_TOLERANCE {
-            failures.push(format!(
-                "{kind:?} {sessions} sessions seed {seed}: marconi {marconi:.4} < lru {lru:.4}"
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert_never_below_lru(&cells, &cost);
 }
 
 #[test]
@@ -208,14 +205,5 @@ fn marconi_holds_to_lru_at_a_large_models_costs() {
         (TraceKind::ShareGpt, 60, 3, 32_000_000_000),
         (TraceKind::Agentic, 20, 3, 32_000_000_000),
     ];
-    let mut failures = Vec::new();
-    for (kind, sessions, seed, capacity) in cells {
-        let (lru, marconi) = cell_priced(kind, sessions, seed, capacity, BLOCK, &cost);
-        if marconi < lru - LRU_TOLERANCE {
-            failures.push(format!(
-                "{kind:?} {sessions} sessions seed {seed} at {capacity} B: marconi {marconi:.4} < lru {lru:.4}"
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
+    assert_never_below_lru(&cells, &cost);
 }
