@@ -27,12 +27,12 @@ use std::time::Instant;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    canary_trace, families, held_out, other_session_counts, parse_byte_count, read_checked_figures,
-    run_cell_with, run_references, same_figure, trace_of, write_figures, CellFigures, Family,
-    References, CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE, PAPER_MARCONI_TOLERANCE,
-    PAPER_OVERSHOOT,
+    canary_key, canary_trace, families, held_out, other_session_counts, parse_byte_count,
+    read_checked_figures, run_cell_with, run_references, same_figure, trace_of, write_figures,
+    CellFigures, Family, References, CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE,
+    PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
 };
-use ssm_snapshot::CostModel;
+use ssm_snapshot::{CostModel, PinScope};
 
 /// Runs the policy grid and prints the report.
 #[derive(Debug, Parser)]
@@ -43,6 +43,11 @@ struct Args {
     /// differs).
     #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
     model: CostModel,
+    /// Which checkpoints a running request's pin holds: `path` (every one on its hit path, the
+    /// default) or `hit` (only the hit one; `ssm_snapshot::PinScope`). A cache written under the
+    /// other scope is recomputed.
+    #[arg(long, value_name = "SCOPE", default_value = "path", value_parser = common::pin_scope)]
+    pin_scope: PinScope,
     /// Worker threads (cells run in parallel).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -117,12 +122,12 @@ fn main() -> ExitCode {
         .flat_map(|t| capacities.iter().map(move |&c| (t, c)))
         .collect();
     let known: HashMap<String, References> = match args.references.as_deref().map(|path| {
-        let canary = run_references(&canary_trace(), CANARY_CAPACITY, &cost)?;
-        read_checked_figures(path, canary, same_references)
+        let canary = run_references(&canary_trace(), CANARY_CAPACITY, &cost, args.pin_scope)?;
+        read_checked_figures(path, canary_key(args.pin_scope), canary, same_references)
     }) {
         Some(Ok((map, stale))) => {
             if stale {
-                eprintln!("note: the reference cache was written by other code or for another model (its canary cell differs); recomputing");
+                eprintln!("note: the reference cache was written by other code, for another model or under another pin scope (its canary differs); recomputing");
             }
             map
         }
@@ -148,13 +153,15 @@ fn main() -> ExitCode {
                 let cached = known.lock().expect("no panics").get(&key).copied();
                 let references = match cached {
                     Some(r) => Ok(r),
-                    None => run_references(trace, capacity, &cost),
+                    None => run_references(trace, capacity, &cost, args.pin_scope),
                 };
                 if let Ok(r) = references {
                     known.lock().expect("no panics").insert(key, r);
                 }
                 let start = Instant::now();
-                match references.and_then(|r| run_cell_with(trace, capacity, &cost, r)) {
+                match references
+                    .and_then(|r| run_cell_with(trace, capacity, &cost, args.pin_scope, r))
+                {
                     Ok(figures) => {
                         let row = Row {
                             family: *family,

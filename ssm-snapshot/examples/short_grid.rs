@@ -24,12 +24,12 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use ssm_snapshot::grid::{
-    canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store, same_figure,
-    write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE, SHORT_CAPACITIES,
-    SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
+    canary_key, canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store,
+    same_figure, write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE,
+    SHORT_CAPACITIES, SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
 };
 use ssm_snapshot::sim::{generate, Policy, SimConfig};
-use ssm_snapshot::CostModel;
+use ssm_snapshot::{CostModel, PinScope};
 
 /// Runs the short-trace scan and prints the report.
 #[derive(Debug, Parser)]
@@ -40,6 +40,11 @@ struct Args {
     /// differs).
     #[arg(long, value_name = "NAME", default_value = "nvidia-hybrid-7b", value_parser = common::cost_model)]
     model: CostModel,
+    /// Which checkpoints a running request's pin holds: `path` (every one on its hit path, the
+    /// default) or `hit` (only the hit one; `ssm_snapshot::PinScope`). A cache written under the
+    /// other scope is recomputed.
+    #[arg(long, value_name = "SCOPE", default_value = "path", value_parser = common::pin_scope)]
+    pin_scope: PinScope,
     /// Families (default: all five).
     #[arg(long, value_delimiter = ',')]
     families: Vec<String>,
@@ -114,13 +119,17 @@ fn main() -> ExitCode {
     }
     let cost = args.model.clone();
     let known: HashMap<String, f64> = match args.lru.as_deref().map(|path| {
-        let config = SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone());
+        let config = SimConfig {
+            pin_scope: args.pin_scope,
+            ..SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone())
+        };
         let canary = run_store(config, &canary_trace())?.token_hit_rate;
-        read_checked_figures(path, canary, |&a, &b| same_figure(a, b))
+        let key = canary_key(args.pin_scope);
+        read_checked_figures(path, key, canary, |&a, &b| same_figure(a, b))
     }) {
         Some(Ok((map, stale))) => {
             if stale {
-                eprintln!("note: the lru cache was written by other code or for another model (its canary cell differs); recomputing");
+                eprintln!("note: the lru cache was written by other code, for another model or under another pin scope (its canary differs); recomputing");
             }
             map
         }
@@ -150,7 +159,8 @@ fn main() -> ExitCode {
                 let kind = kinds.iter().find(|(n, _)| *n == cell.family).map(|k| k.1);
                 let trace = generate(kind.expect("chosen above"), cell.sessions, cell.seed);
                 let lru = known.lock().expect("no panics").get(&key(cell)).copied();
-                match run_short_cell(&trace, cell.capacity, args.block_size, lru, &cost) {
+                let scope = args.pin_scope;
+                match run_short_cell(&trace, cell.capacity, args.block_size, lru, &cost, scope) {
                     Ok(figures) => {
                         known
                             .lock()

@@ -133,8 +133,8 @@ struct Args {
 
     /// The store's policies: which checkpoints a running request's pin holds (every one on its
     /// hit path, or only the hit one; `ssm_snapshot::PinScope`) [default: path]
-    #[arg(long, value_enum, value_name = "SCOPE")]
-    pin_scope: Option<PinScopeName>,
+    #[arg(long, value_name = "SCOPE", value_parser = common::pin_scope)]
+    pin_scope: Option<PinScope>,
 
     /// Write a synthetic trace of this kind (chat, sharegpt, agentic) instead of simulating
     #[arg(long, value_name = "KIND", value_parser = trace_kind, requires = "out", conflicts_with_all = STORE_FLAGS)]
@@ -290,13 +290,6 @@ enum RecencyName {
 enum FlopBasisName {
     Marginal,
     Prefix,
-}
-
-/// `--pin-scope`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum PinScopeName {
-    Path,
-    Hit,
 }
 
 /// `--guard`.
@@ -478,10 +471,7 @@ fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
     )?;
     let block_size = args.block_size.unwrap_or(1);
     let mut config = SimConfig::new(policy, capacity_bytes, block_size, args.model.clone());
-    config.pin_scope = match args.pin_scope.unwrap_or(PinScopeName::Path) {
-        PinScopeName::Path => PinScope::Path,
-        PinScopeName::Hit => PinScope::HitCheckpoint,
-    };
+    config.pin_scope = args.pin_scope.unwrap_or_default();
     config.alpha = args.alpha;
     if let Some(alpha) = config.alpha {
         if policy != Policy::Marconi {

@@ -16,6 +16,7 @@ use crate::cost::CostModel;
 use crate::error::SnapshotError;
 use crate::paper::{PaperCache, PaperConfig, PaperVersion};
 use crate::sim::{generate, Policy, SimConfig, SimReport, Simulation, TraceKind, TraceRecord};
+use crate::store::PinScope;
 
 /// How far (token hit rate) `marconi` may fall below `lru` and the paper's SGLang+.
 pub const LRU_TOLERANCE: f64 = 0.002;
@@ -147,6 +148,15 @@ pub fn read_figures<T: DeserializeOwned>(path: &Path) -> Result<HashMap<String, 
 /// as the code that wrote the cache computed it (see [`read_checked_figures`]).
 pub const CANARY_KEY: &str = "canary";
 
+/// The key of the canary in a cache written under `pin_scope` ([`CANARY_KEY`] under the
+/// default): the canary cell does not tell the scopes apart, and `lru` differs between them.
+pub fn canary_key(pin_scope: PinScope) -> &'static str {
+    match pin_scope {
+        PinScope::Path => CANARY_KEY,
+        PinScope::HitCheckpoint => "canary (pins hold their hit checkpoint only)",
+    }
+}
+
 /// The capacity of the canary cell (0.3 GB: its trace evicts from its first requests).
 pub const CANARY_CAPACITY: u64 = 300_000_000;
 
@@ -164,7 +174,7 @@ pub fn same_figure(a: f64, b: f64) -> bool {
 
 /// Reads a figures cache ([`read_figures`]) and keeps it only if the code that wrote it computed
 /// `canary` (the canary cell's figure as the code computes it now, compared by `same`) for the
-/// canary cell. The cached figures do not depend on the `marconi` policy, but they do on the
+/// canary cell, stored under `key` ([`canary_key`]). The cached figures do not depend on the `marconi` policy, but they do on the
 /// store (`lru` is the store's policy) and on the paper model: a cache written before a change
 /// to either would serve old figures (the crate report's full grid of session 14 had `lru`
 /// figures from before a store change). A stale cache is emptied; the canary is stored in the
@@ -172,18 +182,17 @@ pub fn same_figure(a: f64, b: f64) -> bool {
 /// figures were discarded.
 pub fn read_checked_figures<T: DeserializeOwned>(
     path: &Path,
+    key: &str,
     canary: T,
     same: impl Fn(&T, &T) -> bool,
 ) -> Result<(HashMap<String, T>, bool), SnapshotError> {
     let mut figures: HashMap<String, T> = read_figures(path)?;
-    let stale = !figures.is_empty()
-        && !figures
-            .get(CANARY_KEY)
-            .is_some_and(|cached| same(cached, &canary));
+    let stale =
+        !figures.is_empty() && !figures.get(key).is_some_and(|cached| same(cached, &canary));
     if stale {
         figures.clear();
     }
-    figures.insert(CANARY_KEY.to_string(), canary);
+    figures.insert(key.to_string(), canary);
     Ok((figures, stale))
 }
 
@@ -299,9 +308,13 @@ pub fn run_references(
     trace: &[TraceRecord],
     capacity_bytes: u64,
     cost: &CostModel,
+    pin_scope: PinScope,
 ) -> Result<References, SnapshotError> {
     let lru = run_store(
-        SimConfig::new(Policy::Lru, capacity_bytes, 1, cost.clone()),
+        SimConfig {
+            pin_scope,
+            ..SimConfig::new(Policy::Lru, capacity_bytes, 1, cost.clone())
+        },
         trace,
     )?;
     let sglang = run_paper(PaperVersion::SglangPlus, capacity_bytes, cost, trace)?;
@@ -321,10 +334,14 @@ pub fn run_cell_with(
     trace: &[TraceRecord],
     capacity_bytes: u64,
     cost: &CostModel,
+    pin_scope: PinScope,
     references: References,
 ) -> Result<CellFigures, SnapshotError> {
     let marconi = run_store(
-        SimConfig::new(Policy::Marconi, capacity_bytes, 1, cost.clone()),
+        SimConfig {
+            pin_scope,
+            ..SimConfig::new(Policy::Marconi, capacity_bytes, 1, cost.clone())
+        },
         trace,
     )?;
     Ok(CellFigures {
@@ -340,9 +357,10 @@ pub fn run_cell(
     trace: &[TraceRecord],
     capacity_bytes: u64,
     cost: &CostModel,
+    pin_scope: PinScope,
 ) -> Result<CellFigures, SnapshotError> {
-    let references = run_references(trace, capacity_bytes, cost)?;
-    run_cell_with(trace, capacity_bytes, cost, references)
+    let references = run_references(trace, capacity_bytes, cost, pin_scope)?;
+    run_cell_with(trace, capacity_bytes, cost, pin_scope, references)
 }
 
 /// The trace of `family` for `seed`.
@@ -418,23 +436,25 @@ pub fn run_short_cell(
     block_size: u32,
     lru: Option<f64>,
     cost: &CostModel,
+    pin_scope: PinScope,
 ) -> Result<ShortCell, SnapshotError> {
     let lru = match lru {
         Some(lru) => lru,
         None => {
             run_store(
-                SimConfig::new(Policy::Lru, capacity_bytes, block_size, cost.clone()),
+                SimConfig {
+                    pin_scope,
+                    ..SimConfig::new(Policy::Lru, capacity_bytes, block_size, cost.clone())
+                },
                 trace,
             )?
             .token_hit_rate
         }
     };
-    let mut sim = Simulation::new(SimConfig::new(
-        Policy::Marconi,
-        capacity_bytes,
-        block_size,
-        cost.clone(),
-    ))?;
+    let mut sim = Simulation::new(SimConfig {
+        pin_scope,
+        ..SimConfig::new(Policy::Marconi, capacity_bytes, block_size, cost.clone())
+    })?;
     for record in trace {
         sim.step(record)?;
     }
@@ -451,7 +471,8 @@ pub fn run_short_cell(
 
 #[cfg(test)]
 mod tests {
-    use super::{read_checked_figures, write_figures, CANARY_KEY};
+    use super::{canary_key, read_checked_figures, write_figures, CANARY_KEY};
+    use crate::PinScope;
     use std::collections::HashMap;
 
     #[test]
@@ -461,18 +482,23 @@ mod tests {
         let path = dir.join("figures.json");
         let same = |a: &f64, b: &f64| a == b;
         // No file: an empty cache that holds the canary, not stale.
-        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        let (figures, stale) = read_checked_figures(&path, CANARY_KEY, 0.25, same).unwrap();
         assert!(!stale);
         assert_eq!(figures, HashMap::from([(CANARY_KEY.to_string(), 0.25)]));
         let mut written = figures;
         written.insert("chat/1/500000000".into(), 0.0098);
         write_figures(&path, &written).unwrap();
         // The same canary: every figure kept.
-        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        let (figures, stale) = read_checked_figures(&path, CANARY_KEY, 0.25, same).unwrap();
         assert!(!stale);
         assert_eq!(figures, written);
+        // The same canary figure written under another pin scope: stale.
+        let hit = canary_key(PinScope::HitCheckpoint);
+        let (figures, stale) = read_checked_figures(&path, hit, 0.25, same).unwrap();
+        assert!(stale);
+        assert_eq!(figures, HashMap::from([(hit.to_string(), 0.25)]));
         // Another canary (the code changed): emptied, stale, the new canary held.
-        let (figures, stale) = read_checked_figures(&path, 0.5, same).unwrap();
+        let (figures, stale) = read_checked_figures(&path, CANARY_KEY, 0.5, same).unwrap();
         assert!(stale);
         assert_eq!(figures, HashMap::from([(CANARY_KEY.to_string(), 0.5)]));
         // A file without a canary (written before canaries) is stale too.
@@ -481,7 +507,7 @@ mod tests {
             &HashMap::from([("chat/1/500000000".to_string(), 0.0098)]),
         )
         .unwrap();
-        let (figures, stale) = read_checked_figures(&path, 0.25, same).unwrap();
+        let (figures, stale) = read_checked_figures(&path, CANARY_KEY, 0.25, same).unwrap();
         assert!(stale);
         assert_eq!(figures.len(), 1);
         std::fs::remove_dir_all(&dir).unwrap();

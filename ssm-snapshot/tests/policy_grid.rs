@@ -39,7 +39,7 @@
 
 use ssm_snapshot::grid::{run_cell, run_short_cell, LRU_TOLERANCE};
 use ssm_snapshot::sim::{generate, TraceKind};
-use ssm_snapshot::CostModel;
+use ssm_snapshot::{CostModel, PinScope};
 
 const BLOCK: u32 = 16;
 
@@ -54,7 +54,8 @@ fn cell_priced(
     cost: &CostModel,
 ) -> (f64, f64) {
     let trace = generate(kind, sessions, seed);
-    let figures = run_short_cell(&trace, capacity, block_size, None, cost).expect("replays");
+    let figures =
+        run_short_cell(&trace, capacity, block_size, None, cost, PinScope::Path).expect("replays");
     assert!(
         figures.marconi_max_bytes <= capacity,
         "{kind:?} {seed} {capacity}"
@@ -146,7 +147,7 @@ fn marconi_matches_the_papers_marconi_where_the_first_eviction_comes_late() {
     // one that takes α = 0 with adaptive recency at a late first eviction matches it.
     let trace = generate(TraceKind::Chat, 100, 2);
     let cost = CostModel::nvidia_hybrid_7b();
-    let figures = run_cell(&trace, 10_000_000_000, &cost).expect("replays");
+    let figures = run_cell(&trace, 10_000_000_000, &cost, PinScope::Path).expect("replays");
     assert!(figures.marconi_max_bytes <= 10_000_000_000);
     assert!(
         figures.vs_paper_marconi() >= -LRU_TOLERANCE,

@@ -1,12 +1,22 @@
-//! What the policy examples share: the `--model` parser and writing their report to stdout.
+//! What the policy examples share: the `--model` and `--pin-scope` parsers and writing their
+//! report to stdout.
 
 use std::io::{self, ErrorKind, Write};
 
-use ssm_snapshot::CostModel;
+use ssm_snapshot::{CostModel, PinScope};
 
 /// A built-in cost model by name (`--model`).
 pub fn cost_model(text: &str) -> Result<CostModel, String> {
     CostModel::by_name(text).map_err(|e| e.to_string())
+}
+
+/// `--pin-scope`: `path` ([`PinScope::Path`], the default) or `hit` ([`PinScope::HitCheckpoint`]).
+pub fn pin_scope(text: &str) -> Result<PinScope, String> {
+    match text {
+        "path" => Ok(PinScope::Path),
+        "hit" => Ok(PinScope::HitCheckpoint),
+        other => Err(format!("unknown pin scope `{other}` (path or hit)")),
+    }
 }
 
 /// Writes `lines` to `out`, one per line, and flushes. A reader that closed the pipe early
