@@ -119,10 +119,8 @@ fn main() -> ExitCode {
     }
     let cost = args.model.clone();
     let known: HashMap<String, f64> = match args.lru.as_deref().map(|path| {
-        let config = SimConfig {
-            pin_scope: args.pin_scope,
-            ..SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone())
-        };
+        let config = SimConfig::new(Policy::Lru, CANARY_CAPACITY, SHORT_BLOCK_SIZE, cost.clone())
+            .with_pin_scope(args.pin_scope);
         let canary = run_store(config, &canary_trace())?.token_hit_rate;
         let key = canary_key(args.pin_scope);
         read_checked_figures(path, key, canary, |&a, &b| same_figure(a, b))

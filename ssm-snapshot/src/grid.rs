@@ -311,10 +311,7 @@ pub fn run_references(
     pin_scope: PinScope,
 ) -> Result<References, SnapshotError> {
     let lru = run_store(
-        SimConfig {
-            pin_scope,
-            ..SimConfig::new(Policy::Lru, capacity_bytes, 1, cost.clone())
-        },
+        SimConfig::new(Policy::Lru, capacity_bytes, 1, cost.clone()).with_pin_scope(pin_scope),
         trace,
     )?;
     let sglang = run_paper(PaperVersion::SglangPlus, capacity_bytes, cost, trace)?;
@@ -338,10 +335,7 @@ pub fn run_cell_with(
     references: References,
 ) -> Result<CellFigures, SnapshotError> {
     let marconi = run_store(
-        SimConfig {
-            pin_scope,
-            ..SimConfig::new(Policy::Marconi, capacity_bytes, 1, cost.clone())
-        },
+        SimConfig::new(Policy::Marconi, capacity_bytes, 1, cost.clone()).with_pin_scope(pin_scope),
         trace,
     )?;
     Ok(CellFigures {
@@ -442,19 +436,17 @@ pub fn run_short_cell(
         Some(lru) => lru,
         None => {
             run_store(
-                SimConfig {
-                    pin_scope,
-                    ..SimConfig::new(Policy::Lru, capacity_bytes, block_size, cost.clone())
-                },
+                SimConfig::new(Policy::Lru, capacity_bytes, block_size, cost.clone())
+                    .with_pin_scope(pin_scope),
                 trace,
             )?
             .token_hit_rate
         }
     };
-    let mut sim = Simulation::new(SimConfig {
-        pin_scope,
-        ..SimConfig::new(Policy::Marconi, capacity_bytes, block_size, cost.clone())
-    })?;
+    let mut sim = Simulation::new(
+        SimConfig::new(Policy::Marconi, capacity_bytes, block_size, cost.clone())
+            .with_pin_scope(pin_scope),
+    )?;
     for record in trace {
         sim.step(record)?;
     }

@@ -219,6 +219,11 @@ impl SimConfig {
             pin_scope: PinScope::Path,
         }
     }
+
+    /// The same configuration with `pin_scope`.
+    pub fn with_pin_scope(self, pin_scope: PinScope) -> Self {
+        Self { pin_scope, ..self }
+    }
 }
 
 /// The simulator's result, printed as the last line of the `simulate` example.
