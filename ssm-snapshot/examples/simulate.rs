@@ -17,7 +17,9 @@
 //!
 //! The tuning options (`--tuning`, `--grid`, `--window`, `--cooldown`, `--margin`,
 //! `--objective`) and the initial setting (`--recency`, `--flop-basis`, `--guard`) apply to
-//! `marconi`; `--help` gives each one's values and default. A flag that does not apply to the
+//! `marconi`, and `--tuner-events` prints the tuner's every decision (trials begun, led and
+//! ended, switches, each with why) before the report; `--help` gives each one's values and
+//! default. A flag that does not apply to the
 //! chosen policy is refused, naming it.
 #![forbid(unsafe_code)]
 
@@ -41,7 +43,8 @@ use ssm_snapshot::tuning::{
     DEFAULT_MARGIN,
 };
 use ssm_snapshot::{
-    CostModel, FlopBasis, Objective, PinScope, Recency, Setting, SnapshotError, TuningMode,
+    CostModel, FlopBasis, Objective, PinScope, Recency, Setting, SnapshotError, TunerEvent,
+    TuningMode,
 };
 
 /// What the long help says before the options.
@@ -136,6 +139,11 @@ struct Args {
     #[arg(long, value_name = "SCOPE", value_parser = common::pin_scope)]
     pin_scope: Option<PinScope>,
 
+    /// marconi: print every decision of the tuner (trials begun, led and ended, switches and
+    /// why), one line each, before the report
+    #[arg(long)]
+    tuner_events: bool,
+
     /// Write a synthetic trace of this kind (chat, sharegpt, agentic) instead of simulating
     #[arg(long, value_name = "KIND", value_parser = trace_kind, requires = "out", conflicts_with_all = STORE_FLAGS)]
     generate: Option<TraceKind>,
@@ -154,7 +162,7 @@ struct Args {
 }
 
 /// The flags of a simulation, which `--generate` does not take.
-const STORE_FLAGS: [&str; 16] = [
+const STORE_FLAGS: [&str; 17] = [
     "trace",
     "capacity_bytes",
     "policy",
@@ -171,6 +179,7 @@ const STORE_FLAGS: [&str; 16] = [
     "flop_basis",
     "guard",
     "pin_scope",
+    "tuner_events",
 ];
 
 /// `--policy`.
@@ -330,6 +339,38 @@ fn label(s: &Setting) -> String {
     format!("{}/{:?}/{:?}{guard}", s.alpha, s.recency, s.flop_basis)
 }
 
+/// A tuner's decision as one line: `request N: what setting (detail)`.
+fn event_line(event: &TunerEvent) -> String {
+    match *event {
+        TunerEvent::TrialStarted { request, setting } => {
+            format!("request {request}: trial of {} begins", label(&setting))
+        }
+        TunerEvent::TrialLed {
+            request,
+            setting,
+            lead,
+            z,
+        } => format!(
+            "request {request}: trial of {} leads by {lead:.0} tokens ({z:.2} standard errors), confirmation begins",
+            label(&setting)
+        ),
+        TunerEvent::TrialEnded {
+            request,
+            setting,
+            end,
+            lead,
+        } => format!(
+            "request {request}: trial of {} ends ({end:?}; lead {lead:.0} tokens)",
+            label(&setting)
+        ),
+        TunerEvent::Switched {
+            request,
+            setting,
+            cause,
+        } => format!("request {request}: switch to {} ({cause:?})", label(&setting)),
+    }
+}
+
 fn io_error(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
     move |e| SnapshotError::Io {
         path: path.display().to_string(),
@@ -358,6 +399,7 @@ fn run_paper(
             ("flop-basis", args.flop_basis.is_some()),
             ("guard", args.guard.is_some()),
             ("pin-scope", args.pin_scope.is_some()),
+            ("tuner-events", args.tuner_events),
         ],
         &why,
     )?;
@@ -469,6 +511,12 @@ fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
         &[("bootstrap-multiplier", args.bootstrap_multiplier.is_some())],
         "applies only to --policy paper-marconi",
     )?;
+    if policy != Policy::Marconi {
+        refuse(
+            &[("tuner-events", args.tuner_events)],
+            "applies only to --policy marconi",
+        )?;
+    }
     let block_size = args.block_size.unwrap_or(1);
     let mut config = SimConfig::new(policy, capacity_bytes, block_size, args.model.clone());
     config.pin_scope = args.pin_scope.unwrap_or_default();
@@ -548,9 +596,21 @@ fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
     };
 
     let mut sim = Simulation::new(config)?;
-    read_trace_file(trace, |record| sim.step(&record))?;
-    let history = sim.tuner().history().to_vec();
     let mut lines = Vec::new();
+    // The tuner keeps only its latest events: take each request's as they come.
+    let mut logged = 0;
+    read_trace_file(trace, |record| {
+        sim.step(&record)?;
+        if args.tuner_events {
+            let tuner = sim.tuner();
+            let new = usize::try_from(tuner.events_logged() - logged).unwrap_or(usize::MAX);
+            let skip = tuner.events().len().saturating_sub(new);
+            lines.extend(tuner.events().skip(skip).map(event_line));
+            logged = tuner.events_logged();
+        }
+        Ok(())
+    })?;
+    let history = sim.tuner().history().to_vec();
     if !history.is_empty() {
         let text: Vec<String> = history
             .iter()
@@ -673,6 +733,75 @@ mod tests {
         assert_eq!(
             run(&lru).unwrap_err().to_string(),
             "bad argument: --alpha 1 applies only to --policy marconi"
+        );
+        let store = |policy: &str| {
+            let args = parse(&[
+                "--trace",
+                "/no/such/trace",
+                "--capacity-bytes",
+                "2e10",
+                "--policy",
+                policy,
+                "--tuner-events",
+            ]);
+            run(&args).unwrap_err().to_string()
+        };
+        assert_eq!(
+            store("lru"),
+            "bad argument: --tuner-events applies only to --policy marconi"
+        );
+        assert_eq!(
+            store("paper-marconi"),
+            "bad argument: --tuner-events does not apply to --policy paper-marconi"
+        );
+        // With marconi it is taken, and the trace is the next thing wrong.
+        assert!(
+            store("marconi").starts_with("/no/such/trace: "),
+            "{}",
+            store("marconi")
+        );
+    }
+
+    #[test]
+    fn tuner_events_are_printed_one_line_each() {
+        let setting = Setting {
+            alpha: 1.5,
+            recency: Recency::Adaptive,
+            flop_basis: FlopBasis::Marginal,
+            guard: true,
+        };
+        assert_eq!(
+            event_line(&TunerEvent::TrialStarted {
+                request: 7,
+                setting
+            }),
+            "request 7: trial of 1.5/Adaptive/Marginal/guard begins"
+        );
+        assert_eq!(
+            event_line(&TunerEvent::TrialLed {
+                request: 107,
+                setting,
+                lead: 41_101.4,
+                z: 2.514,
+            }),
+            "request 107: trial of 1.5/Adaptive/Marginal/guard leads by 41101 tokens (2.51 standard errors), confirmation begins"
+        );
+        assert_eq!(
+            event_line(&TunerEvent::TrialEnded {
+                request: 117,
+                setting,
+                end: ssm_snapshot::TrialEnd::ConfirmationBehind,
+                lead: -250.0,
+            }),
+            "request 117: trial of 1.5/Adaptive/Marginal/guard ends (ConfirmationBehind; lead -250 tokens)"
+        );
+        assert_eq!(
+            event_line(&TunerEvent::Switched {
+                request: 60,
+                setting: ssm_snapshot::tuning::LATE_START,
+                cause: ssm_snapshot::SwitchCause::LateFirstEviction,
+            }),
+            "request 60: switch to 0/Adaptive/Prefix (LateFirstEviction)"
         );
     }
 

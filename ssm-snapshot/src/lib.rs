@@ -104,7 +104,7 @@ pub use store::{
     Namespace, Pin, PinScope, Recency, SnapshotStore, StoreConfig, StoreDelta, StoreStats,
     TreeBlock,
 };
-pub use tuning::{AlphaTuner, Objective, Setting, TuningMode};
+pub use tuning::{AlphaTuner, Objective, Setting, SwitchCause, TrialEnd, TunerEvent, TuningMode};
 
 /// Compile-time check that the store and its handles can move between threads (a router is
 /// `Send`).

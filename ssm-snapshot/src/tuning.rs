@@ -56,6 +56,10 @@
 //!   `cooldown` requests. A trial costs one store's work per request while it runs, and
 //!   nothing on the live store.
 //!
+//! Every decision is logged as a [`TunerEvent`] ([`AlphaTuner::events`]: a trial begun, led,
+//! ended and why, a switch and why), so an engine can say why its store evicts as it does; the
+//! log keeps the latest [`EVENT_LOG`] and counts them all ([`AlphaTuner::events_logged`]).
+//!
 //! Invariants: in `Periodic` and `Bootstrap` modes, `snapshot` is the store as it was before the
 //! first request of `window` was served; once a bootstrap tuning ran, `done` is set and nothing
 //! more is recorded. In `Shadow` mode, `shadows[i]` has run every observed request under
@@ -64,7 +68,11 @@
 //! like [`LRU`]. Every trial in `trials` started from the live store's contents under the
 //! setting the live store still has (its `control`) and has served every request observed since
 //! (`since`, when it or its confirmation began); no two trials evict alike, and none evicts
-//! like the live store.
+//! like the live store. `events` holds the latest `events_logged` events, at most
+//! [`EVENT_LOG`]; every entry of `history` was logged as a [`TunerEvent::Switched`], and every
+//! trial that left `trials` as a [`TunerEvent::TrialEnded`] or the switch that adopted it.
+
+use std::collections::VecDeque;
 
 use crate::error::SnapshotError;
 use crate::sim::{serve_request, SyntheticBlocks};
@@ -272,6 +280,85 @@ pub const EARLY_TRIAL_MIN: usize = 20;
 /// live store's recent contents held up too.
 pub const CONFIRM_LOOK: usize = 10;
 
+/// How many of its latest [`TunerEvent`]s a tuner keeps ([`AlphaTuner::events`]): a bounded
+/// log, so a long-running engine's tuner does not grow with its traffic (a shadow tuner starts
+/// a trial every hundred-odd requests on the policy grid's traces).
+pub const EVENT_LOG: usize = 256;
+
+/// Why a trial ended without the live store taking its setting (see [`TuningMode::Shadow`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrialEnd {
+    /// At a look its copy trailed the live store by as many standard errors as it must lead by.
+    Trailed,
+    /// It ran [`TRIAL_LENGTH`] requests without leading.
+    RanItsLength,
+    /// Its confirmation fell behind the live store within [`CONFIRM_LOOK`] requests.
+    ConfirmationBehind,
+    /// A new candidate took its place ([`TRIALS`] trials were running).
+    Displaced,
+    /// The live store's setting changed under it (another trial's adoption, the ledger, a late
+    /// first eviction, or a caller), so its copy no longer measures a switch from it.
+    Superseded,
+}
+
+/// Why the live store's setting changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwitchCause {
+    /// A trial and its confirmation led the live store ([`TuningMode::Shadow`]).
+    Trial,
+    /// The store's first eviction came after [`LATE_FIRST_EVICTION`] requests: [`LATE_START`].
+    LateFirstEviction,
+    /// The ledger: the live store fell behind the [`LRU`] shadow, back to [`LRU`].
+    Ledger,
+    /// A replay of the recorded window ([`TuningMode::Bootstrap`], [`TuningMode::Periodic`]).
+    Replay,
+}
+
+/// One decision of a tuner, in the order it was made; `request` counts the requests observed
+/// so far, this one included (the numbering of [`AlphaTuner::history`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TunerEvent {
+    /// A trial of `setting` began on a copy of the live store.
+    TrialStarted {
+        /// The request count.
+        request: usize,
+        /// The trial's setting.
+        setting: Setting,
+    },
+    /// A trial led the live store significantly and restarts as a confirmation.
+    TrialLed {
+        /// The request count.
+        request: usize,
+        /// The trial's setting.
+        setting: Setting,
+        /// Its copy's lead over the live store, in hit tokens, since it began.
+        lead: f64,
+        /// That lead in standard errors of the summed per-request differences.
+        z: f64,
+    },
+    /// A trial or confirmation ended without a switch.
+    TrialEnded {
+        /// The request count.
+        request: usize,
+        /// The trial's setting.
+        setting: Setting,
+        /// Why.
+        end: TrialEnd,
+        /// Its copy's lead over the live store, in hit tokens, since it (or its confirmation)
+        /// began.
+        lead: f64,
+    },
+    /// The live store took `setting` (every entry of [`AlphaTuner::history`] has one).
+    Switched {
+        /// The request count.
+        request: usize,
+        /// The new setting.
+        setting: Setting,
+        /// Why.
+        cause: SwitchCause,
+    },
+}
+
 /// How the score is chosen.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TuningMode {
@@ -371,6 +458,10 @@ pub struct AlphaTuner {
     trials: Vec<Trial>,
     /// Settings whose trial was rejected, and when.
     rejected: Vec<(Setting, usize)>,
+    /// The latest [`EVENT_LOG`] decisions, oldest first.
+    events: VecDeque<TunerEvent>,
+    /// Decisions logged since the tuner was made (kept or not).
+    events_logged: u64,
 }
 
 /// A setting tried on a copy of the live store taken when the trial began (see
@@ -442,6 +533,21 @@ impl Trial {
     /// Whether a guarded trial passes at its end: see [`guarded_trial_ends_ahead`].
     fn ends_ahead(&self, ran: usize, shadow_leads: bool) -> bool {
         guarded_trial_ends_ahead(self.setting.guard, ran, self.lead, shadow_leads)
+    }
+
+    /// Whether the trial ends at request `seen`, after the looks (an adopted trial never gets
+    /// here): a confirmation that ran [`CONFIRM_LOOK`] requests (it fell behind), a trial that
+    /// trails by [`TRIAL_Z`] standard errors once it had its first look, or one that ran
+    /// [`TRIAL_LENGTH`] requests.
+    fn ends(&self, seen: usize) -> Option<TrialEnd> {
+        let ran = seen - self.since;
+        if self.confirms {
+            (ran >= CONFIRM_LOOK).then_some(TrialEnd::ConfirmationBehind)
+        } else if ran >= TRIAL_LOOK && self.lead < -TRIAL_Z * self.lead_squares.sqrt() {
+            Some(TrialEnd::Trailed)
+        } else {
+            (ran >= TRIAL_LENGTH).then_some(TrialEnd::RanItsLength)
+        }
     }
 
     /// Whether the trial's setting is recency-only: α = 0 with plain admission, a setting that
@@ -624,6 +730,8 @@ impl AlphaTuner {
             live_hits_before: 0,
             trials: Vec::new(),
             rejected: Vec::new(),
+            events: VecDeque::new(),
+            events_logged: 0,
         })
     }
 
@@ -650,6 +758,40 @@ impl AlphaTuner {
     /// `(request count, setting)` for every change of setting so far.
     pub fn history(&self) -> &[(usize, Setting)] {
         &self.history
+    }
+
+    /// The latest [`EVENT_LOG`] decisions (trials begun, led, ended; switches), oldest first:
+    /// why the live store has its setting. A caller that polls may compare
+    /// [`AlphaTuner::events_logged`] with its own count to see what it missed.
+    pub fn events(&self) -> impl ExactSizeIterator<Item = &TunerEvent> + '_ {
+        self.events.iter()
+    }
+
+    /// How many decisions were logged since the tuner was made, including those no longer in
+    /// [`AlphaTuner::events`].
+    pub fn events_logged(&self) -> u64 {
+        self.events_logged
+    }
+
+    fn log(&mut self, event: TunerEvent) {
+        if self.events.len() == EVENT_LOG {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+        self.events_logged += 1;
+    }
+
+    /// Ends every trial because the live store's setting changed under it.
+    fn supersede_trials(&mut self) {
+        let request = self.seen;
+        for trial in std::mem::take(&mut self.trials) {
+            self.log(TunerEvent::TrialEnded {
+                request,
+                setting: trial.setting,
+                end: TrialEnd::Superseded,
+                lead: trial.lead,
+            });
+        }
     }
 
     /// Records a request `store` just served; when a tuning is due, applies the best setting to
@@ -701,6 +843,11 @@ impl AlphaTuner {
                 if best != current {
                     apply(store, best)?;
                     self.history.push((self.seen, best));
+                    self.log(TunerEvent::Switched {
+                        request: self.seen,
+                        setting: best,
+                        cause: SwitchCause::Replay,
+                    });
                     chosen = Some(best);
                 }
                 tracing::debug!(
@@ -816,8 +963,8 @@ impl AlphaTuner {
             if judged && deficit > allowed {
                 self.failures = self.failures.saturating_add(1);
                 self.excursion = None;
-                self.trials.clear();
-                return self.switch(store, LRU).map(Some);
+                self.supersede_trials();
+                return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
         // A late first eviction: until now every setting held what the live store holds, so a
@@ -829,12 +976,14 @@ impl AlphaTuner {
             && self.failures == 0
             && self.settings.iter().any(|s| s.evicts_like(&LATE_START))
         {
-            self.trials.clear();
+            self.supersede_trials();
             self.excursion = Some(Excursion {
                 on_evidence: false,
                 ..here
             });
-            return self.switch(store, LATE_START).map(Some);
+            return self
+                .switch(store, LATE_START, SwitchCause::LateFirstEviction)
+                .map(Some);
         }
         // Running trials (all dropped when the live setting changed under them). A trial whose
         // copy leads the live store significantly at a look (the most significant one, when
@@ -847,7 +996,14 @@ impl AlphaTuner {
         // its length.
         if !self.trials.is_empty() {
             let seen = self.seen;
-            self.trials.retain(|t| t.control.evicts_like(&current));
+            if self.trials.iter().any(|t| !t.control.evicts_like(&current)) {
+                let (kept, superseded) = std::mem::take(&mut self.trials)
+                    .into_iter()
+                    .partition(|t| t.control.evicts_like(&current));
+                self.trials = superseded;
+                self.supersede_trials();
+                self.trials = kept;
+            }
             // Whether each trial's setting still has its shadow's lead over the LRU shadow at
             // the bar that started it (see `Trial::ends_ahead`), and that with no other trial
             // ahead of the live store (`shadow_evidence`, see `Trial::leads`).
@@ -899,8 +1055,8 @@ impl AlphaTuner {
                 }
             }
             if let Some((_, i)) = adopt {
-                let target = self.trials[i].setting;
-                self.trials.clear();
+                let target = self.trials.remove(i).setting;
+                self.supersede_trials();
                 tracing::debug!(requests = self.seen, "trial confirmed");
                 // Every switch away from LRU restarts the ledger: the new setting pays for
                 // itself against the LRU shadow from the request it was taken, and what an
@@ -910,9 +1066,15 @@ impl AlphaTuner {
                 // ledger saw a deficit; the live store ended 0.0031 below LRU, 0.0031 above
                 // it with the restart).
                 self.excursion = (!target.evicts_like(&LRU)).then_some(here);
-                return self.switch(store, target).map(Some);
+                return self.switch(store, target, SwitchCause::Trial).map(Some);
             }
-            if let Some((_, i)) = confirm {
+            if let Some((z, i)) = confirm {
+                self.log(TunerEvent::TrialLed {
+                    request: seen,
+                    setting: self.trials[i].setting,
+                    lead: self.trials[i].lead,
+                    z,
+                });
                 let mut copy = store.detached_copy();
                 apply(&mut copy, self.trials[i].setting)?;
                 let trial = &mut self.trials[i];
@@ -926,19 +1088,23 @@ impl AlphaTuner {
                 trial.confirms = true;
             }
             let mut rejected = Vec::new();
+            let mut ended = Vec::new();
             self.trials.retain(|t| {
-                let ran = seen - t.since;
-                let keep = if t.confirms {
-                    ran < CONFIRM_LOOK
-                } else {
-                    let trails = ran >= TRIAL_LOOK && t.lead < -TRIAL_Z * t.lead_squares.sqrt();
-                    ran < TRIAL_LENGTH && !trails
-                };
-                if !keep {
+                let end = t.ends(seen);
+                if let Some(end) = end {
                     rejected.push((t.setting, seen));
+                    ended.push(TunerEvent::TrialEnded {
+                        request: seen,
+                        setting: t.setting,
+                        end,
+                        lead: t.lead,
+                    });
                 }
-                keep
+                end.is_none()
             });
+            for event in ended {
+                self.log(event);
+            }
             self.rejected
                 .retain(|(s, _)| !rejected.iter().any(|(r, _)| r.evicts_like(s)));
             self.rejected.extend(rejected);
@@ -998,12 +1164,22 @@ impl AlphaTuner {
                         Some(i) => {
                             let displaced = self.trials.swap_remove(i);
                             self.rejected.push((displaced.setting, self.seen));
+                            self.log(TunerEvent::TrialEnded {
+                                request: self.seen,
+                                setting: displaced.setting,
+                                end: TrialEnd::Displaced,
+                                lead: displaced.lead,
+                            });
                         }
                         None => break,
                     }
                 }
                 let mut copy = store.detached_copy();
                 apply(&mut copy, target)?;
+                self.log(TunerEvent::TrialStarted {
+                    request: self.seen,
+                    setting: target,
+                });
                 self.trials.push(Trial {
                     setting: target,
                     control: current,
@@ -1025,9 +1201,15 @@ impl AlphaTuner {
         &mut self,
         store: &mut SnapshotStore,
         setting: Setting,
+        cause: SwitchCause,
     ) -> Result<Setting, SnapshotError> {
         apply(store, setting)?;
         self.history.push((self.seen, setting));
+        self.log(TunerEvent::Switched {
+            request: self.seen,
+            setting,
+            cause,
+        });
         Ok(setting)
     }
 
@@ -1170,7 +1352,8 @@ pub fn best_setting(
 #[cfg(test)]
 mod tests {
     use super::{
-        displaced_trial, leads_at_look, leads_between_looks, trial_margin, Setting, Trial, LRU,
+        displaced_trial, leads_at_look, leads_between_looks, trial_margin, AlphaTuner, Setting,
+        Trial, TrialEnd, TunerEvent, TuningMode, CONFIRM_LOOK, EVENT_LOG, LRU, TRIAL_LENGTH,
         TRIAL_LOOK,
     };
     use crate::cost::CostModel;
@@ -1244,6 +1427,43 @@ mod tests {
         ];
         assert_eq!(displaced_trial(&young, 20 + look - 1), None);
         assert_eq!(displaced_trial(&young, 20 + look), Some(1));
+    }
+
+    #[test]
+    fn a_trial_ends_when_it_trails_at_a_look_runs_its_length_or_its_confirmation_is_behind() {
+        // 400 behind with 100² summed squares: 4 standard errors, but only from the first look.
+        let behind = trial(0.5, 0, -400.0, 10_000.0, false);
+        assert_eq!(behind.ends(TRIAL_LOOK - 1), None);
+        assert_eq!(behind.ends(TRIAL_LOOK), Some(TrialEnd::Trailed));
+        // 1.5 standard errors behind: runs its length.
+        let level = trial(0.5, 0, -150.0, 10_000.0, false);
+        assert_eq!(level.ends(TRIAL_LENGTH - 1), None);
+        assert_eq!(level.ends(TRIAL_LENGTH), Some(TrialEnd::RanItsLength));
+        // A confirmation that got to its end here was not adopted: it fell behind.
+        let confirming = trial(0.5, 50, -1.0, 1.0, true);
+        assert_eq!(confirming.ends(50 + CONFIRM_LOOK - 1), None);
+        assert_eq!(
+            confirming.ends(50 + CONFIRM_LOOK),
+            Some(TrialEnd::ConfirmationBehind)
+        );
+    }
+
+    #[test]
+    fn the_event_log_keeps_the_latest_events_and_counts_them_all() {
+        let config = StoreConfig::engine(CostModel::nvidia_hybrid_7b(), 16, 1 << 30);
+        let store = SnapshotStore::new(config).unwrap();
+        let mut tuner = AlphaTuner::new(TuningMode::Fixed, &store).unwrap();
+        let started = |request| TunerEvent::TrialStarted {
+            request,
+            setting: LRU,
+        };
+        for request in 0..EVENT_LOG + 44 {
+            tuner.log(started(request));
+        }
+        assert_eq!(tuner.events_logged(), (EVENT_LOG + 44) as u64);
+        assert_eq!(tuner.events().len(), EVENT_LOG);
+        assert_eq!(tuner.events().next(), Some(&started(44)));
+        assert_eq!(tuner.events().last(), Some(&started(EVENT_LOG + 43)));
     }
 
     #[test]

@@ -454,3 +454,218 @@ fn a_late_first_eviction_moves_the_live_store_to_adaptive_recency_there() {
     assert_eq!(first, Some(LATE_FIRST_EVICTION));
     assert_eq!(switches, vec![(LATE_FIRST_EVICTION, LATE_START)]);
 }
+
+/// Replays a tuner's event log as the state machine the module documents, and fails on any
+/// event it does not allow: a trial begins once per setting at a time, at most `TRIALS` run,
+/// a trial leads (and becomes a confirmation) only while running, a confirmation is adopted
+/// or ends after `CONFIRM_LOOK` requests, a trial that ran its length ends after
+/// `TRIAL_LENGTH`, and every switch finds no trial left (the others were superseded before
+/// it). Returns how many trials began, led, were adopted, ended without a switch, and still
+/// run at the end.
+fn check_event_log(
+    events: &[ssm_snapshot::TunerEvent],
+    history: &[(usize, ssm_snapshot::Setting)],
+) -> [usize; 5] {
+    use ssm_snapshot::tuning::{CONFIRM_LOOK, TRIALS, TRIAL_LENGTH};
+    use ssm_snapshot::{SwitchCause, TrialEnd, TunerEvent};
+    // Running trials: (setting, began at, confirmation began at).
+    let mut running: Vec<(ssm_snapshot::Setting, usize, Option<usize>)> = Vec::new();
+    let mut switches = Vec::new();
+    let mut counts = [0; 5];
+    let mut last = 0;
+    for event in events {
+        let (TunerEvent::TrialStarted { request, .. }
+        | TunerEvent::TrialLed { request, .. }
+        | TunerEvent::TrialEnded { request, .. }
+        | TunerEvent::Switched { request, .. }) = *event;
+        assert!(request >= last, "{event:?} after request {last}");
+        last = request;
+        let find = |running: &[(ssm_snapshot::Setting, usize, Option<usize>)], s| {
+            running
+                .iter()
+                .position(|(r, _, _)| ssm_snapshot::Setting::evicts_like(r, s))
+        };
+        match *event {
+            TunerEvent::TrialStarted { request, setting } => {
+                assert_eq!(find(&running, &setting), None, "{event:?}");
+                running.push((setting, request, None));
+                assert!(running.len() <= TRIALS, "{event:?}");
+                counts[0] += 1;
+            }
+            TunerEvent::TrialLed {
+                request, setting, ..
+            } => {
+                let i = find(&running, &setting).expect("a running trial leads");
+                assert_eq!(running[i].2, None, "{event:?}: already confirming");
+                running[i].2 = Some(request);
+                counts[1] += 1;
+            }
+            TunerEvent::TrialEnded {
+                request,
+                setting,
+                end,
+                ..
+            } => {
+                let i = find(&running, &setting).expect("a running trial ends");
+                let (_, began, confirming) = running.remove(i);
+                match end {
+                    TrialEnd::ConfirmationBehind => {
+                        assert_eq!(confirming.map(|at| request - at), Some(CONFIRM_LOOK));
+                    }
+                    TrialEnd::RanItsLength => {
+                        assert_eq!((confirming, request - began), (None, TRIAL_LENGTH));
+                    }
+                    TrialEnd::Trailed | TrialEnd::Displaced => {
+                        assert_eq!(confirming, None, "{event:?}");
+                    }
+                    TrialEnd::Superseded => {}
+                }
+                counts[3] += 1;
+            }
+            TunerEvent::Switched {
+                request,
+                setting,
+                cause,
+            } => {
+                if cause == SwitchCause::Trial {
+                    let i = find(&running, &setting).expect("an adopted trial was running");
+                    let (_, _, confirming) = running.remove(i);
+                    assert_eq!(confirming.map(|at| request - at), Some(CONFIRM_LOOK));
+                    counts[2] += 1;
+                }
+                assert!(
+                    running.is_empty(),
+                    "{event:?} with trials left: {running:?}"
+                );
+                switches.push((request, setting));
+            }
+        }
+    }
+    assert_eq!(switches, history, "the switches are the history");
+    counts[4] = running.len();
+    counts
+}
+
+/// Replays `trace` under `config` and returns the tuner's whole event log (read after every
+/// request, as the log keeps only its latest events) and its history.
+fn events_of(
+    config: SimConfig,
+    trace: &[TraceRecord],
+) -> (
+    Vec<ssm_snapshot::TunerEvent>,
+    Vec<(usize, ssm_snapshot::Setting)>,
+) {
+    let mut sim = Simulation::new(config).unwrap();
+    let mut events = Vec::new();
+    let mut logged = 0;
+    for r in trace {
+        sim.step(r).unwrap();
+        let tuner = sim.tuner();
+        let new = (tuner.events_logged() - logged) as usize;
+        assert!(new <= tuner.events().len(), "the log dropped unread events");
+        events.extend(tuner.events().skip(tuner.events().len() - new).copied());
+        logged = tuner.events_logged();
+    }
+    (events, sim.tuner().history().to_vec())
+}
+
+#[test]
+fn the_tuners_events_say_why_it_switched() {
+    use ssm_snapshot::tuning::{LATE_FIRST_EVICTION, LATE_START};
+    use ssm_snapshot::{SwitchCause, TunerEvent};
+    // The late first eviction above: one event, the switch and its cause.
+    let config = SimConfig::new(Policy::Marconi, 59 * 15 + 14, 1, unit_cost());
+    let (events, history) = events_of(config, &disjoint_trace(80));
+    assert_eq!(
+        events,
+        vec![TunerEvent::Switched {
+            request: 60,
+            setting: LATE_START,
+            cause: SwitchCause::LateFirstEviction,
+        }]
+    );
+    check_event_log(&events, &history);
+    const { assert!(60 >= LATE_FIRST_EVICTION) };
+    // The document trace (see `tuning_finds_the_alpha_a_workload_needs`): one trial, of
+    // α 0.5, begun at request 85 when its shadow's lead became significant; at its first look,
+    // 100 requests later, its copy had reused the document on 13 reads the live store missed
+    // (13 · 200 tokens, √13 standard errors of 13 equal differences), and after the
+    // confirmation's 10 requests the live store took it.
+    let mut config = SimConfig::new(Policy::Marconi, 210 + 4 * 30 + 15, 1, unit_cost());
+    config.tuning = TuningMode::Shadow {
+        grid: default_grid(),
+        half_life: 40,
+        margin: 0.0,
+        cooldown: 10,
+    };
+    let (events, history) = events_of(config, &document_trace());
+    let alpha = ssm_snapshot::Setting {
+        alpha: 0.5,
+        recency: Recency::Adaptive,
+        flop_basis: ssm_snapshot::FlopBasis::Prefix,
+        guard: false,
+    };
+    assert_eq!(
+        events,
+        vec![
+            TunerEvent::TrialStarted {
+                request: 85,
+                setting: alpha
+            },
+            TunerEvent::TrialLed {
+                request: 185,
+                setting: alpha,
+                lead: 2600.0,
+                // lead / √(Σ differences²), as the tuner computes it (√13 up to rounding).
+                z: 2600.0 / (13.0f64 * 200.0 * 200.0).sqrt(),
+            },
+            TunerEvent::Switched {
+                request: 195,
+                setting: alpha,
+                cause: SwitchCause::Trial,
+            },
+        ]
+    );
+    assert_eq!(check_event_log(&events, &history), [1, 1, 1, 0, 0]);
+    // A generated chat trace at a small capacity, every trial accounted for: the late first
+    // eviction's switch, the ledger's way back (superseding four trials), and a trial's
+    // adoption. (How a trial ends at a look is `tuning`'s unit test.)
+    let trace = generate(TraceKind::Chat, 20, 5);
+    let config = SimConfig::new(Policy::Marconi, 40_000, 16, unit_cost());
+    let (events, history) = events_of(config, &trace);
+    assert_eq!(check_event_log(&events, &history), [7, 1, 1, 5, 1]);
+    let ends: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            TunerEvent::TrialEnded { request, end, .. } => Some((*request, *end)),
+            _ => None,
+        })
+        .collect();
+    // Four trials running when the ledger went back to LRU, one when a confirmation passed.
+    let superseded = ssm_snapshot::TrialEnd::Superseded;
+    assert_eq!(
+        ends,
+        vec![
+            (194, superseded),
+            (194, superseded),
+            (194, superseded),
+            (194, superseded),
+            (305, superseded)
+        ]
+    );
+    let causes: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            TunerEvent::Switched { request, cause, .. } => Some((*request, *cause)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        causes,
+        vec![
+            (94, SwitchCause::LateFirstEviction),
+            (194, SwitchCause::Ledger),
+            (305, SwitchCause::Trial)
+        ]
+    );
+}
