@@ -781,10 +781,20 @@ impl AlphaTuner {
         self.events_logged += 1;
     }
 
-    /// Ends every trial because the live store's setting changed under it.
-    fn supersede_trials(&mut self) {
+    /// Ends every trial whose control is not `current` (every trial when the live store is
+    /// about to switch: pass `None`): the live store's setting changed under it.
+    fn supersede_trials(&mut self, current: Option<Setting>) {
+        let keeps = |t: &Trial| current.is_some_and(|c| t.control.evicts_like(&c));
+        if self.trials.iter().all(keeps) {
+            // The common case, on every request while trials run: nothing to end, no copy.
+            return;
+        }
         let request = self.seen;
-        for trial in std::mem::take(&mut self.trials) {
+        let (kept, superseded): (Vec<Trial>, Vec<Trial>) = std::mem::take(&mut self.trials)
+            .into_iter()
+            .partition(keeps);
+        self.trials = kept;
+        for trial in superseded {
             self.log(TunerEvent::TrialEnded {
                 request,
                 setting: trial.setting,
@@ -963,7 +973,7 @@ impl AlphaTuner {
             if judged && deficit > allowed {
                 self.failures = self.failures.saturating_add(1);
                 self.excursion = None;
-                self.supersede_trials();
+                self.supersede_trials(None);
                 return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
@@ -976,7 +986,7 @@ impl AlphaTuner {
             && self.failures == 0
             && self.settings.iter().any(|s| s.evicts_like(&LATE_START))
         {
-            self.supersede_trials();
+            self.supersede_trials(None);
             self.excursion = Some(Excursion {
                 on_evidence: false,
                 ..here
@@ -996,14 +1006,7 @@ impl AlphaTuner {
         // its length.
         if !self.trials.is_empty() {
             let seen = self.seen;
-            if self.trials.iter().any(|t| !t.control.evicts_like(&current)) {
-                let (kept, superseded) = std::mem::take(&mut self.trials)
-                    .into_iter()
-                    .partition(|t| t.control.evicts_like(&current));
-                self.trials = superseded;
-                self.supersede_trials();
-                self.trials = kept;
-            }
+            self.supersede_trials(Some(current));
             // Whether each trial's setting still has its shadow's lead over the LRU shadow at
             // the bar that started it (see `Trial::ends_ahead`), and that with no other trial
             // ahead of the live store (`shadow_evidence`, see `Trial::leads`).
@@ -1056,7 +1059,7 @@ impl AlphaTuner {
             }
             if let Some((_, i)) = adopt {
                 let target = self.trials.remove(i).setting;
-                self.supersede_trials();
+                self.supersede_trials(None);
                 tracing::debug!(requests = self.seen, "trial confirmed");
                 // Every switch away from LRU restarts the ledger: the new setting pays for
                 // itself against the LRU shadow from the request it was taken, and what an
