@@ -162,22 +162,6 @@ fn vouched(
     upto.min(blocks.len() * size)
 }
 
-fn recency_name(recency: ssm_snapshot::Recency) -> &'static str {
-    match recency {
-        ssm_snapshot::Recency::Path => "path",
-        ssm_snapshot::Recency::Own => "own",
-        ssm_snapshot::Recency::Shared => "shared",
-        ssm_snapshot::Recency::Adaptive => "adaptive",
-    }
-}
-
-fn flop_basis_name(basis: ssm_snapshot::FlopBasis) -> &'static str {
-    match basis {
-        ssm_snapshot::FlopBasis::Prefix => "prefix",
-        ssm_snapshot::FlopBasis::Marginal => "marginal",
-    }
-}
-
 enum Index {
     /// No prefix reuse.
     Off,
@@ -470,8 +454,8 @@ impl Caches {
                 let setting = store.config();
                 CacheStats {
                     alpha: Some(setting.alpha),
-                    recency: Some(recency_name(setting.recency)),
-                    flop_basis: Some(flop_basis_name(setting.flop_basis)),
+                    recency: Some(setting.recency.name()),
+                    flop_basis: Some(setting.flop_basis.name()),
                     guard: Some(setting.guard),
                     tuner_switches: tuner.as_ref().map(|tuner| tuner.history().len() as u64),
                     checkpoints_taken: stats.admitted_checkpoints,

@@ -42,10 +42,7 @@ use ssm_snapshot::tuning::{
     default_grid, grid, grid_of, legacy_grid, DEFAULT_ALPHAS, DEFAULT_COOLDOWN, DEFAULT_HALF_LIFE,
     DEFAULT_MARGIN,
 };
-use ssm_snapshot::{
-    CostModel, FlopBasis, Objective, PinScope, Recency, Setting, SnapshotError, TunerEvent,
-    TuningMode,
-};
+use ssm_snapshot::{CostModel, FlopBasis, Objective, PinScope, Recency, SnapshotError, TuningMode};
 
 /// What the long help says before the options.
 const LONG_ABOUT: &str = "\
@@ -333,44 +330,6 @@ fn refuse(flags: &[(&str, bool)], why: &str) -> Result<(), SnapshotError> {
     }
 }
 
-/// A tuning setting as `alpha/recency/basis[/guard]`.
-fn label(s: &Setting) -> String {
-    let guard = if s.guard { "/guard" } else { "" };
-    format!("{}/{:?}/{:?}{guard}", s.alpha, s.recency, s.flop_basis)
-}
-
-/// A tuner's decision as one line: `request N: what setting (detail)`.
-fn event_line(event: &TunerEvent) -> String {
-    match *event {
-        TunerEvent::TrialStarted { request, setting } => {
-            format!("request {request}: trial of {} begins", label(&setting))
-        }
-        TunerEvent::TrialLed {
-            request,
-            setting,
-            lead,
-            z,
-        } => format!(
-            "request {request}: trial of {} leads by {lead:.0} tokens ({z:.2} standard errors), confirmation begins",
-            label(&setting)
-        ),
-        TunerEvent::TrialEnded {
-            request,
-            setting,
-            end,
-            lead,
-        } => format!(
-            "request {request}: trial of {} ends ({end:?}; lead {lead:.0} tokens)",
-            label(&setting)
-        ),
-        TunerEvent::Switched {
-            request,
-            setting,
-            cause,
-        } => format!("request {request}: switch to {} ({cause:?})", label(&setting)),
-    }
-}
-
 fn io_error(path: &Path) -> impl Fn(std::io::Error) -> SnapshotError + '_ {
     move |e| SnapshotError::Io {
         path: path.display().to_string(),
@@ -605,24 +564,21 @@ fn run(args: &Args) -> Result<Vec<String>, SnapshotError> {
             let tuner = sim.tuner();
             let new = usize::try_from(tuner.events_logged() - logged).unwrap_or(usize::MAX);
             let skip = tuner.events().len().saturating_sub(new);
-            lines.extend(tuner.events().skip(skip).map(event_line));
+            lines.extend(tuner.events().skip(skip).map(ToString::to_string));
             logged = tuner.events_logged();
         }
         Ok(())
     })?;
     let history = sim.tuner().history().to_vec();
     if !history.is_empty() {
-        let text: Vec<String> = history
-            .iter()
-            .map(|(at, s)| format!("{at}:{}", label(s)))
-            .collect();
+        let text: Vec<String> = history.iter().map(|(at, s)| format!("{at}:{s}")).collect();
         lines.push(format!("tuning (request:setting): {}", text.join(" ")));
     }
     let shadows = sim.tuner().shadow_hit_tokens();
     if !shadows.is_empty() {
         let text: Vec<String> = shadows
             .iter()
-            .map(|(s, hits)| format!("{}:{hits}", label(s)))
+            .map(|(s, hits)| format!("{s}:{hits}"))
             .collect();
         lines.push(format!(
             "shadow hit tokens (setting:tokens): {}",
@@ -759,49 +715,6 @@ mod tests {
             store("marconi").starts_with("/no/such/trace: "),
             "{}",
             store("marconi")
-        );
-    }
-
-    #[test]
-    fn tuner_events_are_printed_one_line_each() {
-        let setting = Setting {
-            alpha: 1.5,
-            recency: Recency::Adaptive,
-            flop_basis: FlopBasis::Marginal,
-            guard: true,
-        };
-        assert_eq!(
-            event_line(&TunerEvent::TrialStarted {
-                request: 7,
-                setting
-            }),
-            "request 7: trial of 1.5/Adaptive/Marginal/guard begins"
-        );
-        assert_eq!(
-            event_line(&TunerEvent::TrialLed {
-                request: 107,
-                setting,
-                lead: 41_101.4,
-                z: 2.514,
-            }),
-            "request 107: trial of 1.5/Adaptive/Marginal/guard leads by 41101 tokens (2.51 standard errors), confirmation begins"
-        );
-        assert_eq!(
-            event_line(&TunerEvent::TrialEnded {
-                request: 117,
-                setting,
-                end: ssm_snapshot::TrialEnd::ConfirmationBehind,
-                lead: -250.0,
-            }),
-            "request 117: trial of 1.5/Adaptive/Marginal/guard ends (ConfirmationBehind; lead -250 tokens)"
-        );
-        assert_eq!(
-            event_line(&TunerEvent::Switched {
-                request: 60,
-                setting: ssm_snapshot::tuning::LATE_START,
-                cause: ssm_snapshot::SwitchCause::LateFirstEviction,
-            }),
-            "request 60: switch to 0/Adaptive/Prefix (LateFirstEviction)"
         );
     }
 

@@ -172,6 +172,22 @@ pub enum FlopBasis {
     Marginal,
 }
 
+impl FlopBasis {
+    /// Its name in reports and on command lines: `prefix` or `marginal`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            FlopBasis::Prefix => "prefix",
+            FlopBasis::Marginal => "marginal",
+        }
+    }
+}
+
+impl std::fmt::Display for FlopBasis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Which time a candidate's recency term uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recency {
@@ -192,6 +208,24 @@ pub enum Recency {
     /// workloads that edit or regenerate their history reuse middle checkpoints, chat that only
     /// extends it does not.
     Adaptive,
+}
+
+impl Recency {
+    /// Its name in reports and on command lines: `path`, `own`, `shared` or `adaptive`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Recency::Path => "path",
+            Recency::Own => "own",
+            Recency::Shared => "shared",
+            Recency::Adaptive => "adaptive",
+        }
+    }
+}
+
+impl std::fmt::Display for Recency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Which checkpoints a running sequence's [`Pin`] holds (its hit path's KV is always held).

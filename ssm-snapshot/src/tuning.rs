@@ -59,6 +59,8 @@
 //! Every decision is logged as a [`TunerEvent`] ([`AlphaTuner::events`]: a trial begun, led,
 //! ended and why, a switch and why), so an engine can say why its store evicts as it does; the
 //! log keeps the latest [`EVENT_LOG`] and counts them all ([`AlphaTuner::events_logged`]).
+//! Each is also reported to `tracing` as it happens (a switch at `info`, with its request, setting
+//! and cause; a trial's progress at `debug`), and reads as one line (`Display`).
 //!
 //! Invariants: in `Periodic` and `Bootstrap` modes, `snapshot` is the store as it was before the
 //! first request of `window` was served; once a bootstrap tuning ran, `done` is set and nothing
@@ -102,6 +104,18 @@ impl Setting {
             && self.recency == other.recency
             && self.guard == other.guard
             && (self.alpha == 0.0 || self.flop_basis == other.flop_basis)
+    }
+}
+
+/// `α/recency/basis`, then `/guard` under guarded admission: `1.5/adaptive/marginal/guard`
+/// (the form `simulate` prints and the tuner's log lines use).
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.alpha, self.recency, self.flop_basis)?;
+        if self.guard {
+            f.write_str("/guard")?;
+        }
+        Ok(())
     }
 }
 
@@ -357,6 +371,43 @@ pub enum TunerEvent {
         /// Why.
         cause: SwitchCause,
     },
+}
+
+/// One line: `request 60: switch to 0/adaptive/prefix (LateFirstEviction)`,
+/// `request 107: trial of 1.5/adaptive/marginal/guard leads by 41101 tokens (2.51 standard
+/// errors), confirmation begins`.
+impl std::fmt::Display for TunerEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            TunerEvent::TrialStarted { request, setting } => {
+                write!(f, "request {request}: trial of {setting} begins")
+            }
+            TunerEvent::TrialLed {
+                request,
+                setting,
+                lead,
+                z,
+            } => write!(
+                f,
+                "request {request}: trial of {setting} leads by {lead:.0} tokens ({z:.2} standard \
+                 errors), confirmation begins"
+            ),
+            TunerEvent::TrialEnded {
+                request,
+                setting,
+                end,
+                lead,
+            } => write!(
+                f,
+                "request {request}: trial of {setting} ends ({end:?}; lead {lead:.0} tokens)"
+            ),
+            TunerEvent::Switched {
+                request,
+                setting,
+                cause,
+            } => write!(f, "request {request}: switch to {setting} ({cause:?})"),
+        }
+    }
 }
 
 /// How the score is chosen.
@@ -773,7 +824,23 @@ impl AlphaTuner {
         self.events_logged
     }
 
+    /// Keeps `event` in the log and reports it to `tracing`: a switch at `info` (a few per
+    /// thousand requests at most: an operator sees why the store evicts as it does), a trial's
+    /// progress at `debug`.
     fn log(&mut self, event: TunerEvent) {
+        match event {
+            TunerEvent::Switched {
+                request,
+                setting,
+                cause,
+            } => tracing::info!(
+                request,
+                setting = %setting,
+                cause = ?cause,
+                "the checkpoint store's tuner switched its eviction setting"
+            ),
+            _ => tracing::debug!(%event),
+        }
         if self.events.len() == EVENT_LOG {
             self.events.pop_front();
         }
@@ -851,14 +918,7 @@ impl AlphaTuner {
             if let Some(snapshot) = &self.snapshot {
                 let best = best_setting(snapshot, &self.window, &grid, current, self.objective)?;
                 if best != current {
-                    apply(store, best)?;
-                    self.history.push((self.seen, best));
-                    self.log(TunerEvent::Switched {
-                        request: self.seen,
-                        setting: best,
-                        cause: SwitchCause::Replay,
-                    });
-                    chosen = Some(best);
+                    chosen = Some(self.switch(store, best, SwitchCause::Replay)?);
                 }
                 tracing::debug!(
                     requests = self.seen,
@@ -1060,7 +1120,6 @@ impl AlphaTuner {
             if let Some((_, i)) = adopt {
                 let target = self.trials.remove(i).setting;
                 self.supersede_trials(None);
-                tracing::debug!(requests = self.seen, "trial confirmed");
                 // Every switch away from LRU restarts the ledger: the new setting pays for
                 // itself against the LRU shadow from the request it was taken, and what an
                 // earlier setting gained is no credit for its losses (mix, seed 8, 5 GB: α = 0
@@ -1449,6 +1508,133 @@ mod tests {
             confirming.ends(50 + CONFIRM_LOOK),
             Some(TrialEnd::ConfirmationBehind)
         );
+    }
+
+    #[test]
+    fn a_tuner_event_reads_as_one_line() {
+        let setting = Setting {
+            alpha: 1.5,
+            recency: Recency::Adaptive,
+            flop_basis: FlopBasis::Marginal,
+            guard: true,
+        };
+        assert_eq!(setting.to_string(), "1.5/adaptive/marginal/guard");
+        assert_eq!(LRU.to_string(), "0/path/prefix");
+        assert_eq!(
+            TunerEvent::TrialStarted {
+                request: 7,
+                setting
+            }
+            .to_string(),
+            "request 7: trial of 1.5/adaptive/marginal/guard begins"
+        );
+        assert_eq!(
+            TunerEvent::TrialLed {
+                request: 107,
+                setting,
+                lead: 41_101.4,
+                z: 2.514,
+            }
+            .to_string(),
+            "request 107: trial of 1.5/adaptive/marginal/guard leads by 41101 tokens (2.51 \
+             standard errors), confirmation begins"
+        );
+        assert_eq!(
+            TunerEvent::TrialEnded {
+                request: 117,
+                setting,
+                end: TrialEnd::ConfirmationBehind,
+                lead: -250.0,
+            }
+            .to_string(),
+            "request 117: trial of 1.5/adaptive/marginal/guard ends (ConfirmationBehind; lead \
+             -250 tokens)"
+        );
+        assert_eq!(
+            TunerEvent::Switched {
+                request: 60,
+                setting: super::LATE_START,
+                cause: super::SwitchCause::LateFirstEviction,
+            }
+            .to_string(),
+            "request 60: switch to 0/adaptive/prefix (LateFirstEviction)"
+        );
+    }
+
+    /// A `tracing` event's level and fields, as `name=value` pairs.
+    type Recorded = (tracing::Level, Vec<String>);
+
+    /// Records every `tracing` event.
+    #[derive(Clone, Default)]
+    struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<Recorded>>>);
+
+    impl tracing::Subscriber for Recorder {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            struct Fields(Vec<String>);
+            impl tracing::field::Visit for Fields {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    self.0.push(format!("{}={value:?}", field.name()));
+                }
+            }
+            let mut fields = Fields(Vec::new());
+            event.record(&mut fields);
+            let level = *event.metadata().level();
+            self.0.lock().unwrap().push((level, fields.0));
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn a_switch_is_reported_at_info_and_a_trials_progress_at_debug() {
+        let config = StoreConfig::engine(CostModel::nvidia_hybrid_7b(), 16, 1 << 30);
+        let store = SnapshotStore::new(config).unwrap();
+        let mut tuner = AlphaTuner::new(TuningMode::Fixed, &store).unwrap();
+        let recorder = Recorder::default();
+        tracing::subscriber::with_default(recorder.clone(), || {
+            tuner.log(TunerEvent::TrialStarted {
+                request: 85,
+                setting: super::LATE_START,
+            });
+            tuner.log(TunerEvent::Switched {
+                request: 195,
+                setting: super::LATE_START,
+                cause: super::SwitchCause::Trial,
+            });
+        });
+        let seen = recorder.0.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            vec![
+                (
+                    tracing::Level::DEBUG,
+                    vec!["event=request 85: trial of 0/adaptive/prefix begins".to_string()]
+                ),
+                (
+                    tracing::Level::INFO,
+                    vec![
+                        "message=the checkpoint store's tuner switched its eviction setting"
+                            .to_string(),
+                        "request=195".to_string(),
+                        "setting=0/adaptive/prefix".to_string(),
+                        "cause=Trial".to_string(),
+                    ]
+                ),
+            ]
+        );
+        assert_eq!(tuner.events_logged(), 2);
     }
 
     #[test]
