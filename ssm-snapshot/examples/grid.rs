@@ -252,7 +252,7 @@ fn line(row: &Row) -> String {
     )
 }
 
-/// Whether two reference figures are the same up to the last bits a JSON round trip may change.
+/// Whether two reference figures are the same, bit for bit (`same_figure`).
 fn same_references(a: &References, b: &References) -> bool {
     same_figure(a.lru, b.lru)
         && same_figure(a.paper_sglang, b.paper_sglang)
