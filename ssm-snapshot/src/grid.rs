@@ -510,9 +510,9 @@ mod tests {
     #[test]
     fn a_figure_reads_back_from_its_cache_bit_for_bit() {
         // serde_json's default float parser may miss the nearest double by one bit, and a cache
-        // is read and written back on every run: `chat` seed 1 at 40 GB, whose `marconi` equals
-        // its `lru` exactly (4,702,863 of 4,955,381 tokens), drifted to 1e-16 above after one
-        // cached run and counted as a cell below `lru` (15 "below" in the full grid, 7 in fact).
+        // is read and written back on every run: on `chat` seed 1 at 40 GB `marconi` equals
+        // `lru` exactly (4,702,863 of 4,955,381 tokens), but the cached `lru` read back 1e-16
+        // higher and the cell counted as below `lru` (15 "below" in the full grid, 7 in fact).
         let dir = std::env::temp_dir().join(format!("ssm-roundtrip-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("figures.json");
