@@ -20,10 +20,11 @@
 //!   LRU restarts it) with what the LRU shadow reused on the same requests; when the live
 //!   store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens, it goes
 //!   back to LRU and every later departure needs twice the lead. One departure needs no lead:
-//!   when the store's first eviction comes after [`LATE_FIRST_EVICTION`] requests, the live
-//!   store takes [`LATE_START`] there (until then every setting held what the live store held,
-//!   so that switch costs no transition), and the ledger judges it on its deficit (not on a
-//!   shadow's lead, which is only starting).
+//!   when the store's first eviction comes after [`LATE_FIRST_EVICTION`] requests (or after
+//!   [`CHECKPOINT_HEAVY_FIRST_EVICTION`] in a store whose checkpoints hold at least
+//!   [`CHECKPOINT_HEAVY_SHARE`] of its bytes), the live store takes [`LATE_START`] there (until
+//!   then every setting held what the live store held, so that switch costs no transition),
+//!   and the ledger judges it on its deficit (not on a shadow's lead, which is only starting).
 //!
 //!   A shadow's lead is not what switching gains: a switch has a cost no shadow sees, because
 //!   the live store keeps what the old setting kept (guarded admission switched on freezes what
@@ -238,6 +239,41 @@ pub const LEDGER_Z: f64 = 2.0;
 /// store back to LRU when the switch falls behind.
 pub const LATE_FIRST_EVICTION: usize = 50;
 
+/// The share of the store's bytes (its cached checkpoints against those and the KV of its tree)
+/// held by checkpoints from which a first eviction after [`CHECKPOINT_HEAVY_FIRST_EVICTION`]
+/// requests, not only after [`LATE_FIRST_EVICTION`], takes the live store to [`LATE_START`].
+/// Where checkpoints hold most of the bytes (a model whose SSM state is large against its KV
+/// per token, or short contexts), path recency keeps every checkpoint inside a live
+/// conversation, which no request restores from while its turns only extend it, and those are
+/// most of the memory; recency by the entry's own use lets them go first (checkpoint only: the
+/// KV the conversation needs stays). At Nemotron-H-8B's costs (a checkpoint weighs 3,192 tokens
+/// of KV) checkpoints hold 0.4-0.9 of a store's bytes at its first eviction, at the paper's 7B
+/// costs (409) at most 0.56 on every cell whose first eviction came before request 50 (2,850
+/// cells of the grid and the short-trace scan, seeds 1-40), so at the 7B costs the policy was
+/// tuned at the rule never fires. 0.6 and 0.7 measured alike at 8B costs; 0.5 moves 7B cells
+/// (see the crate report).
+pub const CHECKPOINT_HEAVY_SHARE: f64 = 0.7;
+
+/// Requests before the first eviction from which a checkpoint-heavy store
+/// ([`CHECKPOINT_HEAVY_SHARE`]) takes [`LATE_START`] there. At 8B costs the first evictions at
+/// 2 GB come at requests 25-34 and paid on nearly every cell (the short-trace scan's mean over
+/// `lru` +0.029 → +0.041, no cell more below it); those at 1 GB, at 11-17, paid on average but
+/// put more cells below `lru` on traces held out (2 more of 120 at 10), so not before 20.
+pub const CHECKPOINT_HEAVY_FIRST_EVICTION: usize = 20;
+
+/// The share of `store`'s bytes its cached checkpoints hold, against those and the KV of its
+/// tree, whatever its budget covers (0 for an empty store).
+fn checkpoint_share(store: &SnapshotStore) -> f64 {
+    let checkpoints =
+        f64::from(store.slots().cached_count()) * store.config().cost.checkpoint_bytes() as f64;
+    let total = checkpoints + store.kv_bytes() as f64;
+    if total > 0.0 {
+        checkpoints / total
+    } else {
+        0.0
+    }
+}
+
 /// The setting the live store takes at a late first eviction ([`LATE_FIRST_EVICTION`]), when
 /// the grid has it: α = 0, adaptive recency, plain admission.
 pub const LATE_START: Setting = Setting {
@@ -322,6 +358,9 @@ pub enum SwitchCause {
     Trial,
     /// The store's first eviction came after [`LATE_FIRST_EVICTION`] requests: [`LATE_START`].
     LateFirstEviction,
+    /// The store's first eviction came after [`CHECKPOINT_HEAVY_FIRST_EVICTION`] requests, with
+    /// checkpoints holding at least [`CHECKPOINT_HEAVY_SHARE`] of its bytes: [`LATE_START`].
+    CheckpointHeavyFirstEviction,
     /// The ledger: the live store fell behind the [`LRU`] shadow, back to [`LRU`].
     Ledger,
     /// A replay of the recorded window ([`TuningMode::Bootstrap`], [`TuningMode::Periodic`]).
@@ -1037,23 +1076,32 @@ impl AlphaTuner {
                 return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
-        // A late first eviction: until now every setting held what the live store holds, so a
-        // switch now costs no transition (see `LATE_FIRST_EVICTION`); the ledger judges it like
-        // any excursion, but not on a shadow's lead, which is only starting.
-        if self.first_eviction_at == Some(self.seen)
-            && self.seen >= LATE_FIRST_EVICTION
-            && current.evicts_like(&LRU)
-            && self.failures == 0
-            && self.settings.iter().any(|s| s.evicts_like(&LATE_START))
+        // A late first eviction (or an earlier one where checkpoints hold most of the bytes):
+        // until now every setting held what the live store holds, so a switch now costs no
+        // transition (see `LATE_FIRST_EVICTION`); the ledger judges it like any excursion, but
+        // not on a shadow's lead, which is only starting.
+        let start = if self.first_eviction_at != Some(self.seen)
+            || !current.evicts_like(&LRU)
+            || self.failures > 0
+            || !self.settings.iter().any(|s| s.evicts_like(&LATE_START))
         {
+            None
+        } else if self.seen >= LATE_FIRST_EVICTION {
+            Some(SwitchCause::LateFirstEviction)
+        } else if self.seen >= CHECKPOINT_HEAVY_FIRST_EVICTION
+            && checkpoint_share(store) >= CHECKPOINT_HEAVY_SHARE
+        {
+            Some(SwitchCause::CheckpointHeavyFirstEviction)
+        } else {
+            None
+        };
+        if let Some(cause) = start {
             self.supersede_trials(None);
             self.excursion = Some(Excursion {
                 on_evidence: false,
                 ..here
             });
-            return self
-                .switch(store, LATE_START, SwitchCause::LateFirstEviction)
-                .map(Some);
+            return self.switch(store, LATE_START, cause).map(Some);
         }
         // Running trials (all dropped when the live setting changed under them). A trial whose
         // copy leads the live store significantly at a look (the most significant one, when

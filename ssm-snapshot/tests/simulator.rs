@@ -12,6 +12,11 @@ use ssm_snapshot::{CostCoefficients, CostModel, Recency, SnapshotError};
 
 /// 1 KV byte per token, 10 bytes per checkpoint, 1 FLOP per prefix token.
 fn unit_cost() -> CostModel {
+    cost_with_checkpoints_of(10)
+}
+
+/// [`unit_cost`] with checkpoints of `bytes` bytes.
+fn cost_with_checkpoints_of(bytes: u64) -> CostModel {
     CostModel::new(CostCoefficients {
         name: "unit".into(),
         attention_layers: 0,
@@ -22,7 +27,7 @@ fn unit_cost() -> CostModel {
         mamba_flops_per_token: 0.0,
         mlp_flops_per_token: 1.0,
         kv_bytes_per_token: 1,
-        checkpoint_bytes: 10,
+        checkpoint_bytes: bytes,
     })
     .unwrap()
 }
@@ -414,14 +419,22 @@ fn disjoint_trace(sessions: u32) -> Vec<TraceRecord> {
         .collect()
 }
 
-/// Replays `trace` under the default `marconi` policy at `capacity` bytes: the request at which
-/// the live store first evicted, and the tuner's switches.
+/// Replays `trace` under the default `marconi` policy at `capacity` bytes and unit costs: the
+/// request at which the live store first evicted, and the tuner's switches.
 fn first_eviction_and_switches(
     trace: &[TraceRecord],
     capacity: u64,
 ) -> (Option<usize>, Vec<(usize, ssm_snapshot::Setting)>) {
-    let mut sim =
-        Simulation::new(SimConfig::new(Policy::Marconi, capacity, 1, unit_cost())).unwrap();
+    first_eviction_and_switches_at(trace, capacity, unit_cost())
+}
+
+/// [`first_eviction_and_switches`] at `cost`.
+fn first_eviction_and_switches_at(
+    trace: &[TraceRecord],
+    capacity: u64,
+    cost: CostModel,
+) -> (Option<usize>, Vec<(usize, ssm_snapshot::Setting)>) {
+    let mut sim = Simulation::new(SimConfig::new(Policy::Marconi, capacity, 1, cost)).unwrap();
     let mut first = None;
     for (i, r) in trace.iter().enumerate() {
         sim.step(r).unwrap();
@@ -439,6 +452,8 @@ fn a_late_first_eviction_moves_the_live_store_to_adaptive_recency_there() {
     let trace = disjoint_trace(80);
     // Room for 59 requests (59 · 15 bytes): the 60th evicts, and the live store switches there
     // (no hits anywhere, so no shadow leads and the ledger never falls behind: no other switch).
+    // Each request's checkpoint holds 10 of its 15 bytes, less than a checkpoint-heavy store's
+    // share, so only `LATE_FIRST_EVICTION` applies (the next test takes the other rule).
     let (first, switches) = first_eviction_and_switches(&trace, 59 * 15 + 14);
     assert_eq!(first, Some(60));
     const { assert!(60 >= LATE_FIRST_EVICTION) };
@@ -453,6 +468,48 @@ fn a_late_first_eviction_moves_the_live_store_to_adaptive_recency_there() {
     let (first, switches) = first_eviction_and_switches(&trace, (room + 1) * 15 + 14);
     assert_eq!(first, Some(LATE_FIRST_EVICTION));
     assert_eq!(switches, vec![(LATE_FIRST_EVICTION, LATE_START)]);
+}
+
+#[test]
+fn a_checkpoint_heavy_store_moves_to_adaptive_recency_at_an_earlier_first_eviction() {
+    use ssm_snapshot::tuning::{
+        CHECKPOINT_HEAVY_FIRST_EVICTION, CHECKPOINT_HEAVY_SHARE, LATE_FIRST_EVICTION, LATE_START,
+    };
+    use ssm_snapshot::{SwitchCause, TunerEvent};
+    let trace = disjoint_trace(80);
+    // Checkpoints of 20 bytes beside each request's 5 tokens of KV hold 0.8 of the store's
+    // bytes: room for `at - 1` requests (25 bytes each) and the live store leaves LRU at the
+    // `at`-th, the first eviction, long before `LATE_FIRST_EVICTION`.
+    const { assert!(20.0 / 25.0 >= CHECKPOINT_HEAVY_SHARE) };
+    let at = CHECKPOINT_HEAVY_FIRST_EVICTION;
+    const { assert!(CHECKPOINT_HEAVY_FIRST_EVICTION + 2 < LATE_FIRST_EVICTION) };
+    let heavy = || cost_with_checkpoints_of(20);
+    let room = |requests: usize| requests as u64 * 25 + 24;
+    let (first, switches) = first_eviction_and_switches_at(&trace, room(at - 1), heavy());
+    assert_eq!(first, Some(at));
+    assert_eq!(switches, vec![(at, LATE_START)]);
+    let config = SimConfig::new(Policy::Marconi, room(at - 1), 1, heavy());
+    let (events, _) = events_of(config, &trace);
+    assert_eq!(
+        events,
+        vec![TunerEvent::Switched {
+            request: at,
+            setting: LATE_START,
+            cause: SwitchCause::CheckpointHeavyFirstEviction,
+        }]
+    );
+    // One request earlier, the store stays at LRU.
+    let (first, switches) = first_eviction_and_switches_at(&trace, room(at - 2), heavy());
+    assert_eq!(first, Some(at - 1));
+    assert_eq!(switches, vec![]);
+    // Checkpoints of 11 bytes hold 11/16 of the bytes, just below the share: a first eviction
+    // at request `at + 2` leaves the store at LRU.
+    const { assert!(11.0 / 16.0 < CHECKPOINT_HEAVY_SHARE) };
+    let room = (at + 1) as u64 * 16 + 15;
+    let (first, switches) =
+        first_eviction_and_switches_at(&trace, room, cost_with_checkpoints_of(11));
+    assert_eq!(first, Some(at + 2));
+    assert_eq!(switches, vec![]);
 }
 
 /// Replays a tuner's event log as the state machine the module documents, and fails on any
