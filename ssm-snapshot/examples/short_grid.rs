@@ -8,7 +8,16 @@
 //! cargo run --release -p ssm-snapshot --example short_grid -- [--threads N]
 //!     [--families sharegpt,longchat,chat,mix,agentic] [--sessions 20,30,40,60]
 //!     [--seeds 1,2,3,4,5,6] [--capacities 5e8,1e9,2e9] [--block-size 16] [--lru FILE.json]
+//!     [--jitter N [--jitter-rate 0.02]]
 //! ```
+//!
+//! With `--jitter N` every cell is replayed again on `N` jittered copies of its trace
+//! (`ssm_snapshot::generate::jitter`: a few neighbouring requests of different sessions served
+//! in the other order), `lru` and `marconi` both, and each row gets the copies' `marconi − lru`
+//! (mean, least and most): how much of a cell's margin is the chaos of which sequence an
+//! eviction happened to hit. The summary counts the cells below `lru` whose copies are below it
+//! on average too (a loss that holds up) and those whose copies are not. The exit status is the
+//! original cells'.
 //!
 //! The default seeds are the ones the policy was tuned on ([`SHORT_TUNING_SEEDS`]); seeds 7
 //! and 8 are held out.
@@ -23,13 +32,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use clap::Parser;
+use ssm_snapshot::generate::jitter;
 use ssm_snapshot::grid::{
     canary_key, canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store,
     same_figure, write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE,
     SHORT_CAPACITIES, SHORT_KINDS, SHORT_SESSIONS, SHORT_TUNING_SEEDS,
 };
 use ssm_snapshot::sim::{generate, Policy, SimConfig};
-use ssm_snapshot::{CostModel, PinScope};
+use ssm_snapshot::{CostModel, PinScope, SnapshotError};
 
 /// Runs the short-trace scan and prints the report.
 #[derive(Debug, Parser)]
@@ -69,6 +79,14 @@ struct Args {
     /// its canary cell's figure differs) is recomputed.
     #[arg(long)]
     lru: Option<std::path::PathBuf>,
+    /// Jittered copies of each cell's trace to replay too (seeds 1..=N), each with its own `lru`
+    /// run (not cached).
+    #[arg(long, default_value_t = 0)]
+    jitter: u64,
+    /// The chance that a pair of neighbouring requests of different sessions is swapped in a
+    /// jittered copy.
+    #[arg(long, default_value_t = 0.02)]
+    jitter_rate: f64,
 }
 
 fn byte_count(text: &str) -> Result<u64, String> {
@@ -100,6 +118,10 @@ fn main() -> ExitCode {
     }
     if args.threads == 0 || args.block_size == 0 {
         eprintln!("error: --threads and --block-size must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    if !(0.0..=1.0).contains(&args.jitter_rate) {
+        eprintln!("error: --jitter-rate must be a probability (0 to 1)");
         return ExitCode::FAILURE;
     }
     let mut cells = Vec::new();
@@ -158,14 +180,29 @@ fn main() -> ExitCode {
                 let trace = generate(kind.expect("chosen above"), cell.sessions, cell.seed);
                 let lru = known.lock().expect("no panics").get(&key(cell)).copied();
                 let scope = args.pin_scope;
-                match run_short_cell(&trace, cell.capacity, args.block_size, lru, &cost, scope) {
-                    Ok(figures) => {
+                let run = |trace: &[_], lru| {
+                    run_short_cell(trace, cell.capacity, args.block_size, lru, &cost, scope)
+                };
+                let replayed = run(&trace, lru).and_then(|figures| {
+                    let margins = (1..=args.jitter)
+                        .map(|seed| {
+                            let f = run(&jitter(&trace, args.jitter_rate, seed), None)?;
+                            Ok(f.marconi - f.lru)
+                        })
+                        .collect::<Result<Vec<f64>, SnapshotError>>()?;
+                    Ok((figures, margins))
+                });
+                match replayed {
+                    Ok((figures, margins)) => {
                         known
                             .lock()
                             .expect("no panics")
                             .insert(key(cell), figures.lru);
-                        common::progress(&row(cell, &figures));
-                        results.lock().expect("no panics").push((i, figures));
+                        common::progress(&row(cell, &figures, &margins));
+                        results
+                            .lock()
+                            .expect("no panics")
+                            .push((i, figures, margins));
                     }
                     Err(e) => {
                         *failed.lock().expect("no panics") = Some(format!("{}: {e}", key(cell)))
@@ -184,19 +221,31 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let mut results = results.into_inner().expect("no panics");
-    results.sort_by_key(|(i, _)| *i);
+    results.sort_by_key(|(i, _, _)| *i);
+    let jittered = if args.jitter > 0 {
+        format!(
+            " {} jittered copies: − lru mean [least, most] |",
+            args.jitter
+        )
+    } else {
+        String::new()
+    };
     let mut lines = vec![
-        "| family | sessions | seed | capacity | requests | lru | **marconi** | − lru | switches (request: α, recency, FLOP basis, guard) |".to_string(),
-        "|---|---|---|---|---|---|---|---|---|".to_string(),
+        format!("| family | sessions | seed | capacity | requests | lru | **marconi** | − lru | switches (request: α, recency, FLOP basis, guard) |{jittered}"),
+        format!("|---|---|---|---|---|---|---|---|---|{}", if args.jitter > 0 { "---|" } else { "" }),
     ];
-    lines.extend(results.iter().map(|(i, figures)| row(&cells[*i], figures)));
+    lines.extend(
+        results
+            .iter()
+            .map(|(i, figures, margins)| row(&cells[*i], figures, margins)),
+    );
     lines.push(String::new());
     let mut failing = false;
     for &(family, _) in kinds.iter().chain([&("all", kinds[0].1)]) {
         let part: Vec<&ShortCell> = results
             .iter()
-            .filter(|(i, _)| family == "all" || cells[*i].family == family)
-            .map(|(_, f)| f)
+            .filter(|(i, _, _)| family == "all" || cells[*i].family == family)
+            .map(|(_, f, _)| f)
             .collect();
         let diff = |f: &ShortCell| f.marconi - f.lru;
         let below = part.iter().filter(|f| diff(f) < -LRU_TOLERANCE).count();
@@ -208,6 +257,26 @@ fn main() -> ExitCode {
             part.len()
         ));
         failing |= below > 0;
+        if args.jitter > 0 {
+            let cells_of = results
+                .iter()
+                .filter(|(i, _, _)| family == "all" || cells[*i].family == family);
+            let (mut holds, mut straddles, mut jittered_below) = (0, 0, 0);
+            for (_, f, margins) in cells_of {
+                let below_on_average = mean_of(margins) < -LRU_TOLERANCE;
+                jittered_below += usize::from(below_on_average);
+                if diff(f) < -LRU_TOLERANCE {
+                    if below_on_average {
+                        holds += 1;
+                    } else {
+                        straddles += 1;
+                    }
+                }
+            }
+            lines.push(format!(
+                "  jittered: {jittered_below} cells below lru by > {LRU_TOLERANCE} on their copies' mean; of the {below} below, {holds} below on their copies' mean too, {straddles} not"
+            ));
+        }
     }
     if let Err(e) = common::write_lines(io::stdout().lock(), &lines) {
         eprintln!("error: writing the report: {e}");
@@ -220,7 +289,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn row(cell: &Cell, f: &ShortCell) -> String {
+/// The mean of `values` (0 for none).
+fn mean_of(values: &[f64]) -> f64 {
+    values.iter().sum::<f64>() / values.len().max(1) as f64
+}
+
+fn row(cell: &Cell, f: &ShortCell, margins: &[f64]) -> String {
     let switches: Vec<String> = f
         .switches
         .iter()
@@ -232,8 +306,15 @@ fn row(cell: &Cell, f: &ShortCell) -> String {
             )
         })
         .collect();
+    let jittered = if margins.is_empty() {
+        String::new()
+    } else {
+        let least = margins.iter().copied().fold(f64::INFINITY, f64::min);
+        let most = margins.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!(" {:+.4} [{least:+.4}, {most:+.4}] |", mean_of(margins))
+    };
     format!(
-        "| {} | {} | {} | {} GB | {} | {:.4} | {:.4} | {:+.4} | {} |",
+        "| {} | {} | {} | {} GB | {} | {:.4} | {:.4} | {:+.4} | {} |{jittered}",
         cell.family,
         cell.sessions,
         cell.seed,

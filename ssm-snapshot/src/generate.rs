@@ -151,6 +151,31 @@ pub fn generate(kind: TraceKind, sessions: usize, seed: u64) -> Vec<TraceRecord>
     records
 }
 
+/// `trace` with a few pairs of adjacent requests of different sessions served in the other
+/// order: each such pair is swapped with probability `rate` (a pair just swapped is not swapped
+/// again), and every position keeps its arrival time, so each session's requests keep their
+/// order and the times stay sorted. A small arrival-time jitter: replaying a trace and its
+/// jittered copies under one policy measures how much of a cell's figure is the chaos of which
+/// sequence an eviction happened to hit (`short_grid --jitter`), not the policy. The same
+/// `seed` gives the same copy.
+pub fn jitter(trace: &[TraceRecord], rate: f64, seed: u64) -> Vec<TraceRecord> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = trace.to_vec();
+    let mut i = 0;
+    while i + 1 < out.len() {
+        if out[i].session_id != out[i + 1].session_id && rng.random_bool(rate.clamp(0.0, 1.0)) {
+            out.swap(i, i + 1);
+            let (earlier, later) = (out[i + 1].ts, out[i].ts);
+            out[i].ts = earlier;
+            out[i + 1].ts = later;
+            i += 2;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
 /// Chat (`chat`) or ShareGPT-like (`!chat`) sessions with ids `ids`, arriving over `span`.
 fn chat(
     rng: &mut ChaCha8Rng,
@@ -309,5 +334,62 @@ fn record(session: usize, turn: usize, ts: f64, input: &[u32], output: &[u32]) -
         num_output_tokens: output.len(),
         input_tokens: input.to_vec(),
         output_tokens: output.to_vec(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each session's requests in the order they appear, as (turn, input length).
+    fn by_session(trace: &[TraceRecord]) -> Vec<(SessionId, Vec<(u64, usize)>)> {
+        let mut sessions: Vec<(SessionId, Vec<(u64, usize)>)> = Vec::new();
+        for r in trace {
+            match sessions.iter_mut().find(|(id, _)| *id == r.session_id) {
+                Some((_, turns)) => turns.push((r.turn_id, r.input_tokens.len())),
+                None => sessions.push((
+                    r.session_id.clone(),
+                    vec![(r.turn_id, r.input_tokens.len())],
+                )),
+            }
+        }
+        sessions.sort_by_key(|(id, _)| format!("{id:?}"));
+        sessions
+    }
+
+    #[test]
+    fn jitter_swaps_neighbours_of_different_sessions_and_keeps_each_sessions_order() {
+        let trace = generate(TraceKind::Mix, 20, 3);
+        let copy = jitter(&trace, 0.05, 7);
+        assert_eq!(copy.len(), trace.len());
+        // The same requests, each session's in its order, the times where they were.
+        assert_eq!(by_session(&copy), by_session(&trace));
+        let times: Vec<f64> = trace.iter().map(|r| r.ts).collect();
+        assert_eq!(copy.iter().map(|r| r.ts).collect::<Vec<_>>(), times);
+        // Positions that changed come in swapped neighbour pairs of different sessions.
+        let mut moved = 0;
+        let mut i = 0;
+        while i < trace.len() {
+            if copy[i].input_tokens == trace[i].input_tokens {
+                i += 1;
+                continue;
+            }
+            assert_eq!(copy[i].input_tokens, trace[i + 1].input_tokens);
+            assert_eq!(copy[i + 1].input_tokens, trace[i].input_tokens);
+            assert_ne!(trace[i].session_id, trace[i + 1].session_id);
+            moved += 1;
+            i += 2;
+        }
+        assert!(
+            moved > 0,
+            "a rate of 0.05 over {} requests swapped none",
+            trace.len()
+        );
+        // Deterministic in its seed; another seed, another copy; rate 0, the trace itself.
+        let inputs =
+            |t: &[TraceRecord]| t.iter().map(|r| r.input_tokens.clone()).collect::<Vec<_>>();
+        assert_eq!(inputs(&jitter(&trace, 0.05, 7)), inputs(&copy));
+        assert_ne!(inputs(&jitter(&trace, 0.05, 8)), inputs(&copy));
+        assert_eq!(inputs(&jitter(&trace, 0.0, 7)), inputs(&trace));
     }
 }
