@@ -31,7 +31,8 @@
 //! - [`tuning`]: choosing α, the recency basis, the FLOP basis and guarded admission
 //!   (Marconi's bootstrap replay, periodic replay, and shadow stores, the default);
 //! - [`sim`]: the Marconi JSONL trace format and the replay behind the `simulate` example;
-//! - [`generate`]: synthetic traces (chat, long replies, agentic, a mix, an adversarial one);
+//! - [`generate`]: synthetic traces (chat, long replies, agentic, a mix, an adversarial one) and
+//!   jittered copies of a trace (a few neighbouring requests reordered, to measure chaos);
 //! - [`grid`]: the policy grid (trace families × seeds × capacities) and the check the default
 //!   policy must pass on each cell;
 //! - [`paper`]: a model of the Marconi artifact's own simulator (its SGLang+ and Marconi
