@@ -157,13 +157,14 @@ pub fn generate(kind: TraceKind, sessions: usize, seed: u64) -> Vec<TraceRecord>
 /// order and the times stay sorted. A small arrival-time jitter: replaying a trace and its
 /// jittered copies under one policy measures how much of a cell's figure is the chaos of which
 /// sequence an eviction happened to hit (`short_grid --jitter`), not the policy. The same
-/// `seed` gives the same copy.
+/// `seed` gives the same copy. A `rate` above 1 counts as 1; one below 0, or NaN, as 0.
 pub fn jitter(trace: &[TraceRecord], rate: f64, seed: u64) -> Vec<TraceRecord> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = trace.to_vec();
+    let rate = if rate > 0.0 { rate.min(1.0) } else { 0.0 };
     let mut i = 0;
     while i + 1 < out.len() {
-        if out[i].session_id != out[i + 1].session_id && rng.random_bool(rate.clamp(0.0, 1.0)) {
+        if out[i].session_id != out[i + 1].session_id && rng.random_bool(rate) {
             out.swap(i, i + 1);
             let (earlier, later) = (out[i + 1].ts, out[i].ts);
             out[i].ts = earlier;
@@ -391,5 +392,13 @@ mod tests {
         assert_eq!(inputs(&jitter(&trace, 0.05, 7)), inputs(&copy));
         assert_ne!(inputs(&jitter(&trace, 0.05, 8)), inputs(&copy));
         assert_eq!(inputs(&jitter(&trace, 0.0, 7)), inputs(&trace));
+        // Rates outside a probability are bounded, not a panic: NaN and below 0 swap nothing,
+        // above 1 swaps as 1 does (every other eligible pair from the start).
+        assert_eq!(inputs(&jitter(&trace, f64::NAN, 7)), inputs(&trace));
+        assert_eq!(inputs(&jitter(&trace, -1.0, 7)), inputs(&trace));
+        assert_eq!(
+            inputs(&jitter(&trace, 7.0, 7)),
+            inputs(&jitter(&trace, 1.0, 7))
+        );
     }
 }
