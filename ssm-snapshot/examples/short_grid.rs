@@ -242,27 +242,30 @@ fn main() -> ExitCode {
     lines.push(String::new());
     let mut failing = false;
     for &(family, _) in kinds.iter().chain([&("all", kinds[0].1)]) {
-        let part: Vec<&ShortCell> = results
+        let part: Vec<(&ShortCell, &[f64])> = results
             .iter()
             .filter(|(i, _, _)| family == "all" || cells[*i].family == family)
-            .map(|(_, f, _)| f)
+            .map(|(_, f, margins)| (f, margins.as_slice()))
             .collect();
         let diff = |f: &ShortCell| f.marconi - f.lru;
-        let below = part.iter().filter(|f| diff(f) < -LRU_TOLERANCE).count();
-        let above = part.iter().filter(|f| diff(f) > LRU_TOLERANCE).count();
-        let mean = part.iter().map(|f| diff(f)).sum::<f64>() / part.len().max(1) as f64;
-        let worst = part.iter().map(|f| diff(f)).fold(f64::INFINITY, f64::min);
+        let below = part
+            .iter()
+            .filter(|(f, _)| diff(f) < -LRU_TOLERANCE)
+            .count();
+        let above = part.iter().filter(|(f, _)| diff(f) > LRU_TOLERANCE).count();
+        let mean = part.iter().map(|(f, _)| diff(f)).sum::<f64>() / part.len().max(1) as f64;
+        let worst = part
+            .iter()
+            .map(|(f, _)| diff(f))
+            .fold(f64::INFINITY, f64::min);
         lines.push(format!(
             "{family}: {} cells, {below} below lru by > {LRU_TOLERANCE}, {above} above by > {LRU_TOLERANCE}; mean {mean:+.4}, worst {worst:+.4}",
             part.len()
         ));
         failing |= below > 0;
         if args.jitter > 0 {
-            let cells_of = results
-                .iter()
-                .filter(|(i, _, _)| family == "all" || cells[*i].family == family);
             let (mut holds, mut straddles, mut jittered_below) = (0, 0, 0);
-            for (_, f, margins) in cells_of {
+            for &(f, margins) in &part {
                 let below_on_average = mean_of(margins) < -LRU_TOLERANCE;
                 jittered_below += usize::from(below_on_average);
                 if diff(f) < -LRU_TOLERANCE {
