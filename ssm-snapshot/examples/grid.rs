@@ -7,8 +7,16 @@
 //! ```text
 //! cargo run --release -p ssm-snapshot --example grid -- [--threads N]
 //!     [--families chat,longchat,agentic,mix,shifting,sharegpt] [--seeds 1,2,3]
-//!     [--capacities 5e8,1e9,...] [--references FILE.json]
+//!     [--capacities 5e8,1e9,...] [--references FILE.json] [--jitter N [--jitter-rate 0.02]]
 //! ```
+//!
+//! With `--jitter N` every cell is replayed again, under all four policies, on `N` jittered
+//! copies of its trace (`ssm_snapshot::generate::jitter`: a few neighbouring requests of
+//! different sessions served in the other order), and each row also shows the copies' mean
+//! margins and whether the cell passes its check on them (`ssm_snapshot::grid::mean_of_copies`):
+//! a cell's margin on one trace is partly the chaos of which sequence an eviction happened to
+//! hit, and the copies' mean tells a policy's loss from that. The copies' references are cached
+//! with the others.
 //!
 //! The default families are [`ssm_snapshot::grid::families`]; the same generators at other
 //! session counts (`chat50`, `longchat50`, `longchat200`, `agentic20`, `agentic80`) can be named
@@ -26,10 +34,11 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use clap::Parser;
+use ssm_snapshot::generate::jitter;
 use ssm_snapshot::grid::{
-    canary_key, canary_trace, families, held_out, other_session_counts, parse_byte_count,
-    read_checked_figures, run_cell_with, run_references, same_figure, trace_of, write_figures,
-    CellFigures, Family, References, CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE,
+    canary_key, canary_trace, families, held_out, mean_of_copies, other_session_counts,
+    parse_byte_count, read_checked_figures, run_cell_with, run_references, same_figure, trace_of,
+    write_figures, CellFigures, Family, References, CANARY_CAPACITY, CAPACITIES, LRU_TOLERANCE,
     PAPER_MARCONI_TOLERANCE, PAPER_OVERSHOOT,
 };
 use ssm_snapshot::{CostModel, PinScope};
@@ -66,6 +75,13 @@ struct Args {
     /// differ) is recomputed.
     #[arg(long)]
     references: Option<std::path::PathBuf>,
+    /// Jittered copies of each cell's trace to replay too (seeds 1..=N), under every policy.
+    #[arg(long, default_value_t = 0)]
+    jitter: u64,
+    /// The chance that a pair of neighbouring requests of different sessions is swapped in a
+    /// jittered copy.
+    #[arg(long, default_value_t = 0.02)]
+    jitter_rate: f64,
 }
 
 /// A byte count: an integer or exact scientific notation (`2e10`).
@@ -78,6 +94,8 @@ struct Row {
     seed: u64,
     capacity: u64,
     figures: CellFigures,
+    /// The cell on its jittered copies (`--jitter`): the mean of their figures.
+    copies: Option<CellFigures>,
     seconds: f64,
 }
 
@@ -110,6 +128,10 @@ fn main() -> ExitCode {
     };
     if args.threads == 0 || args.seeds.is_empty() {
         eprintln!("error: --threads and --seeds need at least one");
+        return ExitCode::FAILURE;
+    }
+    if !(0.0..=1.0).contains(&args.jitter_rate) {
+        eprintln!("error: --jitter-rate must be a probability (0 to 1)");
         return ExitCode::FAILURE;
     }
     let cost = args.model.clone();
@@ -150,25 +172,39 @@ fn main() -> ExitCode {
                 };
                 let (family, seed, trace) = &traces[t];
                 let key = format!("{}/{seed}/{capacity}", family.name);
-                let cached = known.lock().expect("no panics").get(&key).copied();
-                let references = match cached {
-                    Some(r) => Ok(r),
-                    None => run_references(trace, capacity, &cost, args.pin_scope),
+                // The cell on `trace` (the original or a copy) whose references are cached
+                // under `key`, and the seconds `marconi` took.
+                let replay = |trace: &[_], key: String| {
+                    let cached = known.lock().expect("no panics").get(&key).copied();
+                    let references = match cached {
+                        Some(r) => r,
+                        None => run_references(trace, capacity, &cost, args.pin_scope)?,
+                    };
+                    known.lock().expect("no panics").insert(key, references);
+                    let start = Instant::now();
+                    run_cell_with(trace, capacity, &cost, args.pin_scope, references)
+                        .map(|figures| (figures, start.elapsed().as_secs_f64()))
                 };
-                if let Ok(r) = references {
-                    known.lock().expect("no panics").insert(key, r);
-                }
-                let start = Instant::now();
-                match references
-                    .and_then(|r| run_cell_with(trace, capacity, &cost, args.pin_scope, r))
-                {
-                    Ok(figures) => {
+                let replayed = replay(trace, key.clone()).and_then(|(figures, seconds)| {
+                    let copies = (1..=args.jitter)
+                        .map(|k| {
+                            let copy = jitter(trace, args.jitter_rate, k);
+                            let key = format!("{key}/jitter {k} at {}", args.jitter_rate);
+                            replay(&copy, key).map(|(f, _)| f)
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let mean = mean_of_copies(&figures, &copies);
+                    Ok((figures, mean, seconds))
+                });
+                match replayed {
+                    Ok((figures, copies, seconds)) => {
                         let row = Row {
                             family: *family,
                             seed: *seed,
                             capacity,
                             figures,
-                            seconds: start.elapsed().as_secs_f64(),
+                            copies,
+                            seconds,
                         };
                         common::progress(&line(&row));
                         rows.lock().expect("no panics").push(row);
@@ -201,9 +237,20 @@ fn main() -> ExitCode {
         )
     };
     rows.sort_by_key(order);
+    let (copies_head, copies_rule) = if args.jitter > 0 {
+        (
+            format!(
+                " {} jittered copies' mean: − lru / − SGLang+ / − paper Marconi |",
+                args.jitter
+            ),
+            "---|",
+        )
+    } else {
+        (String::new(), "")
+    };
     let mut lines = vec![
-        "| trace | seed | capacity | held out | lru | paper SGLang+ | paper Marconi | **marconi** | − lru | − SGLang+ | − paper Marconi | SGLang+ peak / capacity | paper Marconi peak / capacity | marconi s |".to_string(),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
+        format!("| trace | seed | capacity | held out | lru | paper SGLang+ | paper Marconi | **marconi** | − lru | − SGLang+ | − paper Marconi | SGLang+ peak / capacity | paper Marconi peak / capacity | marconi s |{copies_head}"),
+        format!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|{copies_rule}"),
     ];
     lines.extend(rows.iter().map(line));
     lines.push(String::new());
@@ -249,7 +296,15 @@ fn line(row: &Row) -> String {
         r.paper_sglang_max_bytes as f64 / row.capacity as f64,
         r.paper_marconi_max_bytes as f64 / row.capacity as f64,
         row.seconds,
-    )
+    ) + &row.copies.as_ref().map_or(String::new(), |c| {
+        format!(
+            " {:+.4} / {:+.4} / {:+.4}{} |",
+            c.vs_lru(),
+            c.vs_paper_sglang(),
+            c.vs_paper_marconi(),
+            if c.passes() { "" } else { " (fails)" },
+        )
+    })
 }
 
 /// Whether two reference figures are the same, bit for bit (`same_figure`).
@@ -299,7 +354,7 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
             mean(key),
         )
     };
-    vec![
+    let mut lines = vec![
         format!(
             "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
             rows.len(),
@@ -320,5 +375,29 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
         ),
         versus("paper SGLang+", &|f| f.vs_paper_sglang()),
         versus("paper Marconi", &|f| f.vs_paper_marconi()),
-    ]
+    ];
+    // On the jittered copies' mean: the cells that fail there, and how many of the cells that
+    // fail on their own trace fail there too (the rest are within the chaos of one trace).
+    let judged: Vec<(&CellFigures, &CellFigures)> = rows
+        .iter()
+        .filter_map(|r| r.copies.as_ref().map(|c| (&r.figures, c)))
+        .collect();
+    if !judged.is_empty() {
+        let fail =
+            |pred: &dyn Fn(&CellFigures) -> bool| judged.iter().filter(|(_, c)| pred(c)).count();
+        lines.push(format!(
+            "  on the jittered copies' mean ({} cells): fail {} (below lru: {}, below SGLang+: {}, below paper Marconi: {}); of the {} failing here, {} fail on their copies' mean too; mean − lru {:+.4}",
+            judged.len(),
+            fail(&|c| !c.passes()),
+            fail(&|c| c.vs_lru() < -LRU_TOLERANCE),
+            fail(&|c| c.references.sglang_comparable(c.capacity_bytes)
+                && c.vs_paper_sglang() < -LRU_TOLERANCE),
+            fail(&|c| c.references.marconi_comparable(c.capacity_bytes)
+                && c.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
+            judged.iter().filter(|(f, _)| !f.passes()).count(),
+            judged.iter().filter(|(f, c)| !f.passes() && !c.passes()).count(),
+            judged.iter().map(|(_, c)| c.vs_lru()).sum::<f64>() / judged.len() as f64,
+        ));
+    }
+    lines
 }

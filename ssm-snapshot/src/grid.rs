@@ -252,6 +252,34 @@ impl CellFigures {
     }
 }
 
+/// The figures of a cell judged on jittered copies of its trace ([`crate::generate::jitter`]):
+/// the mean of `copies`' token hit rates, `lru`, each paper policy and `marconi` alike, with
+/// `original`'s peaks, so the copies' mean counts the same paper references as the original
+/// cell (a reference that overshot there is not one here either, and one that kept to the
+/// budget there stays one). `None` for no copies, or copies of another capacity.
+pub fn mean_of_copies(original: &CellFigures, copies: &[CellFigures]) -> Option<CellFigures> {
+    if copies.is_empty()
+        || copies
+            .iter()
+            .any(|c| c.capacity_bytes != original.capacity_bytes)
+    {
+        return None;
+    }
+    let mean = |figure: &dyn Fn(&CellFigures) -> f64| {
+        copies.iter().map(figure).sum::<f64>() / copies.len() as f64
+    };
+    Some(CellFigures {
+        references: References {
+            lru: mean(&|c| c.references.lru),
+            paper_sglang: mean(&|c| c.references.paper_sglang),
+            paper_marconi: mean(&|c| c.references.paper_marconi),
+            ..original.references
+        },
+        marconi: mean(&|c| c.marconi),
+        ..*original
+    })
+}
+
 /// Replays `trace` under the store policy `config` describes.
 pub fn run_store(config: SimConfig, trace: &[TraceRecord]) -> Result<SimReport, SnapshotError> {
     let mut sim = Simulation::new(config)?;
@@ -465,9 +493,45 @@ pub fn run_short_cell(
 
 #[cfg(test)]
 mod tests {
-    use super::{canary_key, read_checked_figures, read_figures, write_figures, CANARY_KEY};
+    use super::{
+        canary_key, mean_of_copies, read_checked_figures, read_figures, write_figures, CellFigures,
+        References, CANARY_KEY,
+    };
     use crate::PinScope;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_cell_on_its_copies_is_the_mean_of_their_figures_with_the_originals_peaks() {
+        let cell = |lru, sglang, paper, marconi, sglang_peak, capacity_bytes| CellFigures {
+            references: References {
+                lru,
+                paper_sglang: sglang,
+                paper_marconi: paper,
+                paper_sglang_max_bytes: sglang_peak,
+                paper_marconi_max_bytes: 100,
+            },
+            marconi,
+            marconi_max_bytes: 90,
+            capacity_bytes,
+        };
+        // The original overshoots with SGLang+ (300 > 1.5 x 100): not a reference, on the
+        // copies' mean either, though each copy kept to the budget.
+        let original = cell(0.5, 0.625, 0.75, 0.25, 300, 100);
+        let copies = [
+            cell(0.25, 0.5, 0.5, 0.5, 100, 100),
+            cell(0.75, 1.0, 0.25, 0.125, 120, 100),
+        ];
+        let mean = mean_of_copies(&original, &copies).unwrap();
+        assert_eq!(mean, cell(0.5, 0.75, 0.375, 0.3125, 300, 100));
+        assert!(!mean.references.sglang_comparable(100));
+        // marconi 0.3125 is 0.1875 below lru: fails on the copies' mean.
+        assert!(!mean.passes());
+        assert_eq!(mean_of_copies(&original, &[]), None);
+        assert_eq!(
+            mean_of_copies(&original, &[cell(0.5, 0.5, 0.5, 0.5, 100, 200)]),
+            None
+        );
+    }
 
     #[test]
     fn a_cache_written_by_other_code_is_emptied() {
