@@ -20,11 +20,13 @@
 //!   LRU restarts it) with what the LRU shadow reused on the same requests; when the live
 //!   store falls behind by more than [`FALLBACK_TOLERANCE`] of the input tokens, it goes
 //!   back to LRU and every later departure needs twice the lead. One departure needs no lead:
-//!   when the store's first eviction comes after [`LATE_FIRST_EVICTION`] requests (or after
-//!   [`CHECKPOINT_HEAVY_FIRST_EVICTION`] in a store whose checkpoints hold at least
-//!   [`CHECKPOINT_HEAVY_SHARE`] of its bytes), the live store takes [`LATE_START`] there (until
-//!   then every setting held what the live store held, so that switch costs no transition),
-//!   and the ledger judges it on its deficit (not on a shadow's lead, which is only starting).
+//!   when the store's first eviction comes after [`LATE_FIRST_EVICTION`] requests, the live
+//!   store takes [`LATE_START`] there (until then every setting held what the live store held,
+//!   so that switch costs no transition), and the ledger judges it on its deficit (not on a
+//!   shadow's lead, which is only starting); a store whose checkpoints hold at least
+//!   [`CHECKPOINT_HEAVY_SHARE`] of its bytes does so after [`CHECKPOINT_HEAVY_FIRST_EVICTION`]
+//!   requests already, and takes [`CHECKPOINT_HEAVY_START`] (with a shadow of its own from
+//!   there when the grid lacks it).
 //!
 //!   A shadow's lead is not what switching gains: a switch has a cost no shadow sees, because
 //!   the live store keeps what the old setting kept (guarded admission switched on freezes what
@@ -241,7 +243,8 @@ pub const LATE_FIRST_EVICTION: usize = 50;
 
 /// The share of the store's bytes (its cached checkpoints against those and the KV of its tree)
 /// held by checkpoints from which a first eviction after [`CHECKPOINT_HEAVY_FIRST_EVICTION`]
-/// requests, not only after [`LATE_FIRST_EVICTION`], takes the live store to [`LATE_START`].
+/// requests, not only after [`LATE_FIRST_EVICTION`], takes the live store to α = 0 without
+/// path recency ([`CHECKPOINT_HEAVY_START`]).
 /// Where checkpoints hold most of the bytes (a model whose SSM state is large against its KV
 /// per token, or short contexts), path recency keeps every checkpoint inside a live
 /// conversation, which no request restores from while its turns only extend it, and those are
@@ -255,10 +258,11 @@ pub const LATE_FIRST_EVICTION: usize = 50;
 pub const CHECKPOINT_HEAVY_SHARE: f64 = 0.7;
 
 /// Requests before the first eviction from which a checkpoint-heavy store
-/// ([`CHECKPOINT_HEAVY_SHARE`]) takes [`LATE_START`] there. At 8B costs the first evictions at
-/// 2 GB come at requests 25-34 and paid on nearly every cell (the short-trace scan's mean over
-/// `lru` +0.029 → +0.041, no cell more below it); those at 1 GB, at 11-17, paid on average but
-/// put more cells below `lru` on traces held out (2 more of 120 at 10), so not before 20.
+/// ([`CHECKPOINT_HEAVY_SHARE`]) leaves LRU there. At 8B costs the first evictions at 2 GB come
+/// at requests 25-34 and paid on nearly every cell (the short-trace scan's mean over `lru`
+/// +0.029 → +0.041, no cell more below it; measured with [`LATE_START`], session 23); those at
+/// 1 GB, at 11-17, paid on average but put more cells below `lru` on traces held out (2 more
+/// of 120 at 10), so not before 20.
 pub const CHECKPOINT_HEAVY_FIRST_EVICTION: usize = 20;
 
 /// The share of `store`'s bytes its cached checkpoints hold, against those and the KV of its
@@ -279,6 +283,24 @@ fn checkpoint_share(store: &SnapshotStore) -> f64 {
 pub const LATE_START: Setting = Setting {
     alpha: 0.0,
     recency: Recency::Adaptive,
+    flop_basis: FlopBasis::Prefix,
+    guard: false,
+};
+
+/// The setting a checkpoint-heavy store takes at its first eviction
+/// ([`CHECKPOINT_HEAVY_FIRST_EVICTION`], [`CHECKPOINT_HEAVY_SHARE`]): α = 0 with
+/// [`Recency::Shared`], plain admission; [`LATE_START`] without its switch to path recency. The
+/// adaptive basis turns to path recency while more than 5% of recent hits land in the middle
+/// of cached sequences, and at the 8B costs, where a checkpoint weighs 3,192 tokens of KV, that
+/// switch keeps the checkpoints inside live conversations, which are most of the memory there:
+/// held from the first eviction at 2 GB (the short-trace scan's 8B cells, seeds 1-2, block size
+/// 16), shared recency reached `lru` + 0.0457 on average against adaptive's + 0.0369, and was
+/// below adaptive on none of the 40 cells. When the tuner's grid lacks the setting, a shadow of
+/// it joins at that eviction: a copy of the [`LRU`] shadow, which until then held exactly what
+/// every setting held.
+pub const CHECKPOINT_HEAVY_START: Setting = Setting {
+    alpha: 0.0,
+    recency: Recency::Shared,
     flop_basis: FlopBasis::Prefix,
     guard: false,
 };
@@ -359,7 +381,8 @@ pub enum SwitchCause {
     /// The store's first eviction came after [`LATE_FIRST_EVICTION`] requests: [`LATE_START`].
     LateFirstEviction,
     /// The store's first eviction came after [`CHECKPOINT_HEAVY_FIRST_EVICTION`] requests, with
-    /// checkpoints holding at least [`CHECKPOINT_HEAVY_SHARE`] of its bytes: [`LATE_START`].
+    /// checkpoints holding at least [`CHECKPOINT_HEAVY_SHARE`] of its bytes:
+    /// [`CHECKPOINT_HEAVY_START`].
     CheckpointHeavyFirstEviction,
     /// The ledger: the live store fell behind the [`LRU`] shadow, back to [`LRU`].
     Ledger,
@@ -987,6 +1010,40 @@ impl AlphaTuner {
         margin: f64,
         cooldown: usize,
     ) -> Result<Option<Setting>, SnapshotError> {
+        // A late first eviction (or an earlier one where checkpoints hold most of the bytes):
+        // until now every setting held what the live store holds, so a switch now costs no
+        // transition (see `LATE_FIRST_EVICTION`); the ledger judges it like any excursion, but
+        // not on a shadow's lead, which is only starting. Decided before the shadows serve this
+        // request, the request whose insert made the live store's first eviction: until it,
+        // the LRU shadow holds what a shadow of any setting would, so a shadow of
+        // `CHECKPOINT_HEAVY_START` that the grid lacks joins as a copy of it, exactly (the
+        // ledger and the trials compare against the live setting's shadow).
+        let start = if self.first_eviction_at != Some(self.seen)
+            || !current.evicts_like(&LRU)
+            || self.failures > 0
+            || !self.settings.iter().any(|s| s.evicts_like(&LATE_START))
+        {
+            None
+        } else if self.seen >= LATE_FIRST_EVICTION {
+            Some(SwitchCause::LateFirstEviction)
+        } else if self.seen >= CHECKPOINT_HEAVY_FIRST_EVICTION
+            && checkpoint_share(store) >= CHECKPOINT_HEAVY_SHARE
+        {
+            Some(SwitchCause::CheckpointHeavyFirstEviction)
+        } else {
+            None
+        };
+        if start == Some(SwitchCause::CheckpointHeavyFirstEviction)
+            && !self
+                .settings
+                .iter()
+                .any(|s| s.evicts_like(&CHECKPOINT_HEAVY_START))
+        {
+            let mut shadow = self.shadows[self.baseline].clone();
+            apply(&mut shadow.store, CHECKPOINT_HEAVY_START)?;
+            self.settings.push(CHECKPOINT_HEAVY_START);
+            self.shadows.push(shadow);
+        }
         let decay = 0.5f64.powf(1.0 / half_life as f64);
         for shadow in &mut self.shadows {
             self.delta.clear();
@@ -1076,32 +1133,17 @@ impl AlphaTuner {
                 return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
-        // A late first eviction (or an earlier one where checkpoints hold most of the bytes):
-        // until now every setting held what the live store holds, so a switch now costs no
-        // transition (see `LATE_FIRST_EVICTION`); the ledger judges it like any excursion, but
-        // not on a shadow's lead, which is only starting.
-        let start = if self.first_eviction_at != Some(self.seen)
-            || !current.evicts_like(&LRU)
-            || self.failures > 0
-            || !self.settings.iter().any(|s| s.evicts_like(&LATE_START))
-        {
-            None
-        } else if self.seen >= LATE_FIRST_EVICTION {
-            Some(SwitchCause::LateFirstEviction)
-        } else if self.seen >= CHECKPOINT_HEAVY_FIRST_EVICTION
-            && checkpoint_share(store) >= CHECKPOINT_HEAVY_SHARE
-        {
-            Some(SwitchCause::CheckpointHeavyFirstEviction)
-        } else {
-            None
-        };
         if let Some(cause) = start {
             self.supersede_trials(None);
             self.excursion = Some(Excursion {
                 on_evidence: false,
                 ..here
             });
-            return self.switch(store, LATE_START, cause).map(Some);
+            let target = match cause {
+                SwitchCause::CheckpointHeavyFirstEviction => CHECKPOINT_HEAVY_START,
+                _ => LATE_START,
+            };
+            return self.switch(store, target, cause).map(Some);
         }
         // Running trials (all dropped when the live setting changed under them). A trial whose
         // copy leads the live store significantly at a look (the most significant one, when

@@ -194,16 +194,17 @@ fn marconi_holds_to_lru_at_another_models_costs() {
 fn a_checkpoint_heavy_store_leaves_lru_at_its_first_eviction() {
     // Nemotron-H-8B's costs, where a store's checkpoints hold 0.7-0.9 of its bytes when it first
     // evicts (at the 7B costs, at most 0.5): sharegpt (20 sessions, seed 1) at 2 GB evicts first
-    // at request 30, and the tuner takes α = 0 with adaptive recency there, without a shadow's
-    // lead, and keeps it (0.9188 against `lru`'s 0.8697; a tuner that left LRU only at a first
-    // eviction after 50 requests never left it here and had 0.8697).
-    use ssm_snapshot::tuning::LATE_START;
+    // at request 30, and the tuner takes α = 0 with shared recency there, without a shadow's
+    // lead, and keeps it (0.9188 against `lru`'s 0.8697, as with adaptive recency there; a
+    // tuner that left LRU only at a first eviction after 50 requests never left it here and had
+    // 0.8697).
+    use ssm_snapshot::tuning::CHECKPOINT_HEAVY_START;
     let cost = CostModel::by_name("nemotron-h-8b").expect("built in");
     let trace = generate(TraceKind::ShareGpt, 20, 1);
     let figures =
         run_short_cell(&trace, 2_000_000_000, BLOCK, None, &cost, PinScope::Path).expect("replays");
     assert!(figures.marconi_max_bytes <= 2_000_000_000);
-    assert_eq!(figures.switches, vec![(30, LATE_START)]);
+    assert_eq!(figures.switches, vec![(30, CHECKPOINT_HEAVY_START)]);
     assert!(
         figures.marconi >= figures.lru + 0.04,
         "marconi {:.4}, lru {:.4}",

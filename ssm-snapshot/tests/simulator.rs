@@ -471,9 +471,10 @@ fn a_late_first_eviction_moves_the_live_store_to_adaptive_recency_there() {
 }
 
 #[test]
-fn a_checkpoint_heavy_store_moves_to_adaptive_recency_at_an_earlier_first_eviction() {
+fn a_checkpoint_heavy_store_moves_to_shared_recency_at_an_earlier_first_eviction() {
     use ssm_snapshot::tuning::{
-        CHECKPOINT_HEAVY_FIRST_EVICTION, CHECKPOINT_HEAVY_SHARE, LATE_FIRST_EVICTION, LATE_START,
+        CHECKPOINT_HEAVY_FIRST_EVICTION, CHECKPOINT_HEAVY_SHARE, CHECKPOINT_HEAVY_START,
+        LATE_FIRST_EVICTION,
     };
     use ssm_snapshot::{SwitchCause, TunerEvent};
     let trace = disjoint_trace(80);
@@ -487,14 +488,14 @@ fn a_checkpoint_heavy_store_moves_to_adaptive_recency_at_an_earlier_first_evicti
     let room = |requests: usize| requests as u64 * 25 + 24;
     let (first, switches) = first_eviction_and_switches_at(&trace, room(at - 1), heavy());
     assert_eq!(first, Some(at));
-    assert_eq!(switches, vec![(at, LATE_START)]);
+    assert_eq!(switches, vec![(at, CHECKPOINT_HEAVY_START)]);
     let config = SimConfig::new(Policy::Marconi, room(at - 1), 1, heavy());
     let (events, _) = events_of(config, &trace);
     assert_eq!(
         events,
         vec![TunerEvent::Switched {
             request: at,
-            setting: LATE_START,
+            setting: CHECKPOINT_HEAVY_START,
             cause: SwitchCause::CheckpointHeavyFirstEviction,
         }]
     );
@@ -510,6 +511,54 @@ fn a_checkpoint_heavy_store_moves_to_adaptive_recency_at_an_earlier_first_evicti
         first_eviction_and_switches_at(&trace, room, cost_with_checkpoints_of(11));
     assert_eq!(first, Some(at + 2));
     assert_eq!(switches, vec![]);
+}
+
+#[test]
+fn the_checkpoint_heavy_starts_shadow_joins_at_that_eviction_as_if_it_ran_from_the_start() {
+    // The default grid has no shadow under `CHECKPOINT_HEAVY_START`: one joins when a
+    // checkpoint-heavy store leaves LRU for it, a copy of the LRU shadow, which until the first
+    // eviction held what every setting held. So its hit tokens at the end are those of a shadow
+    // that ran the setting from the first request (a tuner whose grid has it), to the token,
+    // whatever either live store did. Nemotron-H-8B's costs, sharegpt (20 sessions, seed 1) at
+    // 2 GB and block size 16: the first eviction at request 30.
+    use ssm_snapshot::tuning::{CHECKPOINT_HEAVY_START, LRU};
+    let cost = CostModel::by_name("nemotron-h-8b").expect("built in");
+    let trace = generate(TraceKind::ShareGpt, 20, 1);
+    let shadows = |grid: Vec<ssm_snapshot::Setting>| {
+        let mut config = SimConfig::new(Policy::Marconi, 2_000_000_000, 16, cost.clone());
+        config.tuning = TuningMode::Shadow {
+            grid,
+            half_life: ssm_snapshot::tuning::DEFAULT_HALF_LIFE,
+            margin: ssm_snapshot::tuning::DEFAULT_MARGIN,
+            cooldown: ssm_snapshot::tuning::DEFAULT_COOLDOWN,
+        };
+        let mut sim = Simulation::new(config).unwrap();
+        for r in &trace {
+            sim.step(r).unwrap();
+        }
+        assert_eq!(sim.tuner().history()[0], (30, CHECKPOINT_HEAVY_START));
+        sim.tuner().shadow_hit_tokens()
+    };
+    let joined = shadows(default_grid());
+    let mut grid = default_grid();
+    grid.push(CHECKPOINT_HEAVY_START);
+    let from_the_start = shadows(grid);
+    // The default grid, LRU and the joined shadow; the other grid has the setting and LRU.
+    assert_eq!(joined.len(), default_grid().len() + 2);
+    assert_eq!(from_the_start.len(), default_grid().len() + 2);
+    let hits = |shadows: &[(ssm_snapshot::Setting, u64)], setting| {
+        let found: Vec<u64> = shadows
+            .iter()
+            .filter(|(s, _)| s.evicts_like(&setting))
+            .map(|&(_, hits)| hits)
+            .collect();
+        assert_eq!(found.len(), 1, "{setting}");
+        found[0]
+    };
+    let heavy = hits(&joined, CHECKPOINT_HEAVY_START);
+    assert_eq!(heavy, hits(&from_the_start, CHECKPOINT_HEAVY_START));
+    // And it is a shadow of its own: LRU's hits differ.
+    assert_ne!(heavy, hits(&joined, LRU));
 }
 
 /// Replays a tuner's event log as the state machine the module documents, and fails on any
