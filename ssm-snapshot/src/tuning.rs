@@ -287,8 +287,9 @@ pub const LATE_START: Setting = Setting {
     guard: false,
 };
 
-/// The setting a checkpoint-heavy store takes at its first eviction
-/// ([`CHECKPOINT_HEAVY_FIRST_EVICTION`], [`CHECKPOINT_HEAVY_SHARE`]): α = 0 with
+/// The setting a checkpoint-heavy store ([`CHECKPOINT_HEAVY_SHARE`]) takes at a first eviction
+/// after [`CHECKPOINT_HEAVY_FIRST_EVICTION`] requests and before [`LATE_FIRST_EVICTION`] (a later
+/// one takes [`LATE_START`], as in any store: not measured otherwise): α = 0 with
 /// [`Recency::Shared`], plain admission; [`LATE_START`] without its switch to path recency. The
 /// adaptive basis turns to path recency while more than 5% of recent hits land in the middle
 /// of cached sequences, and at the 8B costs, where a checkpoint weighs 3,192 tokens of KV, that
