@@ -354,16 +354,12 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
             mean(key),
         )
     };
+    let [failing, below_lru, below_sglang, below_paper] =
+        fail_counts(rows.iter().map(|r| &r.figures));
     let mut lines = vec![
         format!(
-            "{title}: {} cells; fail {} (below lru by > {LRU_TOLERANCE}: {}, below SGLang+ by > {LRU_TOLERANCE}: {}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
+            "{title}: {} cells; fail {failing} (below lru by > {LRU_TOLERANCE}: {below_lru}, below SGLang+ by > {LRU_TOLERANCE}: {below_sglang}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {below_paper}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
             rows.len(),
-            count(&|f| !f.passes()),
-            count(&|f| f.vs_lru() < -LRU_TOLERANCE),
-            count(&|f| f.references.sglang_comparable(f.capacity_bytes)
-                && f.vs_paper_sglang() < -LRU_TOLERANCE),
-            count(&|f| f.references.marconi_comparable(f.capacity_bytes)
-                && f.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
         ),
         format!(
             "  vs lru: {} above, {} equal, {} below; worst {}; mean {:+.4}",
@@ -383,21 +379,28 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
         .filter_map(|r| r.copies.as_ref().map(|c| (&r.figures, c)))
         .collect();
     if !judged.is_empty() {
-        let fail =
-            |pred: &dyn Fn(&CellFigures) -> bool| judged.iter().filter(|(_, c)| pred(c)).count();
+        let [failing, below_lru, below_sglang, below_paper] =
+            fail_counts(judged.iter().map(|(_, c)| *c));
         lines.push(format!(
-            "  on the jittered copies' mean ({} cells): fail {} (below lru: {}, below SGLang+: {}, below paper Marconi: {}); of the {} failing here, {} fail on their copies' mean too; mean − lru {:+.4}",
+            "  on the jittered copies' mean ({} cells): fail {failing} (below lru: {below_lru}, below SGLang+: {below_sglang}, below paper Marconi: {below_paper}); of the {} failing here, {} fail on their copies' mean too; mean − lru {:+.4}",
             judged.len(),
-            fail(&|c| !c.passes()),
-            fail(&|c| c.vs_lru() < -LRU_TOLERANCE),
-            fail(&|c| c.references.sglang_comparable(c.capacity_bytes)
-                && c.vs_paper_sglang() < -LRU_TOLERANCE),
-            fail(&|c| c.references.marconi_comparable(c.capacity_bytes)
-                && c.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE),
             judged.iter().filter(|(f, _)| !f.passes()).count(),
             judged.iter().filter(|(f, c)| !f.passes() && !c.passes()).count(),
             judged.iter().map(|(_, c)| c.vs_lru()).sum::<f64>() / judged.len() as f64,
         ));
     }
     lines
+}
+
+/// How many of `cells` fail their check, and how many fail each of its three parts (below
+/// `lru`, SGLang+, the paper's Marconi; `CellFigures::failed_checks`).
+fn fail_counts<'a>(cells: impl Iterator<Item = &'a CellFigures>) -> [usize; 4] {
+    let mut counts = [0; 4];
+    for failed in cells.map(CellFigures::failed_checks) {
+        counts[0] += usize::from(failed.contains(&true));
+        for (count, failed) in counts[1..].iter_mut().zip(failed) {
+            *count += usize::from(failed);
+        }
+    }
+    counts
 }

@@ -244,11 +244,20 @@ impl CellFigures {
     /// (a paper policy whose peak exceeded [`PAPER_OVERSHOOT`] times the capacity ran a larger
     /// cache, and is reported but not a reference).
     pub fn passes(&self) -> bool {
-        self.vs_lru() >= -LRU_TOLERANCE
-            && (!self.references.sglang_comparable(self.capacity_bytes)
-                || self.vs_paper_sglang() >= -LRU_TOLERANCE)
-            && (!self.references.marconi_comparable(self.capacity_bytes)
-                || self.vs_paper_marconi() >= -PAPER_MARCONI_TOLERANCE)
+        self.failed_checks() == [false; 3]
+    }
+
+    /// Which of the three checks `marconi` fails: below `lru` by more than [`LRU_TOLERANCE`],
+    /// below SGLang+ by more than that (when it kept to the budget), below the paper's Marconi
+    /// by more than [`PAPER_MARCONI_TOLERANCE`] (when it kept to the budget).
+    pub fn failed_checks(&self) -> [bool; 3] {
+        [
+            self.vs_lru() < -LRU_TOLERANCE,
+            self.references.sglang_comparable(self.capacity_bytes)
+                && self.vs_paper_sglang() < -LRU_TOLERANCE,
+            self.references.marconi_comparable(self.capacity_bytes)
+                && self.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE,
+        ]
     }
 }
 
