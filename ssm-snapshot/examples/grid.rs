@@ -80,7 +80,7 @@ struct Args {
     jitter: u64,
     /// The chance that a pair of neighbouring requests of different sessions is swapped in a
     /// jittered copy.
-    #[arg(long, default_value_t = 0.02)]
+    #[arg(long, default_value_t = 0.02, value_parser = common::probability)]
     jitter_rate: f64,
 }
 
@@ -128,10 +128,6 @@ fn main() -> ExitCode {
     };
     if args.threads == 0 || args.seeds.is_empty() {
         eprintln!("error: --threads and --seeds need at least one");
-        return ExitCode::FAILURE;
-    }
-    if !(0.0..=1.0).contains(&args.jitter_rate) {
-        eprintln!("error: --jitter-rate must be a probability (0 to 1)");
         return ExitCode::FAILURE;
     }
     let cost = args.model.clone();

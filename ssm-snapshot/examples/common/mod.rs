@@ -1,5 +1,5 @@
-//! What the policy examples share: the `--model` and `--pin-scope` parsers and writing their
-//! report to stdout.
+//! What the policy examples share: the `--model`, `--pin-scope` and `--jitter-rate` parsers and
+//! writing their report to stdout.
 
 use std::io::{self, ErrorKind, Write};
 
@@ -16,6 +16,14 @@ pub fn pin_scope(text: &str) -> Result<PinScope, String> {
         "path" => Ok(PinScope::Path),
         "hit" => Ok(PinScope::HitCheckpoint),
         other => Err(format!("unknown pin scope `{other}` (path or hit)")),
+    }
+}
+
+/// `--jitter-rate`: a probability, 0 to 1 (NaN and anything outside refused).
+pub fn probability(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(p) if (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{text}` is not a probability (0 to 1)")),
     }
 }
 
