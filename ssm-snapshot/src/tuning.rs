@@ -56,8 +56,10 @@
 //!   dropped. Up to [`TRIALS`] settings are trialled at once (a new candidate takes the place
 //!   of the least significant trial that had its first look, or waits); one that trails by as much as it
 //!   must lead, or reaches [`TRIAL_LENGTH`] requests, is dropped and not trialled again for
-//!   `cooldown` requests. A trial costs one store's work per request while it runs, and
-//!   nothing on the live store.
+//!   `cooldown` requests. When one is adopted, the others go on against the live store under
+//!   its new setting (the ledger's way back to LRU and the first eviction's starts end them
+//!   all). A trial costs one store's work per request while it runs, and nothing on the live
+//!   store.
 //!
 //! Every decision is logged as a [`TunerEvent`] ([`AlphaTuner::events`]: a trial begun, led,
 //! ended and why, a switch and why), so an engine can say why its store evicts as it does; the
@@ -70,10 +72,10 @@
 //! more is recorded. In `Shadow` mode, `shadows[i]` has run every observed request under
 //! `settings[i]` (the grid, plus [`LRU`] at `baseline` when the grid lacks it), and `excursion`
 //! is set, after every observed request, exactly when the live store's setting does not evict
-//! like [`LRU`]. Every trial in `trials` started from the live store's contents under the
-//! setting the live store still has (its `control`) and has served every request observed since
-//! (`since`, when it or its confirmation began); no two trials evict alike, and none evicts
-//! like the live store. `events` holds the latest `events_logged` events, at most
+//! like [`LRU`]. Every trial in `trials` started from the live store's contents when it (or its
+//! confirmation) began (`since`) and has served every request observed since; its `control` is
+//! the live store's setting, which changed since only by other trials' adoptions; no two
+//! trials evict alike, and none evicts like the live store. `events` holds the latest `events_logged` events, at most
 //! [`EVENT_LOG`]; every entry of `history` was logged as a [`TunerEvent::Switched`], and every
 //! trial that left `trials` as a [`TunerEvent::TrialEnded`] or the switch that adopted it.
 
@@ -369,8 +371,9 @@ pub enum TrialEnd {
     ConfirmationBehind,
     /// A new candidate took its place ([`TRIALS`] trials were running).
     Displaced,
-    /// The live store's setting changed under it (another trial's adoption, the ledger, a late
-    /// first eviction, or a caller), so its copy no longer measures a switch from it.
+    /// The live store's setting changed under it (the ledger, a late first eviction, or a
+    /// caller; another trial's adoption carries the running trials over), so its copy no
+    /// longer measures a switch from it.
     Superseded,
 }
 
@@ -1146,7 +1149,8 @@ impl AlphaTuner {
             };
             return self.switch(store, target, cause).map(Some);
         }
-        // Running trials (all dropped when the live setting changed under them). A trial whose
+        // Running trials (all dropped when the live setting changed under them, except by a
+        // trial's adoption, which carries the others over). A trial whose
         // copy leads the live store significantly at a look (the most significant one, when
         // several do) is not adopted yet: its copy started from the live store as it was, and
         // a switch from the live store as it is now can fare otherwise (the old setting's
@@ -1210,7 +1214,18 @@ impl AlphaTuner {
             }
             if let Some((_, i)) = adopt {
                 let target = self.trials.remove(i).setting;
-                self.supersede_trials(None);
+                // The other trials go on, compared with the live store under its new setting
+                // from here: each copy still holds what a switch to its setting when it began
+                // would have kept, the live store what it did keep, and one that leads still
+                // gets a confirmation from the live store as it then stands. Ending them threw
+                // that evidence away (sharegpt, 200 sessions, seed 2, at Nemotron-H-8B's costs,
+                // 1 GB: an α = 1 trial 26,437 tokens ahead was ended by a recency-only adoption
+                // at request 315, its successor by a guarded one at 526, the ledger went back to
+                // LRU at 626 and the live store ended at 0.4459; carried over, the α = 1 trial
+                // passed its look at 345 and the store ended at 0.4918).
+                for trial in &mut self.trials {
+                    trial.control = target;
+                }
                 // Every switch away from LRU restarts the ledger: the new setting pays for
                 // itself against the LRU shadow from the request it was taken, and what an
                 // earlier setting gained is no credit for its losses (mix, seed 8, 5 GB: α = 0
