@@ -75,9 +75,10 @@
 //! like [`LRU`]. Every trial in `trials` started from the live store's contents when it (or its
 //! confirmation) began (`since`) and has served every request observed since; its `control` is
 //! the live store's setting, which changed since only by other trials' adoptions; no two
-//! trials evict alike, and none evicts like the live store. `events` holds the latest `events_logged` events, at most
-//! [`EVENT_LOG`]; every entry of `history` was logged as a [`TunerEvent::Switched`], and every
-//! trial that left `trials` as a [`TunerEvent::TrialEnded`] or the switch that adopted it.
+//! trials evict alike, and none evicts like the live store. `events` holds the latest
+//! `events_logged` events, at most [`EVENT_LOG`]; every entry of `history` was logged as a
+//! [`TunerEvent::Switched`], and every trial that left `trials` as a [`TunerEvent::TrialEnded`]
+//! or the switch that adopted it.
 
 use std::collections::VecDeque;
 
@@ -1150,12 +1151,12 @@ impl AlphaTuner {
             return self.switch(store, target, cause).map(Some);
         }
         // Running trials (all dropped when the live setting changed under them, except by a
-        // trial's adoption, which carries the others over). A trial whose
-        // copy leads the live store significantly at a look (the most significant one, when
-        // several do) is not adopted yet: its copy started from the live store as it was, and
-        // a switch from the live store as it is now can fare otherwise (the old setting's
-        // contents may not suit the new one). It gives way to a confirmation: a new copy of the
-        // live store as it stands, under the same setting. A confirmation that has not fallen
+        // trial's adoption, which carries the others over). A trial whose copy leads the live
+        // store significantly at a look (the most significant one, when several do) is not
+        // adopted yet: its copy started from the live store as it was, and a switch from the
+        // live store as it is now can fare otherwise (the old setting's contents may not suit
+        // the new one). It gives way to a confirmation: a new copy of the live store as it
+        // stands, under the same setting. A confirmation that has not fallen
         // behind the live store after `CONFIRM_LOOK` requests is adopted (the live store
         // switches); one that has is dropped, as is a trial that trails significantly or ran
         // its length.
