@@ -1030,24 +1030,26 @@ impl AlphaTuner {
         {
             None
         } else if self.seen >= LATE_FIRST_EVICTION {
-            Some(SwitchCause::LateFirstEviction)
+            Some((SwitchCause::LateFirstEviction, LATE_START))
         } else if self.seen >= CHECKPOINT_HEAVY_FIRST_EVICTION
             && checkpoint_share(store) >= CHECKPOINT_HEAVY_SHARE
         {
-            Some(SwitchCause::CheckpointHeavyFirstEviction)
+            Some((
+                SwitchCause::CheckpointHeavyFirstEviction,
+                CHECKPOINT_HEAVY_START,
+            ))
         } else {
             None
         };
-        if start == Some(SwitchCause::CheckpointHeavyFirstEviction)
-            && !self
-                .settings
-                .iter()
-                .any(|s| s.evicts_like(&CHECKPOINT_HEAVY_START))
-        {
-            let mut shadow = self.shadows[self.baseline].clone();
-            apply(&mut shadow.store, CHECKPOINT_HEAVY_START)?;
-            self.settings.push(CHECKPOINT_HEAVY_START);
-            self.shadows.push(shadow);
+        // (A start's setting the grid lacks joins as such a copy; only `CHECKPOINT_HEAVY_START`
+        // can be lacking, as a start needs `LATE_START` in the grid.)
+        if let Some((_, target)) = start {
+            if !self.settings.iter().any(|s| s.evicts_like(&target)) {
+                let mut shadow = self.shadows[self.baseline].clone();
+                apply(&mut shadow.store, target)?;
+                self.settings.push(target);
+                self.shadows.push(shadow);
+            }
         }
         let decay = 0.5f64.powf(1.0 / half_life as f64);
         for shadow in &mut self.shadows {
@@ -1138,16 +1140,12 @@ impl AlphaTuner {
                 return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
-        if let Some(cause) = start {
+        if let Some((cause, target)) = start {
             self.supersede_trials(None);
             self.excursion = Some(Excursion {
                 on_evidence: false,
                 ..here
             });
-            let target = match cause {
-                SwitchCause::CheckpointHeavyFirstEviction => CHECKPOINT_HEAVY_START,
-                _ => LATE_START,
-            };
             return self.switch(store, target, cause).map(Some);
         }
         // Running trials (all dropped when the live setting changed under them, except by a
