@@ -616,13 +616,78 @@ fn a_trial_carried_over_another_adoption_is_adopted_after_it() {
     assert_eq!(report.hit_tokens, 1_146_272);
 }
 
+#[test]
+fn a_trial_ahead_when_the_ledger_goes_back_to_lru_is_adopted_after_it() {
+    // Chat (40 sessions, seed 2) at the paper's 7B costs, 1 GB, block size 16 (a short-trace
+    // scan cell): the trial of guarded α 3 with marginal FLOPs begun at request 82 carries over
+    // the adoption of guarded α 5 at 176; the ledger takes the live store back to LRU at 276,
+    // when the α 3 copy is 39,120 tokens ahead of it. The trial goes on against the live store
+    // under LRU, leads at its look at 282 and is adopted at 292. Ended at 276, as before, its
+    // evidence was lost: a new trial of it led only at 606, the live store was at α 5 from
+    // 605, and it reused 100,416 tokens instead of 194,544 (0.0489 and 0.0948 of its input).
+    use ssm_snapshot::tuning::LRU;
+    use ssm_snapshot::{FlopBasis, Setting, SwitchCause, TunerEvent};
+    let trace = generate(TraceKind::Chat, 40, 2);
+    let config = SimConfig::new(
+        Policy::Marconi,
+        1_000_000_000,
+        16,
+        CostModel::nvidia_hybrid_7b(),
+    );
+    let (events, history, report) = events_and_report(config, &trace);
+    let guarded = |alpha| Setting {
+        alpha,
+        recency: Recency::Adaptive,
+        flop_basis: FlopBasis::Marginal,
+        guard: true,
+    };
+    assert_eq!(
+        history,
+        [
+            (176, guarded(5.0)),
+            (276, LRU),
+            (292, guarded(3.0)),
+            (587, guarded(2.0))
+        ]
+    );
+    let of_alpha_three: Vec<TunerEvent> = events
+        .iter()
+        .filter(|e| match e {
+            TunerEvent::TrialStarted { setting, .. }
+            | TunerEvent::TrialLed { setting, .. }
+            | TunerEvent::TrialEnded { setting, .. }
+            | TunerEvent::Switched { setting, .. } => setting.evicts_like(&guarded(3.0)),
+        })
+        .copied()
+        .take(3)
+        .collect();
+    assert!(
+        matches!(
+            of_alpha_three[..],
+            [
+                TunerEvent::TrialStarted { request: 82, .. },
+                TunerEvent::TrialLed { request: 282, .. },
+                TunerEvent::Switched {
+                    request: 292,
+                    cause: SwitchCause::Trial,
+                    ..
+                }
+            ]
+        ),
+        "{of_alpha_three:?}"
+    );
+    check_event_log(&events, &history);
+    assert_eq!(report.hit_tokens, 194_544);
+}
+
 /// Replays a tuner's event log as the state machine the module documents, and fails on any
 /// event it does not allow: a trial begins once per setting at a time, at most `TRIALS` run,
 /// a trial leads (and becomes a confirmation) only while running, a confirmation is adopted
 /// or ends after `CONFIRM_LOOK` requests, a trial that ran its length ends after
-/// `TRIAL_LENGTH`, and every switch but a trial's adoption finds no trial left (the others
-/// were superseded before it; an adoption carries them over). Returns how many trials began, led, were adopted, ended without a switch, and still
-/// run at the end.
+/// `TRIAL_LENGTH`, and every switch but a trial's adoption and the ledger's finds no trial
+/// left (the others were superseded before it; an adoption carries them over, the ledger those
+/// ahead of the live store). Returns how many trials began, led, were adopted, ended without a
+/// switch, and still run at the end.
 fn check_event_log(
     events: &[ssm_snapshot::TunerEvent],
     history: &[(usize, ssm_snapshot::Setting)],
@@ -694,6 +759,10 @@ fn check_event_log(
                     assert_eq!(confirming.map(|at| request - at), Some(CONFIRM_LOOK));
                     counts[2] += 1;
                     // The other trials carry over: none evicts like the new live setting.
+                    assert_eq!(find(&running, &setting), None, "{event:?}");
+                } else if cause == SwitchCause::Ledger {
+                    // The ledger carries over the trials ahead of the live store (their leads
+                    // are not in the log): none is of LRU.
                     assert_eq!(find(&running, &setting), None, "{event:?}");
                 } else {
                     assert!(
@@ -806,13 +875,14 @@ fn the_tuners_events_say_why_it_switched() {
     );
     assert_eq!(check_event_log(&events, &history), [1, 1, 1, 0, 0]);
     // A generated chat trace at a small capacity, every trial accounted for: the late first
-    // eviction's switch, the ledger's way back (superseding four trials), and a trial's
-    // adoption, which carries the other running trial (guarded α 0.5, begun at request 228)
-    // over: it still runs at the end. (How a trial ends at a look is `tuning`'s unit test.)
+    // eviction's switch, the ledger's way back (which carries over the four running trials,
+    // all ahead of the live store), four confirmations of which three fall behind, and a
+    // trial's adoption (guarded α 0, at request 218), which carries over the trial begun at
+    // 210: it still runs at the end. (How a trial ends at a look is `tuning`'s unit test.)
     let trace = generate(TraceKind::Chat, 20, 5);
     let config = SimConfig::new(Policy::Marconi, 40_000, 16, unit_cost());
     let (events, history) = events_of(config, &trace);
-    assert_eq!(check_event_log(&events, &history), [6, 1, 1, 4, 1]);
+    assert_eq!(check_event_log(&events, &history), [5, 4, 1, 3, 1]);
     let ends: Vec<_> = events
         .iter()
         .filter_map(|e| match e {
@@ -820,9 +890,9 @@ fn the_tuners_events_say_why_it_switched() {
             _ => None,
         })
         .collect();
-    // Four trials running when the ledger went back to LRU; none ends at the adoption.
-    let superseded = ssm_snapshot::TrialEnd::Superseded;
-    assert_eq!(ends, vec![(194, superseded); 4]);
+    // None ends at the ledger's way back or at the adoption.
+    let behind = ssm_snapshot::TrialEnd::ConfirmationBehind;
+    assert_eq!(ends, vec![(210, behind), (211, behind), (220, behind)]);
     let causes: Vec<_> = events
         .iter()
         .filter_map(|e| match e {
@@ -835,7 +905,7 @@ fn the_tuners_events_say_why_it_switched() {
         vec![
             (94, SwitchCause::LateFirstEviction),
             (194, SwitchCause::Ledger),
-            (305, SwitchCause::Trial)
+            (218, SwitchCause::Trial)
         ]
     );
 }
