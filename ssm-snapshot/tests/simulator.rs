@@ -569,7 +569,7 @@ fn a_trial_carried_over_another_adoption_is_adopted_after_it() {
     // first look (345) and is adopted after its confirmation (355). Ended at 315, as before,
     // its evidence was lost: the live store went through two other settings, the ledger took
     // it back to LRU at 626, and it reused 1,039,185 tokens instead of 1,146,272.
-    use ssm_snapshot::{FlopBasis, Setting, SwitchCause, TunerEvent};
+    use ssm_snapshot::{FlopBasis, Setting};
     let cost = CostModel::by_name("nemotron-h-8b").expect("built in");
     let trace = generate(TraceKind::ShareGpt, 200, 2);
     let config = SimConfig::new(Policy::Marconi, 1_000_000_000, 1, cost);
@@ -587,29 +587,11 @@ fn a_trial_carried_over_another_adoption_is_adopted_after_it() {
         guard: false,
     };
     assert_eq!(history, vec![(315, recency_only), (355, alpha_one)]);
-    let of_alpha_one: Vec<TunerEvent> = events
-        .iter()
-        .filter(|e| match e {
-            TunerEvent::TrialStarted { setting, .. }
-            | TunerEvent::TrialLed { setting, .. }
-            | TunerEvent::TrialEnded { setting, .. }
-            | TunerEvent::Switched { setting, .. } => setting.evicts_like(&alpha_one),
-        })
-        .copied()
-        .collect();
-    assert!(
-        matches!(
-            of_alpha_one[..],
-            [
-                TunerEvent::TrialStarted { request: 245, .. },
-                TunerEvent::TrialLed { request: 345, .. },
-                TunerEvent::Switched {
-                    request: 355,
-                    cause: SwitchCause::Trial,
-                    ..
-                }
-            ]
-        ),
+    let of_alpha_one = events_of_setting(&events, alpha_one);
+    assert_eq!(of_alpha_one.len(), 3, "{of_alpha_one:?}");
+    assert_eq!(
+        started_led_adopted(&of_alpha_one),
+        Some((245, 345, 355)),
         "{of_alpha_one:?}"
     );
     check_event_log(&events, &history);
@@ -626,7 +608,7 @@ fn a_trial_ahead_when_the_ledger_goes_back_to_lru_is_adopted_after_it() {
     // evidence was lost: a new trial of it led only at 606, the live store was at α 5 from
     // 605, and it reused 100,416 tokens instead of 194,544 (0.0489 and 0.0948 of its input).
     use ssm_snapshot::tuning::LRU;
-    use ssm_snapshot::{FlopBasis, Setting, SwitchCause, TunerEvent};
+    use ssm_snapshot::{FlopBasis, Setting};
     let trace = generate(TraceKind::Chat, 40, 2);
     let config = SimConfig::new(
         Policy::Marconi,
@@ -650,34 +632,46 @@ fn a_trial_ahead_when_the_ledger_goes_back_to_lru_is_adopted_after_it() {
             (587, guarded(2.0))
         ]
     );
-    let of_alpha_three: Vec<TunerEvent> = events
-        .iter()
-        .filter(|e| match e {
-            TunerEvent::TrialStarted { setting, .. }
-            | TunerEvent::TrialLed { setting, .. }
-            | TunerEvent::TrialEnded { setting, .. }
-            | TunerEvent::Switched { setting, .. } => setting.evicts_like(&guarded(3.0)),
-        })
-        .copied()
-        .take(3)
-        .collect();
-    assert!(
-        matches!(
-            of_alpha_three[..],
-            [
-                TunerEvent::TrialStarted { request: 82, .. },
-                TunerEvent::TrialLed { request: 282, .. },
-                TunerEvent::Switched {
-                    request: 292,
-                    cause: SwitchCause::Trial,
-                    ..
-                }
-            ]
-        ),
+    let of_alpha_three = events_of_setting(&events, guarded(3.0));
+    assert_eq!(
+        started_led_adopted(&of_alpha_three),
+        Some((82, 282, 292)),
         "{of_alpha_three:?}"
     );
     check_event_log(&events, &history);
     assert_eq!(report.hit_tokens, 194_544);
+}
+
+/// The events in `events` about `setting` (its trials and the switches to it), in order.
+fn events_of_setting(
+    events: &[ssm_snapshot::TunerEvent],
+    setting: ssm_snapshot::Setting,
+) -> Vec<ssm_snapshot::TunerEvent> {
+    use ssm_snapshot::TunerEvent;
+    events
+        .iter()
+        .filter(|e| match e {
+            TunerEvent::TrialStarted { setting: s, .. }
+            | TunerEvent::TrialLed { setting: s, .. }
+            | TunerEvent::TrialEnded { setting: s, .. }
+            | TunerEvent::Switched { setting: s, .. } => s.evicts_like(&setting),
+        })
+        .copied()
+        .collect()
+}
+
+/// When `events` (of one setting) begin with a trial that started, led and was adopted: the
+/// three requests.
+fn started_led_adopted(events: &[ssm_snapshot::TunerEvent]) -> Option<(usize, usize, usize)> {
+    use ssm_snapshot::{SwitchCause, TunerEvent};
+    match *events {
+        [TunerEvent::TrialStarted { request: a, .. }, TunerEvent::TrialLed { request: b, .. }, TunerEvent::Switched {
+            request: c,
+            cause: SwitchCause::Trial,
+            ..
+        }, ..] => Some((a, b, c)),
+        _ => None,
+    }
 }
 
 /// Replays a tuner's event log as the state machine the module documents, and fails on any
