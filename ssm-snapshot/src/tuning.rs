@@ -916,6 +916,18 @@ impl AlphaTuner {
         self.events_logged += 1;
     }
 
+    /// The live store is about to switch to `to`: the trials that `carries` go on against it
+    /// under `to` (their control), the others end (see [`Self::supersede_trials`]), as does one
+    /// of `to` itself.
+    fn carry_trials_over(&mut self, to: Setting, carries: impl Fn(&Trial) -> bool) {
+        for trial in &mut self.trials {
+            if carries(trial) && !trial.setting.evicts_like(&to) {
+                trial.control = to;
+            }
+        }
+        self.supersede_trials(Some(to));
+    }
+
     /// Ends every trial whose control is not `current` (every trial when the live store is
     /// about to switch: pass `None`): the live store's setting changed under it.
     fn supersede_trials(&mut self, current: Option<Setting>) {
@@ -1145,12 +1157,7 @@ impl AlphaTuner {
                 // guarded α = 3 trial begun at 82 was 39,120 tokens ahead of the live store;
                 // carried over, it is adopted at 292 and the store ends at 0.0948 of its input
                 // tokens reused, where ending it left 0.0489).
-                for trial in &mut self.trials {
-                    if trial.lead > 0.0 && !trial.setting.evicts_like(&LRU) {
-                        trial.control = LRU;
-                    }
-                }
-                self.supersede_trials(Some(LRU));
+                self.carry_trials_over(LRU, |trial| trial.lead > 0.0);
                 return self.switch(store, LRU, SwitchCause::Ledger).map(Some);
             }
         }
@@ -1237,9 +1244,7 @@ impl AlphaTuner {
                 // at request 315, its successor by a guarded one at 526, the ledger went back to
                 // LRU at 626 and the live store ended at 0.4459; carried over, the α = 1 trial
                 // passed its look at 345 and the store ended at 0.4918).
-                for trial in &mut self.trials {
-                    trial.control = target;
-                }
+                self.carry_trials_over(target, |_| true);
                 // Every switch away from LRU restarts the ledger: the new setting pays for
                 // itself against the LRU shadow from the request it was taken, and what an
                 // earlier setting gained is no credit for its losses (mix, seed 8, 5 GB: α = 0
