@@ -8,6 +8,7 @@
 //! cargo run --release -p ssm-snapshot --example grid -- [--threads N]
 //!     [--families chat,longchat,agentic,mix,shifting,sharegpt] [--seeds 1,2,3]
 //!     [--capacities 5e8,1e9,...] [--references FILE.json] [--jitter N [--jitter-rate 0.02]]
+//!     [--json FILE]
 //! ```
 //!
 //! With `--jitter N` every cell is replayed again, under all four policies, on `N` jittered
@@ -22,6 +23,10 @@
 //! session counts (`chat50`, `longchat50`, `longchat200`, `agentic20`, `agentic80`) can be named
 //! too. Which cells were held out while tuning is [`ssm_snapshot::grid::held_out`]. Exits with
 //! status 2 when a cell fails its check.
+//!
+//! `--json FILE` writes the cells as data too (`ssm_snapshot::grid::compare::Report`), which
+//! the `compare` example reads: two runs of the grid (the default and a candidate) side by
+//! side, with the paired change of `marconi − lru` on the cells and on their copies' mean.
 #![forbid(unsafe_code)]
 
 mod common;
@@ -35,6 +40,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use ssm_snapshot::generate::jitter;
+use ssm_snapshot::grid::compare::{CellRecord, Figures, Report, ReportKind, Tally};
 use ssm_snapshot::grid::{
     canary_key, canary_trace, families, held_out, mean_of_copies, other_session_counts,
     parse_byte_count, read_checked_figures, run_cell_with, run_references, same_figure, trace_of,
@@ -82,6 +88,10 @@ struct Args {
     /// jittered copy.
     #[arg(long, default_value_t = 0.02, value_parser = common::probability)]
     jitter_rate: f64,
+    /// Also writes the cells to this file as JSON (`ssm_snapshot::grid::compare::Report`; the
+    /// `compare` example compares two).
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
 }
 
 /// A byte count: an integer or exact scientific notation (`2e10`).
@@ -97,6 +107,23 @@ struct Row {
     /// The cell on its jittered copies (`--jitter`): the mean of their figures.
     copies: Option<CellFigures>,
     seconds: f64,
+    requests: usize,
+}
+
+impl Row {
+    fn record(&self) -> CellRecord {
+        CellRecord {
+            family: self.family.name.to_string(),
+            sessions: self.family.sessions,
+            seed: self.seed,
+            capacity_bytes: self.capacity,
+            block_size: 1,
+            requests: self.requests,
+            figures: Figures::from(&self.figures),
+            copies: self.copies.as_ref().map(Figures::from),
+            switches: None,
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -201,6 +228,7 @@ fn main() -> ExitCode {
                             figures,
                             copies,
                             seconds,
+                            requests: trace.len(),
                         };
                         common::progress(&line(&row));
                         rows.lock().expect("no panics").push(row);
@@ -261,6 +289,20 @@ fn main() -> ExitCode {
     if let Err(e) = common::write_lines(io::stdout().lock(), &lines) {
         eprintln!("error: writing the report: {e}");
         return ExitCode::FAILURE;
+    }
+    if let Some(path) = &args.json {
+        let report = Report {
+            kind: ReportKind::Grid,
+            model: cost.name().to_string(),
+            pin_scope: common::pin_scope_name(args.pin_scope).to_string(),
+            jitter: args.jitter,
+            jitter_rate: args.jitter_rate,
+            cells: rows.iter().map(Row::record).collect(),
+        };
+        if let Err(e) = report.write(path) {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     if rows.iter().all(|r| r.figures.passes()) {
         ExitCode::SUCCESS
@@ -350,8 +392,8 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
             mean(key),
         )
     };
-    let [failing, below_lru, below_sglang, below_paper] =
-        fail_counts(rows.iter().map(|r| &r.figures));
+    let tally = Tally::of(rows.iter().map(|r| (Figures::from(&r.figures), r.capacity)));
+    let (failing, [below_lru, below_sglang, below_paper]) = (tally.failing, tally.below);
     let mut lines = vec![
         format!(
             "{title}: {} cells; fail {failing} (below lru by > {LRU_TOLERANCE}: {below_lru}, below SGLang+ by > {LRU_TOLERANCE}: {below_sglang}, below paper Marconi by > {PAPER_MARCONI_TOLERANCE}: {below_paper}; paper policies above {PAPER_OVERSHOOT} x capacity not counted)",
@@ -375,8 +417,12 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
         .filter_map(|r| r.copies.as_ref().map(|c| (&r.figures, c)))
         .collect();
     if !judged.is_empty() {
-        let [failing, below_lru, below_sglang, below_paper] =
-            fail_counts(judged.iter().map(|(_, c)| *c));
+        let tally = Tally::of(
+            judged
+                .iter()
+                .map(|(_, c)| (Figures::from(*c), c.capacity_bytes)),
+        );
+        let (failing, [below_lru, below_sglang, below_paper]) = (tally.failing, tally.below);
         lines.push(format!(
             "  on the jittered copies' mean ({} cells): fail {failing} (below lru: {below_lru}, below SGLang+: {below_sglang}, below paper Marconi: {below_paper}); of the {} failing here, {} fail on their copies' mean too; mean − lru {:+.4}",
             judged.len(),
@@ -386,17 +432,4 @@ fn summary(title: &str, rows: &[&Row]) -> Vec<String> {
         ));
     }
     lines
-}
-
-/// How many of `cells` fail their check, and how many fail each of its three parts (below
-/// `lru`, SGLang+, the paper's Marconi; `CellFigures::failed_checks`).
-fn fail_counts<'a>(cells: impl Iterator<Item = &'a CellFigures>) -> [usize; 4] {
-    let mut counts = [0; 4];
-    for failed in cells.map(CellFigures::failed_checks) {
-        counts[0] += usize::from(failed.contains(&true));
-        for (count, failed) in counts[1..].iter_mut().zip(failed) {
-            *count += usize::from(failed);
-        }
-    }
-    counts
 }

@@ -8,7 +8,7 @@
 //! cargo run --release -p ssm-snapshot --example short_grid -- [--threads N]
 //!     [--families sharegpt,longchat,chat,mix,agentic] [--sessions 20,30,40,60]
 //!     [--seeds 1,2,3,4,5,6] [--capacities 5e8,1e9,2e9] [--block-size 16] [--lru FILE.json]
-//!     [--jitter N [--jitter-rate 0.02]]
+//!     [--jitter N [--jitter-rate 0.02]] [--json FILE]
 //! ```
 //!
 //! With `--jitter N` every cell is replayed again on `N` jittered copies of its trace
@@ -18,6 +18,10 @@
 //! eviction happened to hit. The summary counts the cells below `lru` whose copies are below it
 //! on average too (a loss that holds up) and those whose copies are not. The exit status is the
 //! original cells'.
+//!
+//! `--json FILE` writes the cells as data too (`ssm_snapshot::grid::compare::Report`), which
+//! the `compare` example reads: two runs of the scan (the default and a candidate) side by side,
+//! with the paired change of `marconi − lru` on the cells and on their copies' mean.
 //!
 //! The default seeds are the ones the policy was tuned on ([`SHORT_TUNING_SEEDS`]); seeds 7
 //! and 8 are held out.
@@ -33,6 +37,7 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use ssm_snapshot::generate::jitter;
+use ssm_snapshot::grid::compare::{CellRecord, Figures, Report, ReportKind};
 use ssm_snapshot::grid::{
     canary_key, canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store,
     same_figure, write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE,
@@ -87,6 +92,10 @@ struct Args {
     /// jittered copy.
     #[arg(long, default_value_t = 0.02, value_parser = common::probability)]
     jitter_rate: f64,
+    /// Also writes the cells to this file as JSON (`ssm_snapshot::grid::compare::Report`; the
+    /// `compare` example compares two).
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
 }
 
 fn byte_count(text: &str) -> Result<u64, String> {
@@ -180,16 +189,14 @@ fn main() -> ExitCode {
                     run_short_cell(trace, cell.capacity, args.block_size, lru, &cost, scope)
                 };
                 let replayed = run(&trace, lru).and_then(|figures| {
-                    let margins = (1..=args.jitter)
-                        .map(|seed| {
-                            let f = run(&jitter(&trace, args.jitter_rate, seed), None)?;
-                            Ok(f.marconi - f.lru)
-                        })
-                        .collect::<Result<Vec<f64>, SnapshotError>>()?;
-                    Ok((figures, margins))
+                    let copies = (1..=args.jitter)
+                        .map(|seed| run(&jitter(&trace, args.jitter_rate, seed), None))
+                        .collect::<Result<Vec<ShortCell>, SnapshotError>>()?;
+                    Ok((figures, copies))
                 });
                 match replayed {
-                    Ok((figures, margins)) => {
+                    Ok((figures, copies)) => {
+                        let margins = Margins::of(&copies);
                         known
                             .lock()
                             .expect("no panics")
@@ -238,10 +245,10 @@ fn main() -> ExitCode {
     lines.push(String::new());
     let mut failing = false;
     for &(family, _) in kinds.iter().chain([&("all", kinds[0].1)]) {
-        let part: Vec<(&ShortCell, &[f64])> = results
+        let part: Vec<(&ShortCell, &Margins)> = results
             .iter()
             .filter(|(i, _, _)| family == "all" || cells[*i].family == family)
-            .map(|(_, f, margins)| (f, margins.as_slice()))
+            .map(|(_, f, margins)| (f, margins))
             .collect();
         let diff = |f: &ShortCell| f.marconi - f.lru;
         let below = part
@@ -262,7 +269,7 @@ fn main() -> ExitCode {
         if args.jitter > 0 {
             let (mut holds, mut straddles, mut jittered_below) = (0, 0, 0);
             for &(f, margins) in &part {
-                let below_on_average = mean_of(margins) < -LRU_TOLERANCE;
+                let below_on_average = margins.mean_vs_lru() < -LRU_TOLERANCE;
                 jittered_below += usize::from(below_on_average);
                 if diff(f) < -LRU_TOLERANCE {
                     if below_on_average {
@@ -281,6 +288,23 @@ fn main() -> ExitCode {
         eprintln!("error: writing the report: {e}");
         return ExitCode::FAILURE;
     }
+    if let Some(path) = &args.json {
+        let report = Report {
+            kind: ReportKind::Scan,
+            model: cost.name().to_string(),
+            pin_scope: common::pin_scope_name(args.pin_scope).to_string(),
+            jitter: args.jitter,
+            jitter_rate: args.jitter_rate,
+            cells: results
+                .iter()
+                .map(|(i, f, margins)| record(&cells[*i], f, margins, args.block_size))
+                .collect(),
+        };
+        if let Err(e) = report.write(path) {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     if failing {
         ExitCode::from(2)
     } else {
@@ -288,12 +312,59 @@ fn main() -> ExitCode {
     }
 }
 
-/// The mean of `values` (0 for none).
-fn mean_of(values: &[f64]) -> f64 {
-    values.iter().sum::<f64>() / values.len().max(1) as f64
+/// A cell's jittered copies: the mean of their figures, and their least and most
+/// `marconi − lru`. Empty without copies.
+struct Margins {
+    mean: Option<Figures>,
+    least: f64,
+    most: f64,
 }
 
-fn row(cell: &Cell, f: &ShortCell, margins: &[f64]) -> String {
+impl Margins {
+    fn of(copies: &[ShortCell]) -> Margins {
+        let n = copies.len() as f64;
+        let margins = copies.iter().map(|c| c.marconi - c.lru);
+        Margins {
+            mean: (!copies.is_empty()).then(|| Figures {
+                lru: copies.iter().map(|c| c.lru).sum::<f64>() / n,
+                marconi: copies.iter().map(|c| c.marconi).sum::<f64>() / n,
+                paper: None,
+            }),
+            least: margins.clone().fold(f64::INFINITY, f64::min),
+            most: margins.fold(f64::NEG_INFINITY, f64::max),
+        }
+    }
+
+    /// The copies' mean `marconi − lru` (0 without copies).
+    fn mean_vs_lru(&self) -> f64 {
+        self.mean.map_or(0.0, |m| m.vs_lru())
+    }
+}
+
+fn record(cell: &Cell, f: &ShortCell, margins: &Margins, block_size: u32) -> CellRecord {
+    CellRecord {
+        family: cell.family.to_string(),
+        sessions: cell.sessions,
+        seed: cell.seed,
+        capacity_bytes: cell.capacity,
+        block_size,
+        requests: f.requests,
+        figures: Figures {
+            lru: f.lru,
+            marconi: f.marconi,
+            paper: None,
+        },
+        copies: margins.mean,
+        switches: Some(
+            f.switches
+                .iter()
+                .map(|(at, s)| (*at, s.to_string()))
+                .collect(),
+        ),
+    }
+}
+
+fn row(cell: &Cell, f: &ShortCell, margins: &Margins) -> String {
     let switches: Vec<String> = f
         .switches
         .iter()
@@ -305,12 +376,14 @@ fn row(cell: &Cell, f: &ShortCell, margins: &[f64]) -> String {
             )
         })
         .collect();
-    let jittered = if margins.is_empty() {
-        String::new()
-    } else {
-        let least = margins.iter().copied().fold(f64::INFINITY, f64::min);
-        let most = margins.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        format!(" {:+.4} [{least:+.4}, {most:+.4}] |", mean_of(margins))
+    let jittered = match margins.mean {
+        None => String::new(),
+        Some(mean) => format!(
+            " {:+.4} [{:+.4}, {:+.4}] |",
+            mean.vs_lru(),
+            margins.least,
+            margins.most
+        ),
     };
     format!(
         "| {} | {} | {} | {} GB | {} | {:.4} | {:.4} | {:+.4} | {} |{jittered}",

@@ -18,6 +18,8 @@ use crate::paper::{PaperCache, PaperConfig, PaperVersion};
 use crate::sim::{generate, Policy, SimConfig, SimReport, Simulation, TraceKind, TraceRecord};
 use crate::store::PinScope;
 
+pub mod compare;
+
 /// How far (token hit rate) `marconi` may fall below `lru` and the paper's SGLang+.
 pub const LRU_TOLERANCE: f64 = 0.002;
 /// How far (token hit rate) `marconi` may fall below the paper's Marconi (which overshoots its
@@ -251,13 +253,7 @@ impl CellFigures {
     /// below SGLang+ by more than that (when it kept to the budget), below the paper's Marconi
     /// by more than [`PAPER_MARCONI_TOLERANCE`] (when it kept to the budget).
     pub fn failed_checks(&self) -> [bool; 3] {
-        [
-            self.vs_lru() < -LRU_TOLERANCE,
-            self.references.sglang_comparable(self.capacity_bytes)
-                && self.vs_paper_sglang() < -LRU_TOLERANCE,
-            self.references.marconi_comparable(self.capacity_bytes)
-                && self.vs_paper_marconi() < -PAPER_MARCONI_TOLERANCE,
-        ]
+        compare::Figures::from(self).failed_checks(self.capacity_bytes)
     }
 }
 
@@ -333,12 +329,12 @@ pub struct References {
 impl References {
     /// Whether SGLang+ kept within [`PAPER_OVERSHOOT`] times `capacity_bytes`.
     pub fn sglang_comparable(&self, capacity_bytes: u64) -> bool {
-        self.paper_sglang_max_bytes as f64 <= PAPER_OVERSHOOT * capacity_bytes as f64
+        compare::within_overshoot(self.paper_sglang_max_bytes, capacity_bytes)
     }
 
     /// Whether the paper's Marconi kept within [`PAPER_OVERSHOOT`] times `capacity_bytes`.
     pub fn marconi_comparable(&self, capacity_bytes: u64) -> bool {
-        self.paper_marconi_max_bytes as f64 <= PAPER_OVERSHOOT * capacity_bytes as f64
+        compare::within_overshoot(self.paper_marconi_max_bytes, capacity_bytes)
     }
 }
 

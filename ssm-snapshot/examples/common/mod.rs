@@ -19,6 +19,14 @@ pub fn pin_scope(text: &str) -> Result<PinScope, String> {
     }
 }
 
+/// The name `--pin-scope` takes for `scope` (a report records it).
+pub fn pin_scope_name(scope: PinScope) -> &'static str {
+    match scope {
+        PinScope::Path => "path",
+        PinScope::HitCheckpoint => "hit",
+    }
+}
+
 /// `--jitter-rate`: a probability, 0 to 1 (NaN and anything outside refused).
 pub fn probability(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
