@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use ssm_snapshot::generate::jitter;
-use ssm_snapshot::grid::compare::{CellRecord, Figures, Report, ReportKind, Tally};
+use ssm_snapshot::grid::compare::{CellRecord, Figures, ReportKind, Tally};
 use ssm_snapshot::grid::{
     canary_key, canary_trace, families, held_out, mean_of_copies, other_session_counts,
     parse_byte_count, read_checked_figures, run_cell_with, run_references, same_figure, trace_of,
@@ -291,15 +291,14 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     if let Some(path) = &args.json {
-        let report = Report {
+        let run = common::RunOf {
             kind: ReportKind::Grid,
-            model: cost.name().to_string(),
-            pin_scope: common::pin_scope_name(args.pin_scope).to_string(),
+            model: &cost,
+            pin_scope: args.pin_scope,
             jitter: args.jitter,
             jitter_rate: args.jitter_rate,
-            cells: rows.iter().map(Row::record).collect(),
         };
-        if let Err(e) = report.write(path) {
+        if let Err(e) = common::write_report(path, run, rows.iter().map(Row::record).collect()) {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }

@@ -37,7 +37,7 @@ use std::sync::Mutex;
 
 use clap::Parser;
 use ssm_snapshot::generate::jitter;
-use ssm_snapshot::grid::compare::{CellRecord, Figures, Report, ReportKind};
+use ssm_snapshot::grid::compare::{CellRecord, Figures, ReportKind};
 use ssm_snapshot::grid::{
     canary_key, canary_trace, parse_byte_count, read_checked_figures, run_short_cell, run_store,
     same_figure, write_figures, ShortCell, CANARY_CAPACITY, LRU_TOLERANCE, SHORT_BLOCK_SIZE,
@@ -289,18 +289,18 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     if let Some(path) = &args.json {
-        let report = Report {
+        let run = common::RunOf {
             kind: ReportKind::Scan,
-            model: cost.name().to_string(),
-            pin_scope: common::pin_scope_name(args.pin_scope).to_string(),
+            model: &cost,
+            pin_scope: args.pin_scope,
             jitter: args.jitter,
             jitter_rate: args.jitter_rate,
-            cells: results
-                .iter()
-                .map(|(i, f, margins)| record(&cells[*i], f, margins, args.block_size))
-                .collect(),
         };
-        if let Err(e) = report.write(path) {
+        let records = results
+            .iter()
+            .map(|(i, f, margins)| record(&cells[*i], f, margins, args.block_size))
+            .collect();
+        if let Err(e) = common::write_report(path, run, records) {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }

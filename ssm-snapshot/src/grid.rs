@@ -138,12 +138,28 @@ pub fn read_figures<T: DeserializeOwned>(path: &Path) -> Result<HashMap<String, 
     if !path.exists() {
         return Ok(HashMap::new());
     }
+    read_json(path)
+}
+
+/// Reads `path` as JSON; an I/O or parse failure names the file.
+fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T, SnapshotError> {
     let io = |message: String| SnapshotError::Io {
         path: path.display().to_string(),
         message,
     };
     let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| io(e.to_string()))
+}
+
+/// Writes `value` to `path` as pretty JSON (figures round-trip bit for bit: the crate's
+/// serde_json parses floats exactly); a failure names the file.
+fn write_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<(), SnapshotError> {
+    let io = |message: String| SnapshotError::Io {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = serde_json::to_string_pretty(value).map_err(|e| io(e.to_string()))?;
+    std::fs::write(path, text).map_err(|e| io(e.to_string()))
 }
 
 /// The key of a figures cache's canary: the figure of [`canary_trace`] at [`CANARY_CAPACITY`],
@@ -205,12 +221,7 @@ pub fn write_figures<T: Serialize>(
     path: &Path,
     figures: &HashMap<String, T>,
 ) -> Result<(), SnapshotError> {
-    let io = |message: String| SnapshotError::Io {
-        path: path.display().to_string(),
-        message,
-    };
-    let text = serde_json::to_string_pretty(figures).map_err(|e| io(e.to_string()))?;
-    std::fs::write(path, text).map_err(|e| io(e.to_string()))
+    write_json(path, figures)
 }
 
 /// One cell's figures: the references and the default `marconi` policy.

@@ -1,9 +1,10 @@
-//! What the policy examples share: the `--model`, `--pin-scope` and `--jitter-rate` parsers and
-//! writing their report to stdout.
+//! What the policy examples share: the `--model`, `--pin-scope` and `--jitter-rate` parsers,
+//! writing their report to stdout and their cells as data (`--json`).
 
 use std::io::{self, ErrorKind, Write};
 
-use ssm_snapshot::{CostModel, PinScope};
+use ssm_snapshot::grid::compare::{CellRecord, Report, ReportKind};
+use ssm_snapshot::{CostModel, PinScope, SnapshotError};
 
 /// A built-in cost model by name (`--model`).
 pub fn cost_model(text: &str) -> Result<CostModel, String> {
@@ -25,6 +26,37 @@ pub fn pin_scope_name(scope: PinScope) -> &'static str {
         PinScope::Path => "path",
         PinScope::HitCheckpoint => "hit",
     }
+}
+
+/// What a report records of the run that wrote it (`--json`).
+pub struct RunOf<'a> {
+    /// The example.
+    pub kind: ReportKind,
+    /// `--model`.
+    pub model: &'a CostModel,
+    /// `--pin-scope`.
+    pub pin_scope: PinScope,
+    /// `--jitter`.
+    pub jitter: u64,
+    /// `--jitter-rate`.
+    pub jitter_rate: f64,
+}
+
+/// Writes `cells` of the run `run` to `path` as a report (`--json FILE`).
+pub fn write_report(
+    path: &std::path::Path,
+    run: RunOf<'_>,
+    cells: Vec<CellRecord>,
+) -> Result<(), SnapshotError> {
+    Report {
+        kind: run.kind,
+        model: run.model.name().to_string(),
+        pin_scope: pin_scope_name(run.pin_scope).to_string(),
+        jitter: run.jitter,
+        jitter_rate: run.jitter_rate,
+        cells,
+    }
+    .write(path)
 }
 
 /// `--jitter-rate`: a probability, 0 to 1 (NaN and anything outside refused).

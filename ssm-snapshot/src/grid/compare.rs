@@ -48,22 +48,12 @@ pub struct Report {
 impl Report {
     /// Reads a report written by [`Report::write`].
     pub fn read(path: &Path) -> Result<Report, SnapshotError> {
-        let io = |message: String| SnapshotError::Io {
-            path: path.display().to_string(),
-            message,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| io(e.to_string()))?;
-        serde_json::from_str(&text).map_err(|e| io(e.to_string()))
+        super::read_json(path)
     }
 
     /// Writes the report to `path` as JSON (figures round-trip bit for bit).
     pub fn write(&self, path: &Path) -> Result<(), SnapshotError> {
-        let io = |message: String| SnapshotError::Io {
-            path: path.display().to_string(),
-            message,
-        };
-        let text = serde_json::to_string_pretty(self).map_err(|e| io(e.to_string()))?;
-        std::fs::write(path, text).map_err(|e| io(e.to_string()))
+        super::write_json(path, self)
     }
 }
 
