@@ -191,6 +191,18 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// The tally of two sets of cells together (the mean weighted by their cells).
+    pub fn plus(&self, other: &Tally) -> Tally {
+        let cells = self.cells + other.cells;
+        let sum = self.mean_vs_lru * self.cells as f64 + other.mean_vs_lru * other.cells as f64;
+        Tally {
+            cells,
+            failing: self.failing + other.failing,
+            below: [0, 1, 2].map(|i| self.below[i] + other.below[i]),
+            mean_vs_lru: sum / cells.max(1) as f64,
+        }
+    }
+
     /// The tally of `cells`, each `(figures, capacity)`.
     pub fn of(cells: impl Iterator<Item = (Figures, u64)>) -> Tally {
         let mut tally = Tally {
@@ -397,16 +409,69 @@ pub fn compare(first: &Report, second: &Report) -> Result<Comparison, SnapshotEr
     })
 }
 
+/// Several comparisons summed (a keep rule judged over several held-out sets): the first
+/// reports' tally and the second reports', on the traces and, over the comparisons that have
+/// copies, on the copies' mean (with how many comparisons had them).
+pub fn summed(comparisons: &[Comparison]) -> (Tally, Tally, Option<(usize, Tally, Tally)>) {
+    let zero = Tally::of(std::iter::empty());
+    let mut sums = (zero, zero, None::<(usize, Tally, Tally)>);
+    for c in comparisons {
+        sums.0 = sums.0.plus(&c.first);
+        sums.1 = sums.1.plus(&c.second);
+        if let Some((a, b)) = &c.copies {
+            let (n, sa, sb) = sums.2.unwrap_or((0, zero, zero));
+            sums.2 = Some((n + 1, sa.plus(a), sb.plus(b)));
+        }
+    }
+    sums
+}
+
+/// The lines of [`summed`] for `comparisons`, in the form of [`Comparison::lines`]'s table.
+pub fn summed_lines(comparisons: &[Comparison]) -> Vec<String> {
+    let (first, second, copies) = summed(comparisons);
+    let mut lines = vec![
+        format!(
+            "summed over {} comparisons ({} cells):",
+            comparisons.len(),
+            first.cells
+        ),
+        String::new(),
+        "| | first | second |".into(),
+        "|---|---|---|".into(),
+        format!(
+            "| failing (below lru / SGLang+ / paper Marconi) | {} | {} |",
+            tally_text(&first),
+            tally_text(&second)
+        ),
+        format!(
+            "| mean marconi − lru | {:+.4} | {:+.4} |",
+            first.mean_vs_lru, second.mean_vs_lru
+        ),
+    ];
+    if let Some((n, a, b)) = copies {
+        lines.push(format!(
+            "| on the copies' mean ({n} comparisons, {} cells): failing | {} | {} |",
+            a.cells,
+            tally_text(&a),
+            tally_text(&b)
+        ));
+    }
+    lines
+}
+
+/// `failing (below lru / SGLang+ / paper Marconi)`.
+fn tally_text(t: &Tally) -> String {
+    format!(
+        "{} ({} / {} / {})",
+        t.failing, t.below[0], t.below[1], t.below[2]
+    )
+}
+
 impl Comparison {
     /// The comparison as markdown lines: the two reports' tallies side by side, the paired
     /// changes, and a row per moved cell.
     pub fn lines(&self) -> Vec<String> {
-        let tally = |t: &Tally| {
-            format!(
-                "{} ({} / {} / {})",
-                t.failing, t.below[0], t.below[1], t.below[2]
-            )
-        };
+        let tally = tally_text;
         let paired = |p: &Paired| match p.standard_error {
             Some(se) => format!("{:+.5} (se {se:.5})", p.mean),
             None => format!("{:+.5}", p.mean),
@@ -645,6 +710,46 @@ mod tests {
         let lines = c.lines();
         assert!(lines.contains(&"| failing (below lru / SGLang+ / paper Marconi) | 1 (1 / 0 / 0) | 0 (0 / 0 / 0) |".to_string()), "{lines:#?}");
         assert!(lines.contains(&"| chat 20/2 1 GB | 0.5000 | 0.4375 | 0.5000 | -0.0625 (below lru) | +0.0000 | -0.0312 (below lru) | -0.0625 (below lru) |".to_string()), "{lines:#?}");
+    }
+
+    #[test]
+    fn comparisons_sum_their_counts_and_weight_their_means_by_cells() {
+        let with_copies = compare(
+            &report(vec![
+                cell("chat", 1, 0.5, 0.25, Some((0.5, 0.25))),
+                cell("chat", 2, 0.5, 0.5, Some((0.5, 0.5))),
+            ]),
+            &report(vec![
+                cell("chat", 1, 0.5, 0.5, Some((0.5, 0.5))),
+                cell("chat", 2, 0.5, 0.5, Some((0.5, 0.5))),
+            ]),
+        )
+        .unwrap();
+        let mut one = report(vec![cell("mix", 1, 0.5, 0.375, None)]);
+        one.jitter = 0;
+        let without = compare(&one, &one).unwrap();
+        let (first, second, copies) = summed(&[with_copies, without]);
+        assert_eq!(
+            first,
+            Tally {
+                cells: 3,
+                failing: 2,
+                below: [2, 0, 0],
+                mean_vs_lru: -0.125
+            }
+        );
+        assert_eq!(
+            second,
+            Tally {
+                cells: 3,
+                failing: 1,
+                below: [1, 0, 0],
+                mean_vs_lru: -0.125 / 3.0
+            }
+        );
+        let (n, a, b) = copies.unwrap();
+        assert_eq!((n, a.cells, a.failing, b.failing), (1, 2, 1, 0));
+        assert_eq!(summed(&[]).0.cells, 0);
     }
 
     #[test]
