@@ -436,42 +436,57 @@ pub fn summed_lines(comparisons: &[Comparison]) -> Vec<String> {
             first.cells
         ),
         String::new(),
-        "| | first | second |".into(),
-        "|---|---|---|".into(),
-        format!(
-            "| failing (below lru / SGLang+ / paper Marconi) | {} | {} |",
-            tally_text(&first),
-            tally_text(&second)
-        ),
-        format!(
-            "| mean marconi − lru | {:+.4} | {:+.4} |",
-            first.mean_vs_lru, second.mean_vs_lru
-        ),
     ];
-    if let Some((n, a, b)) = copies {
-        lines.push(format!(
-            "| on the copies' mean ({n} comparisons, {} cells): failing | {} | {} |",
-            a.cells,
-            tally_text(&a),
-            tally_text(&b)
-        ));
-    }
+    let copies = copies.map(|(n, a, b)| {
+        let label = format!("on the copies' mean ({n} comparisons, {} cells)", a.cells);
+        (label, a, b)
+    });
+    lines.extend(tally_table(&first, &second, copies.as_ref()));
     lines
 }
 
-/// `failing (below lru / SGLang+ / paper Marconi)`.
-fn tally_text(t: &Tally) -> String {
-    format!(
-        "{} ({} / {} / {})",
-        t.failing, t.below[0], t.below[1], t.below[2]
-    )
+/// The two sides' tallies as a markdown table: failing cells (below lru / SGLang+ / paper
+/// Marconi) and mean `marconi − lru`, on the traces and, when given, on the copies' mean under
+/// its label.
+fn tally_table(
+    first: &Tally,
+    second: &Tally,
+    copies: Option<&(String, Tally, Tally)>,
+) -> Vec<String> {
+    let rows = |label: &str, a: &Tally, b: &Tally| {
+        let failing = |t: &Tally| {
+            format!(
+                "{} ({} / {} / {})",
+                t.failing, t.below[0], t.below[1], t.below[2]
+            )
+        };
+        [
+            format!(
+                "| {label}failing (below lru / SGLang+ / paper Marconi) | {} | {} |",
+                failing(a),
+                failing(b)
+            ),
+            format!(
+                "| {label}mean marconi − lru | {:+.4} | {:+.4} |",
+                a.mean_vs_lru, b.mean_vs_lru
+            ),
+        ]
+    };
+    let mut lines = vec![
+        "| | first | second |".to_string(),
+        "|---|---|---|".to_string(),
+    ];
+    lines.extend(rows("", first, second));
+    if let Some((label, a, b)) = copies {
+        lines.extend(rows(&format!("{label}: "), a, b));
+    }
+    lines
 }
 
 impl Comparison {
     /// The comparison as markdown lines: the two reports' tallies side by side, the paired
     /// changes, and a row per moved cell.
     pub fn lines(&self) -> Vec<String> {
-        let tally = tally_text;
         let paired = |p: &Paired| match p.standard_error {
             Some(se) => format!("{:+.5} (se {se:.5})", p.mean),
             None => format!("{:+.5}", p.mean),
@@ -484,28 +499,10 @@ impl Comparison {
             self.lru_differs
         )];
         lines.push(String::new());
-        lines.push("| | first | second |".into());
-        lines.push("|---|---|---|".into());
-        lines.push(format!(
-            "| failing (below lru / SGLang+ / paper Marconi) | {} | {} |",
-            tally(&self.first),
-            tally(&self.second)
-        ));
-        lines.push(format!(
-            "| mean marconi − lru | {:+.4} | {:+.4} |",
-            self.first.mean_vs_lru, self.second.mean_vs_lru
-        ));
-        if let Some((a, b)) = &self.copies {
-            lines.push(format!(
-                "| on the copies' mean: failing (below lru / SGLang+ / paper Marconi) | {} | {} |",
-                tally(a),
-                tally(b)
-            ));
-            lines.push(format!(
-                "| on the copies' mean: mean marconi − lru | {:+.4} | {:+.4} |",
-                a.mean_vs_lru, b.mean_vs_lru
-            ));
-        }
+        let copies = self
+            .copies
+            .map(|(a, b)| ("on the copies' mean".to_string(), a, b));
+        lines.extend(tally_table(&self.first, &self.second, copies.as_ref()));
         lines.push(String::new());
         lines.push(format!(
             "paired change of marconi − lru (second − first): {} over {} cells",
