@@ -4,9 +4,9 @@
 //! [`Runtime::launch`], and the kernels bound-check every index that comes from device data
 //! (token ids, feed sources, block ids), so these functions are safe to call with any input.
 //!
-//! Kernel interface (kept for part 2's forward kernels): a kernel is an `extern "C" __global__`
-//! function in `kernels/<module>.cu`; activations are f32, weights f32 or bf16 (raw 16 bits);
-//! row kernels take one block of [`ROW_THREADS`] threads per row.
+//! Kernel interface (every kernel, the forward step's included): a kernel is an
+//! `extern "C" __global__` function in `kernels/<module>.cu`; activations are f32, weights f32 or
+//! bf16 (raw 16 bits); row kernels take one block of [`ROW_THREADS`] threads per row.
 
 use crate::error::{CudaError, Result};
 use crate::runtime::{DType, DeviceSlice, KernelArg, LaunchDims, Runtime, Stream};
